@@ -1,0 +1,103 @@
+"""Torch references for every kernel in this package.
+
+These are the CPU path of the engine and the oracle the Triton kernels are tested against.
+They favour clarity over speed. Layouts (shared with the Triton kernels):
+
+    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim]   (one layer)
+    slot             : block_id * block_size + offset_in_block
+    block_tables     : [num_seqs, max_blocks_per_seq] int32, row b lists seq b's blocks in order
+    context_lens     : [num_seqs] int32, tokens of seq b in the cache *including* this step's
+    cu_seqlens_q     : [num_seqs + 1] int32, query rows of seq b are cu[b]:cu[b+1]
+
+Query row i of seq b (q_len = cu[b+1]-cu[b]) sits at position context_len - q_len + i and
+attends causally to cache positions 0..that position.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter k/v [T, H_kv, D] into their slots; slot < 0 means "skip this token"."""
+    nb, bs, h, d = k_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(nb * bs, h, d)[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(nb * bs, h, d)[slots] = v[keep].to(v_cache.dtype)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, H_kv, D] of one sequence, read through its block table."""
+    bs = cache.shape[1]
+    nblk = (length + bs - 1) // bs
+    return cache[block_table[:nblk].long()].flatten(0, 1)[:length]
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a ragged batch of query chunks over paged KV. q: [T, H_q, D]."""
+    out = torch.empty_like(q)
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    cu = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for b in range(len(lens)):
+        s, e, L = cu[b], cu[b + 1], lens[b]
+        if e == s:
+            continue
+        qb = q[s:e].float().transpose(0, 1)                       # [H_q, q_len, D]
+        kb = _gather(k_cache, block_tables[b], L).float().transpose(0, 1)  # [H_kv, L, D]
+        vb = _gather(v_cache, block_tables[b], L).float().transpose(0, 1)
+        kb = kb.repeat_interleave(hq // hkv, dim=0)
+        vb = vb.repeat_interleave(hq // hkv, dim=0)
+        qpos = torch.arange(L - (e - s), L).unsqueeze(1)           # [q_len, 1]
+        mask = torch.arange(L).unsqueeze(0) <= qpos               # [q_len, L]
+        scores = (qb @ kb.transpose(1, 2)) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[s:e] = (scores.softmax(-1) @ vb).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence (the last position). q: [B, H_q, D] -> [B, H_q, D]."""
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, context_lens, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """RMSNorm in fp32, as Hugging Face Llama computes it. With `residual`, first adds it and
+    returns (normed, x + residual) so the caller keeps the new residual stream."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor):
+    """Neox-style (rotate-half) rotary embedding, as Llama/Qwen/Mistral use it.
+    q: [T, H_q, D], k: [T, H_kv, D], cos_sin_cache: [max_pos, D] = cat(cos[:D/2], sin[:D/2])
+    in fp32. Returns new (q, k)."""
+    d2 = q.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()]
+    cos = cs[:, :d2].repeat(1, 2).unsqueeze(1)                   # [T, 1, D]
+    sin = cs[:, d2:].repeat(1, 2).unsqueeze(1)
+
+    def rot(x):
+        xf = x.float()
+        x1, x2 = xf[..., :d2], xf[..., d2:]
+        return (xf * cos + torch.cat((-x2, x1), -1) * sin).to(x.dtype)
+    return rot(q), rot(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] = cat(gate, up) -> silu(gate) * up: [T, I]."""
+    i = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :i]) * x[..., i:]
