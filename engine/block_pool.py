@@ -1,0 +1,101 @@
+"""The KV block pool: reference counts, prefix-cache hashes, LRU eviction.
+
+Invariants (checked by `check()` in tests):
+  1. Every block is either free (ref_cnt == 0, in `free_queue`) or in use (ref_cnt > 0, not in
+     it); never both.
+  2. `cached[h] is b` iff `b.block_hash == h`: at most one block per hash, and a hashed block
+     keeps its hash (and its KV data) while free, so a later request can revive it.
+  3. Eviction order: `allocate` takes blocks from the head of `free_queue`. A freed block goes
+     to the tail, so the least recently freed block is reused first (LRU). Callers free a
+     request's blocks tail first, so a shared prefix outlives the suffixes that follow it.
+     Reusing a hashed block evicts it: its hash is dropped from `cached`.
+  4. A block is hashed only after its KV data is fully written (by compute or by a finished
+     transfer), so a prefix hit never reads a half-filled block.
+Initial free order is block 0, 1, ..., num_blocks - 1.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+
+    def __repr__(self):
+        return f"Block({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, Block] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take n blocks from the head of the free queue (evicting their cached hashes)."""
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            _, b = self.free_queue.popitem(last=False)
+            if b.block_hash is not None:
+                del self.cached[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on cached blocks (prefix hit), reviving free ones."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self.free_queue[b.block_id]
+            b.ref_cnt += 1
+
+    def free(self, blocks) -> None:
+        """Drop one reference from each block, in the given order (pass tail first)."""
+        for b in blocks:
+            if b.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {b}")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue[b.block_id] = b
+
+    def cache(self, block: Block, block_hash: bytes) -> None:
+        """Register a full block under its hash; a hash already held by another block wins."""
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for b in self.cached.values():
+            b.block_hash = None
+        self.cached.clear()
+
+    def check(self) -> None:
+        """Assert the invariants above (for tests)."""
+        for b in self.blocks:
+            assert (b.ref_cnt == 0) == (b.block_id in self.free_queue), b
+            assert b.ref_cnt >= 0, b
+            if b.block_hash is not None:
+                assert self.cached[b.block_hash] is b, b
+        assert all(b.block_hash == h for h, b in self.cached.items())

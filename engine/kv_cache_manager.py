@@ -1,0 +1,122 @@
+"""Per-request view of the block pool: prefix lookup, slot allocation, caching, freeing.
+
+Block hashes are chained: hash_i = H(hash_{i-1} || tokens of block i), so equal hashes mean
+equal whole prefixes. Only full blocks are hashed, and only once their KV is written.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from .block_pool import Block, BlockPool
+from .request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block_tokens(parent: bytes, tokens) -> bytes:
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """Chained hashes of every full block of `token_ids` (the gateway uses these for affinity)."""
+    out, parent = [], b""
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.num_hashed: dict[str, int] = {}     # blocks of the request registered in the cache
+        self.prefix_queries = 0                  # tokens looked up
+        self.prefix_hits = 0                     # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def _hashes(self, req: Request, n_blocks: int) -> list[bytes]:
+        bs, hashes = self.block_size, req.block_hashes
+        if len(hashes) < n_blocks:
+            tokens = req.all_token_ids
+            parent = hashes[-1] if hashes else b""
+            for i in range(len(hashes), n_blocks):
+                parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs])
+                hashes.append(parent)
+        return hashes[:n_blocks]
+
+    def get_computed_blocks(self, req: Request, leave_one: bool = True) -> tuple[list[Block], int]:
+        """Longest cached prefix of the request, in whole blocks. With `leave_one`, at least one
+        token is left to compute, since its logits are needed to sample."""
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        n = req.num_tokens - 1 if leave_one else req.num_tokens
+        hits = []
+        for h in self._hashes(req, n // self.block_size):
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[Block] = ()) -> bool:
+        """Make room for `num_new_tokens` beyond the computed ones (plus `computed_blocks`, a
+        prefix hit taken on first admission). False, with nothing changed, if blocks run out."""
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        have = len(blocks) + len(computed_blocks)
+        total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        need = cdiv(total, self.block_size) - have
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - revived:
+            if not blocks:
+                del self.req_blocks[req.request_id]
+            return False
+        self.pool.touch(list(computed_blocks))
+        blocks.extend(computed_blocks)
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        self.num_hashed.setdefault(req.request_id, len(computed_blocks))
+        req.block_ids = [b.block_id for b in blocks]
+        return True
+
+    def cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full within its first `num_tokens` tokens,
+        whose KV has been written."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return
+        n_full = min(num_tokens // self.block_size, len(blocks))
+        start = self.num_hashed.get(req.request_id, 0)
+        if n_full <= start:
+            return
+        hashes = self._hashes(req, n_full)
+        for i in range(start, n_full):
+            self.pool.cache(blocks[i], hashes[i])
+        self.num_hashed[req.request_id] = n_full
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self.num_hashed.pop(req.request_id, None)
+        self.pool.free(reversed(blocks))
+        req.block_ids = []
+
+    def num_held_blocks(self) -> int:
+        """Blocks referenced by any request (cached-but-free blocks are not held)."""
+        return self.pool.num_blocks - self.pool.num_free_blocks

@@ -1,0 +1,277 @@
+"""The engine: `step()` = schedule -> run the model -> sample -> update requests.
+
+Serves both halves of the disaggregated split:
+  * prefill role: `add_request(..., prefill_only=True)` finishes the request after its first
+    sampled token with `finish_reason="prefill_done"` and keeps its blocks (their KV is being
+    shipped) until `release(request_id)`;
+  * decode role: `add_remote_request()` reserves blocks for a prompt whose KV arrives from
+    outside (status WAITING_FOR_REMOTE_KV); `remote_kv_done()` hands in the first token that
+    the prefill worker sampled and the request joins the running batch.
+Not thread-safe: call it from one thread (the async wrapper owns that thread).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from . import kernels
+from .config import CacheConfig, EngineConfig, ModelConfig
+from .kv_cache_manager import KVCacheManager, cdiv
+from .loader import load_model
+from .outputs import EngineStats, RequestOutput
+from .request import Request, RequestStatus
+from .runner import ModelRunner
+from .sampler import Sampler, compute_prompt_logprobs
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        mc = config.model
+        kernels.set_backend(config.kernel_backend)
+        self.dtype = config.torch_dtype
+        self.model = load_model(mc, self.dtype, config.device)
+        tok_path = Path(mc.model_dir) / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_dir(mc.model_dir) if tok_path.exists() else None
+        eos = set(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
+        self.eos_token_ids = eos
+        cc = config.cache
+        self.num_blocks = cc.num_blocks or self._blocks_for_memory(cc)
+        self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, config.device)
+        self.sampler = Sampler(eos)
+        self.requests: dict[str, Request] = {}
+        # called as layer_hook(layer_index, scheduler_output) once that layer's KV is written
+        self.layer_hook: Callable[[int, SchedulerOutput], None] | None = None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, *, block_size: int = 16,
+                       num_blocks: int | None = None, max_model_len: int | None = None,
+                       max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
+                       enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                       device: str = "cpu", dtype: str = "auto", kernel_backend: str = "auto",
+                       kv_cache_memory_gb: float = 0.5) -> "LLMEngine":
+        return cls(EngineConfig(
+            model=ModelConfig.from_dir(model_dir, max_model_len),
+            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill),
+            device=device, dtype=dtype, kernel_backend=kernel_backend))
+
+    def _blocks_for_memory(self, cc: CacheConfig) -> int:
+        mc = self.config.model
+        per_block = (mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim
+                     * torch.empty((), dtype=self.dtype).element_size())
+        enough = self.config.scheduler.max_num_seqs * cdiv(mc.max_model_len, cc.block_size)
+        return max(1, min(int(cc.kv_cache_memory_gb * 2**30 // per_block), enough))
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.runner.kv_cache
+
+    # -- admission ----------------------------------------------------------------------
+    def _make_request(self, request_id: str, prompt, params: SamplingParams | None,
+                      prefill_only: bool = False) -> Request:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json: pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        V, L = self.config.model.vocab_size, self.config.model.max_model_len
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {V}): {bad[:5]}")
+        if len(ids) >= L:
+            raise ValueError(f"prompt has {len(ids)} tokens: the context length is {L}, so at "
+                             f"most {L - 1} prompt tokens leave room for one generated token")
+        max_tokens = min(params.max_tokens or L, L - len(ids))
+        need = cdiv(len(ids) + max_tokens, self.kv.block_size)
+        if need > self.num_blocks:
+            raise ValueError(f"request needs up to {need} KV blocks, the cache has {self.num_blocks}")
+        req = Request(request_id, ids, params, max_tokens, self.eos_token_ids, prefill_only,
+                      arrival_time=time.monotonic())
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        return req
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, prefill_only: bool = False) -> Request:
+        req = self._make_request(request_id, prompt, params, prefill_only)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams | None = None) -> Request | None:
+        """Reserve blocks for a prompt whose KV is computed elsewhere. Returns the request
+        (`block_ids`, `num_cached_tokens` say what to fill), or None if blocks are short."""
+        req = self._make_request(request_id, prompt_token_ids, params)
+        if not self.scheduler.reserve_remote(req):
+            return None
+        self.requests[request_id] = req
+        return req
+
+    def remote_kv_done(self, request_id: str, first_token_id: int, logprob: float = 0.0,
+                       top_logprobs=None) -> RequestOutput:
+        """The prompt's KV is in the reserved blocks; `first_token_id` was sampled by the
+        prefill worker. The request starts decoding (or finishes at once on a stop)."""
+        req = self.requests[request_id]
+        if req.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is not waiting for remote KV ({req.status})")
+        self.scheduler.remote_ready(req)
+        out = self._append_token(req, first_token_id, logprob, top_logprobs)
+        if req.is_finished:
+            self._finish(req)
+        return out
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if not req.is_finished or req.prefill_only:
+            self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a finished prefill-only request (its KV has been shipped)."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        hook = None if self.layer_hook is None else (lambda i: self.layer_hook(i, sched))
+        mo = self.runner.execute(sched, hook)
+        self.scheduler.update(sched)
+        for s in sched.scheduled:
+            if s.request.request_id in mo.prompt_logits:
+                self._add_prompt_logprobs(s.request, *mo.prompt_logits[s.request.request_id])
+        outputs = []
+        if mo.sample_rows:
+            reqs = [s.request for s in mo.sample_rows]
+            sampled = self.sampler(mo.logits, reqs)
+            for i, req in enumerate(reqs):
+                top = sampled.top_logprobs[i] if sampled.top_logprobs else None
+                outputs.append(self._append_token(req, sampled.token_ids[i], sampled.logprobs[i], top))
+                if req.is_finished:
+                    self._finish(req)
+        return outputs
+
+    def _add_prompt_logprobs(self, req: Request, logits, targets, first_pos: int) -> None:
+        if not req.prompt_logprobs:
+            req.prompt_logprobs = [(None, None)]          # the first prompt token has none
+        lps, tops = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
+        req.prompt_logprobs.extend(zip(lps, tops))
+
+    def _append_token(self, req: Request, token: int, logprob: float, top) -> RequestOutput:
+        p = req.sampling_params
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        req.output_token_ids.append(token)
+        req.output_logprobs.append(logprob)
+        req.output_top_logprobs.append(top)
+        n = len(req.output_token_ids)
+        stop_token = (token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids))
+        if stop_token and n >= p.min_tokens:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif req.detokenizer is not None:
+            delta = req.detokenizer.add(token)
+            req.text = req.detokenizer.text
+            if p.stop and n >= p.min_tokens:
+                at = find_stop(req.text, p.stop, len(delta))
+                if at is not None:
+                    s = next(s for s in p.stop if req.text.startswith(s, at))
+                    req.text = req.text[:at + (len(s) if p.include_stop_str_in_output else 0)]
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
+        if not req.is_finished and (n >= req.max_tokens or req.num_tokens >= self.config.model.max_model_len):
+            req.status = RequestStatus.FINISHED_LENGTH
+        if req.prefill_only and not req.is_finished:
+            req.status = RequestStatus.FINISHED_PREFILL
+        text = req.text
+        if not req.is_finished and p.stop:
+            text = text[:len(text) - partial_stop_len(text, p.stop)]
+        return RequestOutput(
+            req.request_id, req.prompt_token_ids, list(req.output_token_ids), [token], text,
+            req.is_finished, req.finish_reason, req.stop_reason, list(req.output_logprobs),
+            list(req.output_top_logprobs),
+            req.prompt_logprobs if p.prompt_logprobs is not None else None,
+            max(req.num_cached_tokens, 0), list(req.block_ids) if req.prefill_only else [])
+
+    def _finish(self, req: Request) -> None:
+        """Leave the scheduler; free blocks, except a prefill-only request's (see release())."""
+        if req.prefill_only:
+            self.scheduler.running.remove(req)
+        else:
+            self.scheduler.remove(req)
+            self.requests.pop(req.request_id, None)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_waiting_for_remote_kv=len(s.remote), num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.num_blocks, num_held_blocks=self.kv.num_held_blocks(),
+            queued_prefill_tokens=s.queued_prefill_tokens, num_preemptions=s.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits)
+
+
+class LLM:
+    """Offline API: `LLM(model_dir).generate(prompts, params)`."""
+
+    def __init__(self, model_dir: str | Path, **engine_kwargs):
+        self.engine = LLMEngine.from_model_dir(model_dir, **engine_kwargs)
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | Iterable[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(f"offline-{self._counter}")
+                self._counter += 1
+                self.engine.add_request(ids[-1], p, sp)
+        except ValueError:
+            for rid in ids[:-1]:
+                self.engine.abort_request(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,133 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+The forward pass takes a flat, ragged batch: every scheduled token of every request in one
+[T] row, with `AttentionMetadata` saying where each request's queries start, how long its
+context is, and which cache slot each new token's K/V goes to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import kernels as K
+from .config import ModelConfig
+from .rope import build_cos_sin_cache
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [T] int64, cache slot of each new token (-1: skip)
+    block_tables: torch.Tensor      # [B, max_blocks] int32
+    context_lens: torch.Tensor      # [B] int32, tokens in cache after this step
+    cu_seqlens_q: torch.Tensor      # [B + 1] int32
+    max_q_len: int
+    max_context_len: int
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_q_len == 1
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, residual=None):
+        return K.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
+        self.scale = self.hd ** -0.5
+        self.k_cache = self.v_cache = None   # [num_blocks, block_size, nkv, hd], bound later
+
+    def forward(self, positions, x, meta: AttentionMetadata, cos_sin):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.nh, self.hd)
+        k = k.view(T, self.nkv, self.hd)
+        v = v.view(T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = K.rotary_embedding(positions, q, k, cos_sin)
+        K.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.decode_only:
+            o = K.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                         meta.context_lens, self.scale)
+        else:
+            o = K.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                          meta.cu_seqlens_q, meta.context_lens, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(K.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, positions, h, residual, meta, cos_sin):
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, meta, cos_sin)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class CausalLM(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.register_buffer("cos_sin", build_cos_sin_cache(
+            c.head_dim, c.max_model_len + 1, c.rope_theta, c.rope_scaling), persistent=False)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """kv_cache: [num_layers, 2, num_blocks, block_size, nkv, hd]; each layer keeps views."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata,
+                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """[T] ids -> [T, hidden] final hidden states. `layer_hook(i)` runs once layer i's KV
+        is in the cache (the prefill worker ships it while later layers compute)."""
+        h, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(positions, h, residual, meta, self.cos_sin)
+            if layer_hook is not None:
+                layer_hook(i)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(h, w).float()

@@ -1,0 +1,82 @@
+"""Turns a `SchedulerOutput` into model inputs, runs the model, returns the logits to sample.
+
+Batch layout (all scheduled tokens of all requests, flat):
+
+    request   |  A (prefill chunk, 5 tok) |  B (decode) |  C (decode) |
+    input_ids |  a5 a6 a7 a8 a9           |  b17        |  c3         |
+    positions |  5  6  7  8  9            |  17         |  3          |
+    cu_q      |  0                        5             6             7
+    ctx_lens  |  10                       |  18         |  4          |
+    slot      |  block_ids[p // bs] * bs + p % bs for each position p
+
+A request "samples" when its chunk reaches its last known token: the logits at that row
+predict the next token. Prompt logprobs use the logits at every prompt row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model import AttentionMetadata, CausalLM
+from .scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor                          # [num_sampling, V] fp32
+    sample_rows: list                             # ScheduledRequest per logits row
+    prompt_logits: dict                           # request_id -> ([n, V] logits, [n] target ids, first_pos)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype, device="cpu"):
+        c = model.config
+        self.model, self.block_size, self.device = model, block_size, device
+        self.num_blocks = num_blocks
+        # [layers, K|V, blocks, block_size, kv heads, head_dim]; zeros are lazily committed
+        self.kv_cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads,
+                                    c.head_dim, dtype=dtype, device=device)
+        model.bind_kv_cache(self.kv_cache)
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids, pos, slots, ctx, cu = [], [], [], [], [0]
+        max_blocks = max(len(s.request.block_ids) for s in out.scheduled)
+        tables = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int32)
+        for b, s in enumerate(out.scheduled):
+            r, end = s.request, s.start + s.num_new_tokens
+            ids.extend(r.all_token_ids[s.start:end])
+            p = torch.arange(s.start, end)
+            blocks = torch.tensor(r.block_ids, dtype=torch.int64)
+            pos.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            tables[b, :len(r.block_ids)] = blocks
+            ctx.append(end)
+            cu.append(cu[-1] + s.num_new_tokens)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(dev), block_tables=tables.to(dev),
+            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            max_q_len=max(s.num_new_tokens for s in out.scheduled), max_context_len=max(ctx))
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(pos).to(dev), meta)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, layer_hook=None) -> ModelOutput:
+        input_ids, positions, meta = self.prepare(out)
+        hidden = self.model(input_ids, positions, meta, layer_hook)
+        cu = meta.cu_seqlens_q.tolist()
+        rows = [b for b, s in enumerate(out.scheduled) if s.samples]
+        logits = self.model.compute_logits(hidden[[cu[b + 1] - 1 for b in rows]])
+        prompt_logits = {}
+        for b, s in enumerate(out.scheduled):
+            r = s.request
+            if r.sampling_params.prompt_logprobs is None or s.start >= r.num_prompt_tokens - 1:
+                continue
+            # rows predicting prompt tokens start+1 .. min(end, P-1)
+            n = min(s.start + s.num_new_tokens, r.num_prompt_tokens - 1) - s.start
+            h = hidden[cu[b]:cu[b] + n]
+            targets = torch.tensor(r.prompt_token_ids[s.start + 1:s.start + 1 + n])
+            prompt_logits[r.request_id] = (self.model.compute_logits(h).cpu(), targets, s.start + 1)
+        return ModelOutput(logits.cpu(), [out.scheduled[b] for b in rows], prompt_logits)

@@ -1,0 +1,165 @@
+"""Token-budget scheduler (CPU only; no model, no tensors).
+
+Each step hands out at most `max_num_batched_tokens` tokens. Running requests go first (a
+decode needs 1 token, a partially prefilled prompt gets its next chunk), then waiting requests
+are admitted in arrival order while budget, sequence slots and blocks last. Prefill chunking,
+prefix-cache hits and remote KV are all just "fewer tokens to compute". When blocks run out
+for a running request, the most recently admitted running request is preempted: its blocks
+are freed and it is recomputed later from scratch (its generated tokens are kept).
+
+Queues: `waiting` (deque, FIFO; preempted requests go back to its front), `running` (list, in
+admission order), `remote` (dict: requests whose KV is being filled from another process).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int                       # position of the first scheduled token
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last known token: its logits give the next one."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self):
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queues -------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def reserve_remote(self, req: Request) -> bool:
+        """Decode side: reserve blocks for the whole prompt, reusing local prefix hits; the
+        rest is filled by a KV transfer. False if the blocks are not there."""
+        hits, n_hit = self.kv.get_computed_blocks(req, leave_one=False)
+        req.num_computed_tokens = 0
+        if not self.kv.allocate_slots(req, req.num_tokens - n_hit, hits):
+            return False
+        req.num_cached_tokens = n_hit
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.remote[req.request_id] = req
+        return True
+
+    def remote_ready(self, req: Request) -> None:
+        """The transferred KV covers the whole prompt: cache it and start decoding."""
+        del self.remote[req.request_id]
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of every queue and free its blocks (finish or abort)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req.request_id in self.remote:
+            del self.remote[req.request_id]
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) + sum(
+            r.num_tokens - r.num_computed_tokens - 1 for r in self.running
+            if r.num_computed_tokens < r.num_tokens - 1)
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
+                budget -= n
+                i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, n_hit = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - n_hit
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = n_hit
+            req.num_computed_tokens = n_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, n_hit))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After the model ran: advance computed counts and cache newly full blocks."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens = s.start + s.num_new_tokens
+            self.kv.cache_blocks(s.request, s.request.num_computed_tokens)
