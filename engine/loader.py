@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .model import CausalLM
-from .rope import build_cos_sin_cache
+from .kernels.rope import build_cos_sin_cache
 
 # checkpoint name -> (our parameter, shard index within a fused parameter, or None)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -14,7 +14,7 @@ from torch import nn
 
 from . import kernels as K
 from .config import ModelConfig
-from .rope import build_cos_sin_cache
+from .kernels.rope import build_cos_sin_cache
 
 
 @dataclass
