@@ -2,18 +2,33 @@
 
 Every op here dispatches on the selected backend ("auto": Triton for CUDA tensors, the torch
 reference otherwise; "torch" or "triton" force one). The Triton kernels live in their own
-modules; `reference.py` holds the torch oracle for each.
+modules (imported on first use, so the CPU path never imports triton, and TRITON_INTERPRET
+set before that first use still takes effect); `reference.py` holds the torch oracle for each.
+
+The public ops keep reference.py's signatures. Keyword-only extras the Triton wrappers take
+(`out=`, `max_context_len=`, ...) are accepted on both paths: the torch path writes its result
+into `out` when given and ignores the launch hints.
 """
 from __future__ import annotations
 
+import importlib
+
+import torch
+
 from . import reference
+from .rope import build_cos_sin_cache
 
 _BACKEND = "auto"
+_BACKENDS = ("auto", "torch", "triton")
+
+__all__ = ["set_backend", "get_backend", "write_kv_cache", "paged_prefill_attention",
+           "paged_decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
+           "build_cos_sin_cache"]
 
 
 def set_backend(name: str) -> None:
     global _BACKEND
-    if name not in ("auto", "torch", "triton"):
+    if name not in _BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}: expected auto, torch or triton")
     _BACKEND = name
 
@@ -22,9 +37,69 @@ def get_backend() -> str:
     return _BACKEND
 
 
-write_kv_cache = reference.write_kv_cache
-paged_prefill_attention = reference.paged_prefill_attention
-paged_decode_attention = reference.paged_decode_attention
-rms_norm = reference.rms_norm
-rotary_embedding = reference.rotary_embedding
-silu_and_mul = reference.silu_and_mul
+def use_triton(t: torch.Tensor) -> bool:
+    """The decision every op makes, from the backend and the device of its first tensor."""
+    if _BACKEND == "auto":
+        return t.is_cuda
+    return _BACKEND == "triton"
+
+
+def _triton_op(module: str, name: str):
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    if use_triton(k_cache):
+        return _triton_op("kv_cache", "write_kv_cache")(k, v, k_cache, v_cache, slot_mapping)
+    return reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                            *, max_q_len: int | None = None, out=None):
+    if use_triton(q):
+        return _triton_op("prefill_attention", "paged_prefill_attention")(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+            max_q_len=max_q_len, out=out)
+    return _into(out, reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
+                                                        cu_seqlens_q, context_lens, scale))
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                           *, max_context_len: int | None = None, out=None):
+    if use_triton(q):
+        return _triton_op("decode_attention", "paged_decode_attention")(
+            q, k_cache, v_cache, block_tables, context_lens, scale,
+            max_context_len=max_context_len, out=out)
+    return _into(out, reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                       context_lens, scale))
+
+
+def rms_norm(x, weight, eps, residual=None, *, out=None, residual_out=None):
+    if use_triton(x):
+        return _triton_op("norm", "rms_norm")(x, weight, eps, residual, out=out,
+                                              residual_out=residual_out)
+    res = reference.rms_norm(x, weight, eps, residual)
+    if residual is None:
+        return _into(out, res)
+    return _into(out, res[0]), _into(residual_out, res[1])
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache, *, q_out=None, k_out=None):
+    if use_triton(q):
+        return _triton_op("rotary", "rotary_embedding")(positions, q, k, cos_sin_cache,
+                                                        q_out=q_out, k_out=k_out)
+    qr, kr = reference.rotary_embedding(positions, q, k, cos_sin_cache)
+    return _into(q_out, qr), _into(k_out, kr)
+
+
+def silu_and_mul(x, *, out=None):
+    if use_triton(x):
+        return _triton_op("activation", "silu_and_mul")(x, out=out)
+    return _into(out, reference.silu_and_mul(x))

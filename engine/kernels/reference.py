@@ -101,3 +101,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] = cat(gate, up) -> silu(gate) * up: [T, I]."""
     i = x.shape[-1] // 2
     return torch.nn.functional.silu(x[..., :i]) * x[..., i:]
+
+
+# The rotary cache builder is shared by both paths; its torch implementation lives in rope.py.
+from .rope import build_cos_sin_cache  # noqa: E402,F401

@@ -1,0 +1,40 @@
+"""The inner step shared by the paged attention kernels: one tile of BLOCK_N keys, read
+through the block table, folded into a running (max, sum, acc) online softmax.
+
+    key token j of a sequence lives at
+        blk  = block_table[j // block_size]
+        addr = blk * stride_cb + (j % block_size) * stride_co + kv_head * stride_ch + d
+    computed in int64: blk * stride_cb passes 2^31 once a layer's pool holds 2^31 elements.
+
+    scores are kept in the log2 domain (scale * log2(e) folded in) so exp2 replaces exp.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, key_end, qpos,
+                 scale_log2, block_size, stride_cb, stride_co, head_off, d, dmask,
+                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    tok = n0 + tl.arange(0, BLOCK_N)                                     # [N] key positions
+    tmask = tok < key_end
+    blk = tl.load(bt_row_ptr + tok // block_size, mask=tmask, other=0).to(tl.int64)
+    row = blk * stride_cb + (tok % block_size).to(tl.int64) * stride_co + head_off
+    kv_mask = tmask[:, None] & dmask[None, :]
+    k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)   # [N, D]
+    v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2             # [M, N] fp32
+    visible = tmask[None, :]
+    if CAUSAL:
+        visible = visible & (tok[None, :] <= qpos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l, acc

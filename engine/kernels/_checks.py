@@ -1,0 +1,49 @@
+"""Argument checks shared by the Triton wrappers: each failure is a ValueError naming the
+argument, so a wrong call fails in Python rather than as a silent out-of-bounds read."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_tensor(name: str, t, ndim: int | None = None, dtypes=None, device=None,
+                 last_contiguous: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected one of {list(dtypes)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like the other inputs")
+    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim (stride {t.stride(-1)})")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def check_out(name: str, out: torch.Tensor, shape: tuple, dtype: torch.dtype, device) -> None:
+    check_tensor(name, out, dtypes=(dtype,), device=device)
+    check_shape(name, out, shape)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs must not be rounded to tf32 inside tl.dot (the tests hold fp32 to 1e-4)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_dot(dtype: torch.dtype) -> bool:
+    """The Triton 3.x interpreter multiplies bf16 dot operands as raw uint16 bits; under the
+    interpreter the kernels feed tl.dot fp32 copies instead (GPU runs use bf16 tensor cores)."""
+    return interpreting() and dtype == torch.bfloat16

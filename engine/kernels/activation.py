@@ -1,0 +1,42 @@
+"""silu_and_mul: the SwiGLU gate of a Llama MLP."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_out, check_tensor
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
+    # grid (rows, cdiv(I, BLOCK)); row = [gate (I) | up (I)].
+    # Rounded like the reference: silu(gate) is rounded to the input dtype before the product.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., 2I] = cat(gate, up) -> silu(gate) * up: [..., I]."""
+    check_tensor("x", x, None, FLOAT_DTYPES)
+    if x.shape[-1] % 2:
+        raise ValueError(f"x's last dim must be even (gate | up), got {x.shape[-1]}")
+    i = x.shape[-1] // 2
+    shape = tuple(x.shape[:-1]) + (i,)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    check_out("out", out, shape, x.dtype, x.device)
+    try:
+        x2, o2 = x.view(-1, 2 * i), out.view(-1, i)
+    except RuntimeError:
+        raise ValueError("x and out must be viewable as rows (contiguous leading dims)") from None
+    block = min(1024, triton.next_power_of_2(max(i, 1)))
+    if x2.shape[0] > 0 and i > 0:
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](
+            x2, o2, x2.stride(0), o2.stride(0), i, BLOCK=block)
+    return out

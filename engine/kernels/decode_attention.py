@@ -1,0 +1,169 @@
+"""Paged decode attention: one query token per sequence over its paged KV, split-K.
+
+    grid (B, H_kv, S): program (b, kvh, s) serves the G = H_q / H_kv query heads that share
+    KV head kvh (so each K/V byte is read once) over context partition s:
+
+      context of seq b: |--- part 0 ---|--- part 1 ---|-- part 2 --|          (ctx_len)
+                         PARTITION       PARTITION      <= PARTITION
+      S = cdiv(max_context_len, PARTITION); partitions past ctx_len exit at once.
+
+    Each program writes its partition's normalized output o_s and (m_s, l_s) (log2-domain
+    max and sum of exp2); `_paged_decode_reduce_kernel` combines them:
+        w_s = l_s * 2^(m_s - max_s m_s),  out = sum_s w_s * o_s / sum_s w_s
+    When S == 1 the first kernel writes `out` directly and no reduction runs.
+
+CUDA graphs: nothing here reads device values on the host. S comes from `max_context_len`
+(a host int); when omitted it is block_tables.shape[1] * block_size, the most a block table
+of that width can hold, which is also static. Sequences with ctx_len 0 (padding) get zeros.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._attention_tile import _attend_tile
+from ._checks import FLOAT_DTYPES, check_out, check_shape, check_tensor, dot_precision, upcast_dot
+
+DEFAULT_PARTITION = 512
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_attention_kernel(
+        q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, scale_log2,
+        stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
+        stride_ob, stride_oh, stride_os, block_size, G, D,
+        PARTITION: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    start = s * PARTITION
+    if SPLIT and start >= ctx:
+        return                                   # the reduction ignores partitions past ctx
+    end = tl.minimum(start + PARTITION, ctx)
+
+    g = tl.arange(0, BLOCK_G)                    # rows: query heads kvh*G .. kvh*G+G-1
+    gmask = g < G
+    heads = kvh * G + g
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    qmask = gmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    head_off = kvh.to(tl.int64) * stride_ch
+    for n0 in range(start, end, BLOCK_N):
+        m, l, acc = _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_ptr + b * stride_bt, n0, end, m,
+                                 scale_log2, block_size, stride_cb, stride_co, head_off, d, dmask,
+                                 CAUSAL=False, BLOCK_N=BLOCK_N, PREC=PREC, UPCAST=UPCAST)
+    o = tl.where(l[:, None] > 0, acc / tl.maximum(l, 1e-30)[:, None], 0.0)
+    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
+    if SPLIT:
+        # ml: [B, H_q, S, 2] fp32 (contiguous) = (m_s, l_s) of row (b, head, s)
+        n_heads = tl.num_programs(1) * G
+        ml = ml_ptr + ((b * n_heads + heads) * tl.num_programs(2) + s) * 2
+        tl.store(ml, m, mask=gmask)
+        tl.store(ml + 1, l, mask=gmask)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(part_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, D, HQ,
+                                PARTITION: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
+                                BLOCK_D: tl.constexpr):
+    # grid (B, H_q). part: [B, H_q, S, BLOCK_D] fp32, ml: [B, H_q, S, 2] fp32 (contiguous).
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    n = (ctx + PARTITION - 1) // PARTITION        # partitions that hold keys
+    sp = tl.arange(0, BLOCK_S)
+    smask = sp < n
+    d = tl.arange(0, BLOCK_D)
+    base = (b * HQ + h) * S
+    m = tl.load(ml_ptr + (base + sp) * 2, mask=smask, other=float("-inf"))
+    l = tl.load(ml_ptr + (base + sp) * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.where(n > 0, tl.max(m, axis=0), 0.0)
+    w = tl.where(smask, l * tl.exp2(m - m_max), 0.0)                       # [S]
+    o = tl.load(part_ptr + (base + sp)[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           *, max_context_len: int | None = None, partition_size: int = DEFAULT_PARTITION,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H_q, D] (the last position of each sequence) -> [B, H_q, D].
+
+    max_context_len: a host int >= every context_lens entry (e.g. the model's max length);
+    it fixes the number of partitions. Default block_tables.shape[1] * block_size. A context
+    longer than it is silently truncated, so callers must keep that promise.
+    partition_size: keys per split-K program, a power of two >= 16.
+    """
+    b, hq, d, hkv, bs = _check(q, k_cache, v_cache, block_tables, context_lens)
+    if partition_size < 16 or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * bs
+    if out is None:
+        out = torch.empty_like(q)
+    check_out("out", out, tuple(q.shape), q.dtype, q.device)
+    if b == 0:
+        return out
+    g = hq // hkv
+    block_d = triton.next_power_of_2(d)
+    block_n = min(partition_size, 64 if d <= 128 else 32)
+    splits = max(1, triton.cdiv(max_context_len, partition_size))
+    common = dict(PARTITION=partition_size, BLOCK_N=block_n, BLOCK_G=max(16, triton.next_power_of_2(g)),
+                  BLOCK_D=block_d, PREC=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), num_warps=4)
+    scale_log2 = float(scale) * LOG2E
+    cs = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    if splits == 1:
+        _paged_decode_attention_kernel[(b, hkv, 1)](
+            q, k_cache, v_cache, block_tables, context_lens, out, out, scale_log2,
+            q.stride(0), q.stride(1), *cs, out.stride(0), out.stride(1), 0, bs, g, d,
+            SPLIT=False, **common)
+        return out
+    # partial outputs, padded to BLOCK_D so that (m, l) share their index arithmetic
+    part = torch.empty((b, hq, splits, block_d), dtype=torch.float32, device=q.device)
+    ml = torch.empty((b, hq, splits, 2), dtype=torch.float32, device=q.device)
+    _paged_decode_attention_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part, ml, scale_log2,
+        q.stride(0), q.stride(1), *cs, part.stride(0), part.stride(1), part.stride(2), bs, g, d,
+        SPLIT=True, **common)
+    _paged_decode_reduce_kernel[(b, hq)](
+        part, ml, context_lens, out, out.stride(0), out.stride(1), d, hq,
+        PARTITION=partition_size, S=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
+    return out
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens):
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    dev = q.device
+    b, hq, d = q.shape
+    check_tensor("k_cache", k_cache, 4, (q.dtype,), dev)
+    nb, bs, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"k_cache head_dim {dk} != q head_dim {d}")
+    check_tensor("v_cache", v_cache, 4, (q.dtype,), dev)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache strides {v_cache.stride()} differ from k_cache's {k_cache.stride()}")
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
+    if block_tables.shape[0] != b:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {b} sequences")
+    check_tensor("context_lens", context_lens, 1, (torch.int32,), dev)
+    check_shape("context_lens", context_lens, (b,))
+    return b, hq, d, hkv, bs

@@ -1,0 +1,122 @@
+"""Paged prefill attention: causal flash attention for a ragged batch of query chunks whose
+keys are the request's cached prefix plus the chunk itself, all read through the block table.
+
+    grid (cdiv(max_q_len, TOK), B, H_kv). GQA is packed into the rows of a tile: with
+    G = H_q / H_kv, a tile of BLOCK_M rows holds TOK = BLOCK_M // G tokens x G heads,
+        row r -> token tile*TOK + r // G, query head kvh*G + r % G
+    so every K/V tile read from the cache serves all G heads.
+
+    seq b:  keys  0 ............................................. L-1
+            query rows sit at positions L-q_len .. L-1 (the chunk is the tail)
+    key j is visible to a row at position p iff j <= p. Key tiles wholly below the tile's
+    first position need no mask (first loop); the rest (up to its last position) are masked.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._attention_tile import _attend_tile
+from ._checks import FLOAT_DTYPES, check_out, check_shape, check_tensor, dot_precision, upcast_dot
+from .decode_attention import LOG2E
+
+
+@triton.jit
+def _paged_prefill_attention_kernel(
+        q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, scale_log2,
+        stride_qt, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
+        stride_ot, stride_oh, block_size, G, D,
+        TOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        PREC: tl.constexpr, UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    kvh = tl.program_id(2)
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    if tile * TOK >= q_len:
+        return
+    L = tl.load(ctx_ptr + b)
+
+    r = tl.arange(0, BLOCK_M)
+    tok = tile * TOK + r // G                      # token index within the chunk
+    rmask = (r < TOK * G) & (tok < q_len)
+    heads = kvh * G + r % G
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    qmask = rmask[:, None] & dmask[None, :]
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=qmask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    # position of each row; padding rows get L - 1 so that no row sees only -inf
+    qpos = tl.where(rmask, L - q_len + tok, L - 1)
+
+    first_pos = L - q_len + tile * TOK
+    last_pos = tl.minimum(first_pos + TOK - 1, L - 1)
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N          # keys [0, full_end) visible to all
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    head_off = kvh.to(tl.int64) * stride_ch
+    for n0 in range(0, full_end, BLOCK_N):
+        m, l, acc = _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_row, n0, full_end, qpos,
+                                 scale_log2, block_size, stride_cb, stride_co, head_off, d, dmask,
+                                 CAUSAL=False, BLOCK_N=BLOCK_N, PREC=PREC, UPCAST=UPCAST)
+    for n0 in range(full_end, last_pos + 1, BLOCK_N):
+        m, l, acc = _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_row, n0, last_pos + 1, qpos,
+                                 scale_log2, block_size, stride_cb, stride_co, head_off, d, dmask,
+                                 CAUSAL=True, BLOCK_N=BLOCK_N, PREC=PREC, UPCAST=UPCAST)
+    o = acc / l[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float, *, max_q_len: int | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H_q, D] -> [T, H_q, D]. The chunk's own K/V must already be in the cache.
+
+    max_q_len: a host int >= every chunk length (the scheduler knows it); when omitted it is
+    read from cu_seqlens_q, which syncs with the device. Requires context_lens[b] >= q_len[b].
+    """
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    dev = q.device
+    t, hq, d = q.shape
+    check_tensor("k_cache", k_cache, 4, (q.dtype,), dev)
+    nb, bs, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"k_cache head_dim {dk} != q head_dim {d}")
+    check_tensor("v_cache", v_cache, 4, (q.dtype,), dev)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache strides {v_cache.stride()} differ from k_cache's {k_cache.stride()}")
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
+    nseq = block_tables.shape[0]
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), dev)
+    check_shape("cu_seqlens_q", cu_seqlens_q, (nseq + 1,))
+    check_tensor("context_lens", context_lens, 1, (torch.int32,), dev)
+    check_shape("context_lens", context_lens, (nseq,))
+    if out is None:
+        out = torch.empty_like(q)
+    check_out("out", out, tuple(q.shape), q.dtype, dev)
+    if t == 0 or nseq == 0:
+        return out
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    g = hq // hkv
+    block_m = max(64 if d <= 128 else 32, triton.next_power_of_2(g))
+    tok = block_m // g
+    grid = (triton.cdiv(max_q_len, tok), nseq, hkv)
+    _paged_prefill_attention_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, float(scale) * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), bs, g, d,
+        TOK=tok, BLOCK_M=block_m, BLOCK_N=64 if d <= 128 else 32, BLOCK_D=triton.next_power_of_2(d),
+        PREC=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), num_warps=4)
+    return out

@@ -1,0 +1,78 @@
+"""Neox-style (rotate-half) rotary embedding applied to q and k from a cos/sin cache."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_out, check_shape, check_tensor
+from .rope import build_cos_sin_cache  # noqa: F401  (re-exported: the cache this kernel reads)
+
+
+@triton.jit
+def _rotary_embedding_kernel(pos_ptr, q_ptr, k_ptr, cs_ptr, qo_ptr, ko_ptr,
+                             stride_qt, stride_qh, stride_kt, stride_kh,
+                             stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+                             HQ, HK, HALF,
+                             BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # grid (T, cdiv(max(HQ, HK), BLOCK_H)). For token t at position p and every head:
+    #   cos_sin_cache[p] = [cos_0 .. cos_{D/2-1} | sin_0 .. sin_{D/2-1}]
+    #   x = [x1 | x2]  ->  [x1*cos - x2*sin | x2*cos + x1*sin]      (fp32, rounded once)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + p * stride_cs + i, mask=i < HALF, other=0.0)
+    sin = tl.load(cs_ptr + p * stride_cs + HALF + i, mask=i < HALF, other=0.0)
+
+    mq = (h < HQ) & (i < HALF)
+    q1 = tl.load(q_ptr + t * stride_qt + h * stride_qh + i, mask=mq, other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + t * stride_qt + h * stride_qh + HALF + i, mask=mq, other=0.0).to(tl.float32)
+    qo = qo_ptr + t * stride_qot + h * stride_qoh + i
+    tl.store(qo, (q1 * cos - q2 * sin).to(qo_ptr.dtype.element_ty), mask=mq)
+    tl.store(qo + HALF, (q2 * cos + q1 * sin).to(qo_ptr.dtype.element_ty), mask=mq)
+
+    mk = (h < HK) & (i < HALF)
+    k1 = tl.load(k_ptr + t * stride_kt + h * stride_kh + i, mask=mk, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptr + t * stride_kt + h * stride_kh + HALF + i, mask=mk, other=0.0).to(tl.float32)
+    ko = ko_ptr + t * stride_kot + h * stride_koh + i
+    tl.store(ko, (k1 * cos - k2 * sin).to(ko_ptr.dtype.element_ty), mask=mk)
+    tl.store(ko + HALF, (k2 * cos + k1 * sin).to(ko_ptr.dtype.element_ty), mask=mk)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, *, q_out: torch.Tensor | None = None,
+                     k_out: torch.Tensor | None = None):
+    """positions [T] int; q [T, H_q, D]; k [T, H_kv, D]; cos_sin_cache [max_pos, D] fp32.
+    Returns (q_out, k_out); passing q_out=q, k_out=k rotates in place. Positions must be
+    < max_pos (not checked on device: no host sync)."""
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    dev = q.device
+    t, hq, d = q.shape
+    check_tensor("k", k, 3, (q.dtype,), dev)
+    if k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"k has shape {tuple(k.shape)}; expected ({t}, H_kv, {d}) to match q")
+    hk = k.shape[1]
+    if d % 2:
+        raise ValueError(f"head_dim must be even for rotate-half, got {d}")
+    check_tensor("positions", positions, 1, (torch.int32, torch.int64), dev)
+    check_shape("positions", positions, (t,))
+    check_tensor("cos_sin_cache", cos_sin_cache, 2, (torch.float32,), dev)
+    if cos_sin_cache.shape[1] != d:
+        raise ValueError(f"cos_sin_cache rows have {cos_sin_cache.shape[1]} values, head_dim is {d}")
+    if q_out is None:
+        q_out = torch.empty_like(q)
+    if k_out is None:
+        k_out = torch.empty_like(k)
+    check_out("q_out", q_out, tuple(q.shape), q.dtype, dev)
+    check_out("k_out", k_out, tuple(k.shape), k.dtype, dev)
+    if t == 0:
+        return q_out, k_out
+    block_h = min(16, triton.next_power_of_2(max(hq, hk)))
+    grid = (t, triton.cdiv(max(hq, hk), block_h))
+    _rotary_embedding_kernel[grid](
+        positions, q, k, cos_sin_cache, q_out, k_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
+        hq, hk, d // 2, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(d // 2))
+    return q_out, k_out
