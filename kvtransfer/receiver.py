@@ -1,0 +1,364 @@
+"""Decode side: accepts KV pushed by prefill workers and writes it into reserved blocks.
+
+Lifecycle of one transfer (one request), keyed by a transfer id the decode worker makes:
+
+    reserve(tid, block_ids, deadline_s)
+          |
+          v
+     RESERVED --first LAYER msg--> RECEIVING --every (layer, block) arrived--> DONE
+          |                            |
+          |  deadline passed (reaper)  |   -> EXPIRED  (on_expired(tid): free the blocks)
+          |  abort(tid)                |   -> ABORTED  (the caller frees the blocks)
+          |  bad block ids / sizes     |   -> FAILED   (on_failed(tid, reason))
+          +----------------------------+
+
+One deadline covers the whole transfer (reservation and arrival). DONE, FAILED, EXPIRED and
+ABORTED are final. After a transfer leaves RESERVED/RECEIVING nothing is ever written into
+its blocks again: LAYER data naming an unknown or finished transfer id is read off the
+wire and dropped (those blocks may belong to another request by now).
+
+A LAYER message names its destination block ids and their offset in the reservation; they
+must equal reserved[offset:offset + n] (the whole list, a suffix, or a chunk of a chunked
+prefill); each (layer, block) may arrive once. Its payload is written with one indexed copy
+per message: kv_cache[layer].index_copy_(1, ids, payload.view(2, n, bs, h, d)).
+
+Threading: the connection readers, the reaper and `wait` run on the event loop `start()`
+was awaited on. `reserve`, `abort` and `poll` may be called from any thread; a lock makes
+"check state, write blocks" atomic, so once `abort` returns no write to its blocks is in
+flight or will start.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .transport import Connection, ConnectionClosed, Transport, TransportError
+from .wire import (HEADER_BYTES, PROTOCOL_VERSION, CompatKey, Header, IncompatibleKV, MsgType,
+                   WireError, block_bytes, check_cache_shape, ids_bytes)
+
+log = logging.getLogger(__name__)
+
+
+class TransferState(enum.Enum):
+    RESERVED = "reserved"
+    RECEIVING = "receiving"
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+
+    @property
+    def final(self) -> bool:
+        return self not in (TransferState.RESERVED, TransferState.RECEIVING)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    transfer_id: str
+    state: TransferState
+    reason: str = ""
+    blocks_received: int = 0          # (layer, block) pairs written
+    bytes_received: int = 0           # payload bytes written
+    elapsed_s: float = 0.0            # reserve -> final state
+
+
+@dataclass
+class _Transfer:
+    tid: str
+    block_ids: list[int]
+    deadline: float                   # time.monotonic()
+    created: float
+    num_layers: int
+    state: TransferState = TransferState.RESERVED
+    reason: str = ""
+    blocks: int = 0
+    nbytes: int = 0
+    remaining: int = 0                # (layer, block) pairs still missing
+    got: list[bytearray] = field(default_factory=list)   # per layer: 1 byte per reserved block
+    event: asyncio.Event | None = None
+    finished_at: float = 0.0
+
+    def result(self) -> TransferResult:
+        end = self.finished_at or time.monotonic()
+        return TransferResult(self.tid, self.state, self.reason, self.blocks, self.nbytes, end - self.created)
+
+
+class KVReceiver:
+    """Receives KV blocks into `kv_cache` [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, kv_cache: torch.Tensor, compat: CompatKey, transport: Transport,
+                 expiry_s: float = 30.0, *,
+                 on_expired: Callable[[str], None] | None = None,
+                 on_failed: Callable[[str, str], None] | None = None,
+                 reap_interval_s: float = 0.05, keep_finished: int = 10_000):
+        check_cache_shape(kv_cache)
+        CompatKey.from_cache(kv_cache, compat.model).check(compat, "kv_cache", "compat")
+        self.kv_cache = kv_cache
+        self.compat = compat
+        self.transport = transport
+        self.expiry_s = expiry_s
+        self.on_expired = on_expired
+        self.on_failed = on_failed
+        self.reap_interval_s = reap_interval_s
+        self.keep_finished = keep_finished
+        self.address: str | None = None
+        self._block_bytes = block_bytes(kv_cache)
+        self._lock = threading.Lock()
+        self._live: dict[str, _Transfer] = {}
+        self._finished: OrderedDict[str, _Transfer] = OrderedDict()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reaper: asyncio.Task | None = None
+        self._readers: set[asyncio.Task] = set()
+        # counters (monotonic)
+        self.blocks_received = 0
+        self.bytes_received = 0
+        self.transfers_done = 0
+        self.failed = 0
+        self.expired = 0
+        self.aborted = 0
+        self.dropped_messages = 0
+        self.rejected_connections = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> str:
+        """Listen for senders and start the reaper; returns the endpoint address."""
+        self._loop = asyncio.get_running_loop()
+        self.address = await self.transport.listen(self._serve)
+        self._reaper = self._loop.create_task(self._reap_loop())
+        return self.address
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for t in list(self._readers):
+            t.cancel()
+        await self.transport.close()
+
+    def counters(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in ("blocks_received", "bytes_received", "transfers_done",
+                                              "failed", "expired", "aborted", "dropped_messages",
+                                              "rejected_connections")}
+
+    # ------------------------------------------------------------------ worker API
+    def reserve(self, transfer_id: str, block_ids: list[int], deadline_s: float | None = None) -> None:
+        """Expect a transfer into `block_ids` (token order) within `deadline_s` seconds from
+        now (default: expiry_s). Thread-safe."""
+        nb = self.kv_cache.shape[2]
+        if not block_ids:
+            raise ValueError("reserve needs at least one block")
+        if any(not 0 <= b < nb for b in block_ids) or len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"block ids must be distinct and in [0, {nb}): {block_ids}")
+        Header(MsgType.LAYER, transfer_id).pack()  # validates the id's length
+        now = time.monotonic()
+        t = _Transfer(transfer_id, list(block_ids), now + (self.expiry_s if deadline_s is None else deadline_s),
+                      now, self.compat.num_layers)
+        t.remaining = len(block_ids) * t.num_layers
+        t.got = [bytearray(len(block_ids)) for _ in range(t.num_layers)]
+        with self._lock:
+            if transfer_id in self._live or transfer_id in self._finished:
+                raise ValueError(f"transfer id {transfer_id!r} was already used")
+            self._live[transfer_id] = t
+
+    def abort(self, transfer_id: str, reason: str = "aborted") -> bool:
+        """Stop a transfer; returns False if it is unknown or already final. Thread-safe;
+        after it returns nothing is (or will be) written into the transfer's blocks."""
+        with self._lock:
+            t = self._live.get(transfer_id)
+            if t is None:
+                return False
+            self._finish_locked(t, TransferState.ABORTED, reason)
+            self.aborted += 1
+        self._signal(t)
+        return True
+
+    def poll(self, transfer_id: str) -> TransferResult | None:
+        """Current state without waiting (None: unknown id). Thread-safe."""
+        with self._lock:
+            t = self._live.get(transfer_id) or self._finished.get(transfer_id)
+            return None if t is None else t.result()
+
+    async def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        """Wait until the transfer is final. Bounded even without `timeout`: the reaper
+        expires it at its deadline. Raises KeyError (unknown id), TimeoutError (timeout)."""
+        with self._lock:
+            t = self._live.get(transfer_id) or self._finished.get(transfer_id)
+            if t is None:
+                raise KeyError(f"unknown transfer id {transfer_id!r}")
+            if t.state.final:
+                return t.result()
+            if t.event is None:
+                t.event = asyncio.Event()
+            event = t.event
+        await asyncio.wait_for(event.wait(), timeout)
+        return t.result()
+
+    # ------------------------------------------------------------------ internals
+    def _finish_locked(self, t: _Transfer, state: TransferState, reason: str = "") -> None:
+        t.state, t.reason, t.finished_at = state, reason, time.monotonic()
+        self._live.pop(t.tid, None)
+        self._finished[t.tid] = t
+        while len(self._finished) > self.keep_finished:
+            self._finished.popitem(last=False)
+
+    def _signal(self, t: _Transfer) -> None:
+        ev, loop = t.event, self._loop
+        if ev is None or loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(ev.set)
+        except RuntimeError:  # loop closed
+            pass
+
+    def _fail(self, t: _Transfer, reason: str) -> None:
+        with self._lock:
+            if t.state.final:
+                return
+            self._finish_locked(t, TransferState.FAILED, reason)
+            self.failed += 1
+        log.warning("KV transfer %s failed: %s", t.tid, reason)
+        self._signal(t)
+        if self.on_failed is not None:
+            self.on_failed(t.tid, reason)
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.reap_interval_s)
+            self.reap()
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Expire overdue transfers (called periodically); returns their ids."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            overdue = [t for t in self._live.values() if t.deadline <= now]
+            for t in overdue:
+                self._finish_locked(t, TransferState.EXPIRED,
+                                    f"deadline passed with {t.remaining} of "
+                                    f"{len(t.block_ids) * t.num_layers} (layer, block) pairs missing")
+                self.expired += 1
+        for t in overdue:
+            log.warning("KV transfer %s expired: %s", t.tid, t.reason)
+            self._signal(t)
+            if self.on_expired is not None:
+                try:
+                    self.on_expired(t.tid)
+                except Exception:  # the worker's bug must not stop the reaper
+                    log.exception("on_expired(%s) raised", t.tid)
+        return [t.tid for t in overdue]
+
+    async def _serve(self, conn: Connection) -> None:
+        task = asyncio.current_task()
+        self._readers.add(task)
+        staging = torch.empty(0, dtype=torch.uint8)
+        try:
+            if not await self._handshake(conn):
+                return
+            while True:
+                hdr = Header.unpack(await conn.recv(HEADER_BYTES))
+                if hdr.msg_type is not MsgType.LAYER:
+                    raise WireError(f"unexpected {hdr.msg_type.name} after the handshake")
+                if staging.numel() < hdr.body_bytes:
+                    staging = torch.empty(hdr.body_bytes, dtype=torch.uint8)
+                body = staging[:hdr.body_bytes]
+                if hdr.body_bytes:
+                    await conn.recv(into=body)
+                self._on_layer(hdr, body)
+        except (ConnectionClosed, asyncio.CancelledError):
+            pass
+        except (WireError, TransportError) as e:
+            log.warning("KV connection from %s dropped: %s", conn.peer, e)
+        finally:
+            self._readers.discard(task)
+            await conn.close()
+
+    async def _handshake(self, conn: Connection) -> bool:
+        hdr = Header.unpack(await conn.recv(HEADER_BYTES))
+        body = await conn.recv(hdr.body_bytes) if hdr.body_bytes else b""
+        if hdr.msg_type is not MsgType.HELLO:
+            raise WireError(f"expected HELLO, got {hdr.msg_type.name}")
+        error = ""
+        if hdr.version != PROTOCOL_VERSION:
+            error = f"protocol version: sender={hdr.version} receiver={PROTOCOL_VERSION}"
+        else:
+            try:
+                self.compat.check(CompatKey.from_json(body), "decode", "prefill")
+            except (IncompatibleKV, WireError) as e:
+                error = str(e)
+        if error:
+            self.rejected_connections += 1
+            log.warning("rejected KV connection from %s: %s", conn.peer, error)
+            reply = json.dumps({"error": error, "compat": json.loads(self.compat.to_json())}).encode()
+            await self._send(conn, Header(MsgType.REJECT, body_bytes=len(reply)), reply)
+            return False
+        reply = self.compat.to_json()
+        await self._send(conn, Header(MsgType.HELLO_ACK, body_bytes=len(reply)), reply)
+        return True
+
+    @staticmethod
+    async def _send(conn: Connection, hdr: Header, body: bytes) -> None:
+        await conn.send(hdr.pack())
+        if body:
+            await conn.send(body)
+
+    def _on_layer(self, hdr: Header, body: torch.Tensor) -> None:
+        """Validate one LAYER message and write it, or drop it."""
+        n, layer, off = hdr.num_blocks, hdr.layer, hdr.block_offset
+        with self._lock:
+            t = self._live.get(hdr.transfer_id)
+            if t is None:  # unknown, expired, aborted, failed or done: never write
+                self.dropped_messages += 1
+                log.info("dropped KV layer %d for %s transfer %s", layer,
+                         "finished" if hdr.transfer_id in self._finished else "unknown", hdr.transfer_id)
+                return
+            problem = self._check_layer(t, hdr)
+            if problem is None:
+                ids = torch.frombuffer(body[:4 * n].numpy(), dtype=torch.int32).tolist() if n else []
+                if ids != t.block_ids[off:off + n]:
+                    problem = (f"layer {layer}: block ids {ids} are not the reserved "
+                               f"block ids[{off}:{off + n}] = {t.block_ids[off:off + n]}")
+            if problem is None:
+                self._write_locked(t, layer, off, n, body)
+                done = t.remaining == 0
+                if done:
+                    self._finish_locked(t, TransferState.DONE)
+                    self.transfers_done += 1
+        if problem is not None:
+            self.dropped_messages += 1
+            self._fail(t, problem)
+        elif done:
+            self._signal(t)
+
+    def _check_layer(self, t: _Transfer, hdr: Header) -> str | None:
+        n, layer, off = hdr.num_blocks, hdr.layer, hdr.block_offset
+        if not 0 <= layer < t.num_layers:
+            return f"layer index {layer} out of range [0, {t.num_layers})"
+        if n == 0 or off + n > len(t.block_ids):
+            return f"layer {layer}: blocks [{off}, {off + n}) outside the {len(t.block_ids)} reserved"
+        want = ids_bytes(n) + n * self._block_bytes
+        if hdr.body_bytes != want:
+            return f"layer {layer}: body of {hdr.body_bytes} bytes, expected {want} for {n} blocks"
+        if any(t.got[layer][off:off + n]):
+            return f"layer {layer}: blocks [{off}, {off + n}) arrived twice"
+        return None
+
+    def _write_locked(self, t: _Transfer, layer: int, off: int, n: int, body: torch.Tensor) -> None:
+        _, _, _, bs, h, d = self.kv_cache.shape
+        payload = body[ids_bytes(n):].view(self.kv_cache.dtype).view(2, n, bs, h, d)
+        dst = self.kv_cache[layer]
+        idx = torch.tensor(t.block_ids[off:off + n], dtype=torch.long, device=dst.device)
+        dst.index_copy_(1, idx, payload.to(dst.device, non_blocking=False))
+        t.got[layer][off:off + n] = b"\x01" * n
+        t.remaining -= n
+        t.blocks += n
+        t.nbytes += n * self._block_bytes
+        t.state = TransferState.RECEIVING
+        self.blocks_received += n
+        self.bytes_received += n * self._block_bytes

@@ -1,0 +1,44 @@
+"""kvtransfer.wire: header round trip, compat key checks."""
+import pytest
+import torch
+
+from kvtransfer.wire import (HEADER_BYTES, PROTOCOL_VERSION, CompatKey, Header, IncompatibleKV,
+                             MsgType, WireError, ids_bytes, layer_body_bytes)
+
+
+def test_header_round_trip():
+    h = Header(MsgType.LAYER, "req-1/t", layer=31, block_offset=5, num_blocks=7, body_bytes=1 << 33)
+    data = h.pack()
+    assert len(data) == HEADER_BYTES == 96
+    assert Header.unpack(data) == h
+
+
+def test_header_rejects_garbage_and_long_ids():
+    with pytest.raises(WireError, match="magic"):
+        Header.unpack(b"XXXX" + bytes(92))
+    with pytest.raises(WireError, match="96"):
+        Header.unpack(bytes(10))
+    with pytest.raises(ValueError, match="64 bytes"):
+        Header(MsgType.LAYER, "x" * 65).pack()
+
+
+def test_compat_check_names_both_sides():
+    a = CompatKey("llama", "bfloat16", 16, 32, 8, 128)
+    b = CompatKey("llama", "float16", 32, 32, 8, 128)
+    a.check(CompatKey.from_json(a.to_json()))
+    with pytest.raises(IncompatibleKV) as e:
+        a.check(b, "prefill", "decode")
+    msg = str(e.value)
+    assert "dtype: prefill='bfloat16' decode='float16'" in msg
+    assert "block_size: prefill=16 decode=32" in msg
+    assert msg.split("); ")[0].count(": ") == 2  # only the two differing fields listed
+
+
+def test_compat_from_cache_and_sizes():
+    cache = torch.zeros(3, 2, 10, 4, 2, 8, dtype=torch.bfloat16)
+    key = CompatKey.from_cache(cache, "m")
+    assert key == CompatKey("m", "bfloat16", 4, 3, 2, 8, PROTOCOL_VERSION)
+    assert ids_bytes(1) == 64 and ids_bytes(16) == 64 and ids_bytes(17) == 128
+    assert layer_body_bytes(cache, 3) == 64 + 3 * 2 * 4 * 2 * 8 * 2
+    with pytest.raises(ValueError, match="shape"):
+        CompatKey.from_cache(torch.zeros(3, 10, 4), "m")
