@@ -51,7 +51,8 @@ class Tokenizer:
         self.add_bos_token = config.get("add_bos_token")
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.model_max_length = config.get("model_max_length")
-        self.all_special_ids = {t.id for t in _added_tokens(hf_tokenizer) if t.special}
+        self.all_special_ids = {i for i, t in hf_tokenizer.get_added_tokens_decoder().items()
+                                if t.special}
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -133,8 +134,11 @@ class IncrementalDetokenizer:
 
     A delta is emitted only when the full text does not end in U+FFFD, i.e. when the last
     token did not stop inside a multi-byte UTF-8 character; otherwise the pending tokens wait
-    for the next call. Both offsets then move to the end, so each call decodes a window of a
+    for the next call. Then the offsets move forward, so each call decodes a window of a
     few tokens whatever the sequence length.
+
+    After an emission the new prefix offset is the old read offset (vLLM's rule): the context
+    window always begins at a character boundary.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
@@ -168,9 +172,10 @@ class IncrementalDetokenizer:
         if not (ready or force or pending >= _MAX_PENDING_TOKENS):
             return ""
         delta = full_text[len(prefix_text):]
-        # Trim the window to keep the cost O(1): drop ids we will never re-decode.
-        keep_from = max(0, len(self._ids) - _CONTEXT_TOKENS)
-        self._ids = self._ids[keep_from:]
+        # The next window starts where this delta started: a point where complete text was
+        # emitted, never inside a character (byte-fallback decoders turn a whole run of byte
+        # tokens into U+FFFD when the run starts mid-character). Older ids are dropped.
+        self._ids = self._ids[self.read_offset:]
         self.prefix_offset = 0
         self.read_offset = len(self._ids)
         self.text += delta
@@ -221,10 +226,6 @@ def _token_content(tok) -> str | None:
     if isinstance(tok, dict):
         return tok.get("content")
     return tok
-
-
-def _added_tokens(hf_tokenizer):
-    return hf_tokenizer.get_added_tokens_decoder().values()
 
 
 def _collect_eos_ids(eos_id: int | None, generation_config: dict) -> set[int]:
