@@ -1,0 +1,38 @@
+"""Backend selection in engine.kernels."""
+import pytest
+import torch
+
+import engine.kernels as K
+from engine.kernels import reference
+from kernel_testlib import fresh_generator, randn
+
+
+def test_auto_uses_torch_on_cpu(monkeypatch):
+    assert K.get_backend() == "auto"
+    assert not K.use_triton(torch.zeros(1))
+    monkeypatch.setattr(K, "_triton_op", lambda *a: pytest.fail("Triton chosen for a CPU tensor"))
+    gen, seed = fresh_generator()
+    x = randn(gen, 3, 16)
+    assert torch.equal(K.silu_and_mul(x), reference.silu_and_mul(x)), f"seed={seed}"
+    out = torch.full((3, 8), float("nan"))
+    assert K.silu_and_mul(x, out=out) is out and torch.equal(out, reference.silu_and_mul(x))
+
+
+def test_forced_backends():
+    gen, seed = fresh_generator()
+    x, w = randn(gen, 4, 32), randn(gen, 32)
+    try:
+        K.set_backend("triton")
+        assert K.use_triton(x)
+        got = K.rms_norm(x, w, 1e-6)
+        K.set_backend("torch")
+        assert not K.use_triton(x)
+    finally:
+        K.set_backend("auto")
+    torch.testing.assert_close(got, reference.rms_norm(x, w, 1e-6), msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_bad_backend_name():
+    with pytest.raises(ValueError, match="unknown kernel backend 'cuda'"):
+        K.set_backend("cuda")
+    assert K.get_backend() == "auto"
