@@ -149,7 +149,8 @@ def make_tiny_model(
     """Write a tiny Llama model directory (see module docstring) and return its path.
 
     Idempotent: the same arguments always give byte-identical files, and a directory that
-    already holds a model built from the same arguments is returned untouched. The model is
+    already holds a model built from the same arguments is returned untouched; one built from
+    other arguments is replaced, and any other non-empty directory is refused. The model is
     built in a temporary sibling directory and renamed into place, so concurrent callers
     never see half a model.
     """
@@ -162,6 +163,8 @@ def make_tiny_model(
                 format_version=FORMAT_VERSION)
     if _stamp_matches(out, args):
         return out
+    if out.is_dir() and any(out.iterdir()) and not (out / STAMP).exists():
+        raise ValueError(f"{out} exists and is not a tiny model directory; refusing to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
