@@ -20,7 +20,7 @@ The loop never raises: a DNS outage leaves the gateway routing to the workers it
 (the worker registry's health checks remove dead ones). Every resolve has a deadline.
 A successful but empty answer is applied as is: it is the truth, not a failure.
 
-Only the standard library and asyncio are imported here (see gateway/README.md).
+Only the standard library and asyncio are imported here.
 """
 from __future__ import annotations
 
