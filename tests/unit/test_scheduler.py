@@ -1,0 +1,107 @@
+"""Scheduler: pure CPU logic, no model. Asserts exact token counts and block ids."""
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+
+
+def make(num_blocks=16, block_size=4, budget=16, max_seqs=8, chunked=True):
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(budget, max_seqs, chunked), kv)
+
+
+def req(rid, n, max_tokens=4, base=None):
+    """A prompt of n tokens, distinct per request id unless `base` says otherwise."""
+    base = 1000 * (ord(rid[0]) - 96) if base is None else base
+    return Request(rid, list(range(base, base + n)), SamplingParams(max_tokens=max_tokens), max_tokens)
+
+
+def run_step(s, sampled_token=7):
+    """Pretend the model ran: advance, and append a token for each sampling request."""
+    out = s.schedule()
+    s.update(out)
+    out.sampled = [x.request.request_id for x in out.scheduled if x.samples]
+    for x in out.scheduled:
+        if x.samples:
+            x.request.output_token_ids.append(sampled_token)
+    return out
+
+
+def plan(out):
+    return [(x.request.request_id, x.start, x.num_new_tokens) for x in out.scheduled]
+
+
+def test_chunked_prefill_splits_long_prompt_under_budget():
+    s = make(budget=8)
+    a = req("a", 20)
+    s.add(a)
+    out = run_step(s)
+    assert plan(out) == [("a", 0, 8)] and out.sampled == []
+    assert plan(run_step(s)) == [("a", 8, 8)]
+    out = run_step(s)
+    assert plan(out) == [("a", 16, 4)] and out.sampled == ["a"]
+    assert plan(run_step(s)) == [("a", 20, 1)]            # decode
+    assert a.block_ids == [0, 1, 2, 3, 4, 5]
+
+
+def test_without_chunking_a_prompt_over_budget_waits():
+    s = make(budget=8, chunked=False)
+    s.add(req("a", 6))
+    s.add(req("b", 6))
+    assert plan(run_step(s)) == [("a", 0, 6)]
+    assert plan(run_step(s)) == [("a", 6, 1), ("b", 0, 6)]
+
+
+def test_new_requests_join_between_steps_decode_first():
+    s = make(budget=10)
+    s.add(req("a", 5))
+    run_step(s)
+    s.add(req("b", 12))
+    # a decodes (1 token), b gets the remaining 9 of the budget
+    assert plan(run_step(s)) == [("a", 5, 1), ("b", 0, 9)]
+    assert plan(run_step(s)) == [("a", 6, 1), ("b", 9, 3)]
+
+
+def test_max_num_seqs_limits_admission():
+    s = make(max_seqs=2)
+    for r in "abc":
+        s.add(req(r, 2))
+    assert [x[0] for x in plan(run_step(s))] == ["a", "b"]
+    assert len(s.waiting) == 1
+
+
+def test_preemption_frees_the_latest_request_and_recomputes_it():
+    s = make(num_blocks=4, block_size=4, budget=64)
+    a, b = req("a", 7, max_tokens=8), req("b", 8, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    run_step(s)                  # a: 7 tokens (2 blocks), b: 8 tokens (2 blocks): pool full
+    assert a.block_ids == [0, 1] and b.block_ids == [2, 3]
+    run_step(s)                  # a fits its 9th token in block 1; b needs a third block
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert s.num_preemptions == 1 and list(s.waiting) == [b] and b.block_ids == []
+    assert b.output_token_ids == [7]     # generated tokens are kept and recomputed later
+
+
+def test_remote_reservation_and_ready():
+    s = make(num_blocks=8, block_size=4)
+    r = req("r", 10)
+    assert s.reserve_remote(r)
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KV and r.block_ids == [0, 1, 2]
+    assert plan(s.schedule()) == []      # nothing to compute until the KV is there
+    r.output_token_ids.append(5)
+    s.remote_ready(r)
+    assert plan(run_step(s)) == [("r", 10, 1)]
+    # a second request with the same prompt now hits the 2 full blocks on reservation
+    r2 = req("r2", 10, base=1000 * (ord("r") - 96))
+    assert s.reserve_remote(r2)
+    assert r2.num_cached_tokens == 8 and r2.block_ids[:2] == [0, 1]
+
+
+def test_remove_frees_everything():
+    s = make()
+    a = req("a", 9)
+    s.add(a)
+    run_step(s)
+    s.remove(a)
+    assert s.kv.num_held_blocks() == 0 and not s.running
