@@ -8,6 +8,9 @@ import torch
 
 import engine.kernels as K
 
+# On a GPU machine the kernels run for real on CUDA; otherwise under the interpreter on CPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
@@ -23,8 +26,13 @@ def randn(gen, *shape, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
+def on_device(*ts):
+    """Copies of the (CPU-built) inputs on DEVICE; references keep using the CPU originals."""
+    return tuple(t.to(DEVICE) for t in ts)
+
+
 def assert_close(actual, expected, dtype, seed, what=""):
-    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype],
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), **TOL[dtype],
                                msg=lambda m: f"{what} seed={seed}: {m}")
 
 

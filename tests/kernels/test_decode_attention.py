@@ -6,7 +6,7 @@ import torch
 
 from engine.kernels import reference
 from engine.kernels.decode_attention import paged_decode_attention
-from kernel_testlib import assert_close, fresh_generator, paged_cache, poisoned, randn
+from kernel_testlib import DEVICE, assert_close, fresh_generator, on_device, paged_cache, poisoned, randn
 
 
 def _run(context_lens, hq, hkv, d, block_size, dtype, partition, max_context_len=None):
@@ -15,8 +15,8 @@ def _run(context_lens, hq, hkv, d, block_size, dtype, partition, max_context_len
     q = randn(gen, len(context_lens), hq, d, dtype=dtype)
     ctx = torch.tensor(context_lens, dtype=torch.int32)
     scale = d ** -0.5
-    out = poisoned(q)
-    got = paged_decode_attention(q, k_cache, v_cache, table, ctx, scale, out=out,
+    out = poisoned(q).to(DEVICE)
+    got = paged_decode_attention(*on_device(q, k_cache, v_cache, table, ctx), scale, out=out,
                                  partition_size=partition, max_context_len=max_context_len)
     assert got is out
     want = reference.paged_decode_attention(q, k_cache, v_cache, table, ctx, scale)
@@ -49,18 +49,16 @@ def test_padding_sequence_gets_zeros():
     k_cache, v_cache, table = paged_cache(gen, [20, 1], 16, 1, 32, torch.float32)
     q = randn(gen, 2, 2, 32)
     ctx = torch.tensor([20, 0], dtype=torch.int32)
-    out = paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.2, out=poisoned(q),
-                                 partition_size=16)
+    out = paged_decode_attention(*on_device(q, k_cache, v_cache, table, ctx), 0.2,
+                                 out=poisoned(q).to(DEVICE), partition_size=16).cpu()
     want = reference.paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.2)
     assert_close(out, want, torch.float32, seed, "ctx 0 row")
     assert torch.all(out[1] == 0)
 
 
 def test_bad_arguments_raise():
-    q = torch.randn(2, 4, 32)
-    kc = torch.randn(4, 16, 2, 32)
-    table = torch.zeros(2, 2, dtype=torch.int32)
-    ctx = torch.ones(2, dtype=torch.int32)
+    q, kc, table, ctx = on_device(torch.randn(2, 4, 32), torch.randn(4, 16, 2, 32),
+                                  torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="block_tables"):
         paged_decode_attention(q, kc, kc.clone(), table.long(), ctx, 1.0)
     with pytest.raises(ValueError, match="multiple of KV heads"):
@@ -79,8 +77,8 @@ def test_int32_overflow_offsets():
     bs, hkv, d = 16, 2, 64
     per_block = bs * hkv * d
     nb = (2 ** 31) // per_block + 64
-    k_cache = torch.empty(nb, bs, hkv, d, dtype=torch.bfloat16)
-    v_cache = torch.empty(nb, bs, hkv, d, dtype=torch.bfloat16)
+    k_cache = torch.empty(nb, bs, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+    v_cache = torch.empty(nb, bs, hkv, d, dtype=torch.bfloat16, device=DEVICE)
     assert k_cache.numel() > 2 ** 31
     lens = [40, 17]
     blocks = [[nb - 1, nb - 7, nb - 3], [nb - 30, nb - 2, nb - 2]]   # row 2 uses 2 blocks
@@ -91,7 +89,12 @@ def test_int32_overflow_offsets():
             v_cache[blk] = randn(gen, bs, hkv, d, dtype=torch.bfloat16)
     q = randn(gen, 2, 4, d, dtype=torch.bfloat16)
     ctx = torch.tensor(lens, dtype=torch.int32)
-    got = paged_decode_attention(q, k_cache, v_cache, table, ctx, d ** -0.5, out=poisoned(q),
-                                 partition_size=32)
-    want = reference.paged_decode_attention(q, k_cache, v_cache, table, ctx, d ** -0.5)
+    got = paged_decode_attention(*on_device(q), k_cache, v_cache, *on_device(table, ctx), d ** -0.5,
+                                 out=poisoned(q).to(DEVICE), partition_size=32)
+    # the reference reads the same blocks through a small CPU copy of the used ones
+    used = sorted({blk for row in blocks for blk in row})
+    remap = {blk: i for i, blk in enumerate(used)}
+    small_table = torch.tensor([[remap[x] for x in row] for row in blocks], dtype=torch.int32)
+    want = reference.paged_decode_attention(q, k_cache[used].cpu(), v_cache[used].cpu(), small_table,
+                                            ctx, d ** -0.5)
     assert_close(got, want, torch.bfloat16, seed, "int64 offsets")

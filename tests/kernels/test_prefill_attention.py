@@ -4,7 +4,7 @@ import torch
 
 from engine.kernels import reference
 from engine.kernels.prefill_attention import paged_prefill_attention
-from kernel_testlib import assert_close, fresh_generator, paged_cache, poisoned, randn
+from kernel_testlib import DEVICE, assert_close, fresh_generator, on_device, paged_cache, poisoned, randn
 
 
 def _run(q_lens, context_lens, hq, hkv, d, block_size, dtype, max_q_len=None):
@@ -14,8 +14,8 @@ def _run(q_lens, context_lens, hq, hkv, d, block_size, dtype, max_q_len=None):
     q = randn(gen, int(cu[-1]), hq, d, dtype=dtype)
     ctx = torch.tensor(context_lens, dtype=torch.int32)
     scale = d ** -0.5
-    out = poisoned(q)
-    got = paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, scale, out=out,
+    out = poisoned(q).to(DEVICE)
+    got = paged_prefill_attention(*on_device(q, k_cache, v_cache, table, cu, ctx), scale, out=out,
                                   max_q_len=max_q_len)
     assert got is out
     want = reference.paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, scale)
@@ -37,9 +37,9 @@ def test_gqa_not_power_of_two_and_odd_head_dim():
 
 
 def test_cu_seqlens_shape_checked():
-    q = torch.randn(4, 2, 16)
-    kc = torch.randn(2, 4, 2, 16)
-    table = torch.zeros(1, 2, dtype=torch.int32)
+    q, kc, table, cu, ctx = on_device(torch.randn(4, 2, 16), torch.randn(2, 4, 2, 16),
+                                      torch.zeros(1, 2, dtype=torch.int32),
+                                      torch.tensor([0, 2, 4], dtype=torch.int32),
+                                      torch.tensor([4], dtype=torch.int32))
     with pytest.raises(ValueError, match="cu_seqlens_q"):
-        paged_prefill_attention(q, kc, kc.clone(), table, torch.tensor([0, 2, 4], dtype=torch.int32),
-                                torch.tensor([4], dtype=torch.int32), 1.0)
+        paged_prefill_attention(q, kc, kc.clone(), table, cu, ctx, 1.0)
