@@ -139,8 +139,11 @@ class KVReceiver:
     async def close(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
-        for t in list(self._readers):
+        readers = list(self._readers)
+        for t in readers:
             t.cancel()
+        if readers:
+            await asyncio.wait(readers, timeout=2.0)
         await self.transport.close()
 
     def counters(self) -> dict[str, int]:
@@ -275,6 +278,8 @@ class KVReceiver:
             pass
         except (WireError, TransportError) as e:
             log.warning("KV connection from %s dropped: %s", conn.peer, e)
+        except Exception:
+            log.exception("KV connection from %s: receiver error", conn.peer)
         finally:
             self._readers.discard(task)
             await conn.close()

@@ -1,0 +1,127 @@
+"""UcxTransport: the Transport interface over UCX through ucxx's asyncio API.
+
+The ONLY module that imports ucxx. It stays thin: a listener, endpoints, tag send/recv.
+
+UCX settings, applied with os.environ.setdefault BEFORE ucxx is imported (an operator's
+own UCX_* values always win; they are standard UCX variables, not pdserve configuration):
+
+  UCX_TLS=tcp                   PyPI's libucx; loopback/cross-host TCP. For RDMA and GPU
+                                memory deployments set e.g. UCX_TLS=rc,cuda_copy,cuda_ipc,tcp
+                                with a system UCX (see kvtransfer/README.md).
+  UCX_RNDV_SCHEME=put_zcopy     large messages by zero-copy put: tcp 1.5 -> 5.5 GB/s here.
+  UCXPY_PROGRESS_MODE=blocking  progress UCX from the asyncio loop when its fd is readable;
+                                the default "thread" mode is slow on few cores.
+  UCX_WARN_UNUSED_ENV_VARS=n    silence UCX's warning about variables it does not use.
+
+Addresses look like "ucx://HOST:PORT". ucxx's listener takes only a port (UCX binds every
+interface); HOST is what this process advertises (`host`, default 127.0.0.1).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+for _k, _v in (("UCX_TLS", "tcp"), ("UCX_RNDV_SCHEME", "put_zcopy"),
+               ("UCXPY_PROGRESS_MODE", "blocking"), ("UCX_WARN_UNUSED_ENV_VARS", "n")):
+    os.environ.setdefault(_k, _v)
+
+import ucxx  # noqa: E402  (after the environment is set)
+from ucxx.exceptions import UCXError  # noqa: E402
+
+from .transport import Connection, ConnectionClosed, Handler, Transport, TransportError, as_buffer, nbytes_of  # noqa: E402
+
+log = logging.getLogger(__name__)
+SCHEME = "ucx://"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    if not address.startswith(SCHEME):
+        raise TransportError(f"not a UCX address: {address!r} (expected ucx://HOST:PORT)")
+    host, _, port = address[len(SCHEME):].rpartition(":")
+    if not host or not port.isdigit():
+        raise TransportError(f"bad UCX address {address!r} (expected ucx://HOST:PORT)")
+    return host.strip("[]"), int(port)
+
+
+class UcxConnection(Connection):
+    def __init__(self, ep: Any, peer: str):
+        self._ep = ep
+        self.peer = peer
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._ep.closed
+
+    async def send(self, buffer: Any) -> None:
+        if self._closed:
+            raise ConnectionClosed(f"UCX connection to {self.peer} is closed")
+        try:
+            await self._ep.send(as_buffer(buffer))
+        except UCXError as e:
+            raise ConnectionClosed(f"UCX send to {self.peer} failed: {type(e).__name__}: {e}") from e
+
+    async def recv(self, nbytes: int | None = None, *, into: Any = None) -> Any:
+        # No closed() pre-check: a message that arrived before the peer closed is still
+        # delivered (ucxx probes for it), e.g. a REJECT followed by a close.
+        if self._closed:
+            raise ConnectionClosed(f"UCX connection to {self.peer} is closed")
+        out = bytearray(nbytes) if into is None else into
+        if nbytes_of(out) == 0:
+            return out
+        try:
+            await self._ep.recv(as_buffer(out))
+        except UCXError as e:
+            raise ConnectionClosed(f"UCX recv from {self.peer} failed: {type(e).__name__}: {e}") from e
+        return out
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await asyncio.wait_for(self._ep.close(), 2.0)
+        except (UCXError, asyncio.TimeoutError, RuntimeError) as e:
+            log.debug("closing UCX endpoint to %s: %s", self.peer, e)
+            self._ep.abort()
+
+
+class UcxTransport(Transport):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.host = host
+        self.port = port
+        self._listener: Any = None
+        self._conns: set[UcxConnection] = set()
+
+    async def listen(self, handler: Handler) -> str:
+        async def on_endpoint(ep: Any) -> None:
+            conn = UcxConnection(ep, "ucx-client")
+            self._conns.add(conn)
+            try:
+                await handler(conn)
+            finally:
+                self._conns.discard(conn)
+                await conn.close()
+
+        self._listener = ucxx.create_listener(on_endpoint, port=self.port)
+        return f"{SCHEME}{self.host}:{self._listener.port}"
+
+    async def connect(self, address: str, timeout: float = 5.0) -> Connection:
+        host, port = parse_address(address)
+        try:
+            ep = await asyncio.wait_for(ucxx.create_endpoint(host, port, connect_timeout=timeout), timeout)
+        except (UCXError, OSError, asyncio.TimeoutError) as e:
+            raise TransportError(f"UCX connect to {address} failed: {type(e).__name__}: {e}") from e
+        conn = UcxConnection(ep, address)
+        self._conns.add(conn)
+        return conn
+
+    async def close(self) -> None:
+        for conn in list(self._conns):
+            await conn.close()
+        self._conns.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
