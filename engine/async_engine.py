@@ -1,0 +1,246 @@
+"""AsyncEngine: drives an `LLMEngine` from asyncio without ever blocking the event loop.
+
+    loop thread (grpc handlers)                 engine thread (owns the LLMEngine)
+    ---------------------------                 ----------------------------------
+    await ae.add_request(...) --cmd--> inbox --> drain inbox (run every command, in order)
+    async for out in ae.stream(rid) <--queue---  step() -> outputs -> per-request queues
+    ae.stats()  <-- snapshot published after every drain/step
+
+Rules:
+  * The engine is touched ONLY by the engine thread. Every mutation is a command: a callable
+    put in a FIFO inbox under a condition variable; its result (or exception) comes back as
+    an asyncio future. Commands run in submission order, so an abort submitted after an add
+    always finds the request, even if the caller was cancelled while awaiting the add.
+  * The thread sleeps on the condition variable when there are no commands and no runnable
+    requests (requests waiting for remote KV are not runnable): no busy spin.
+  * Each streamed request has an asyncio.Queue fed with `loop.call_soon_threadsafe`. The
+    stream ends with the request's finished output; an abort ends it with a synthetic
+    finished output whose finish_reason is "abort". If a step raises, every request of the
+    engine is aborted and every open stream raises `EngineError`.
+  * `stats()` never waits for a step: it returns the snapshot taken after the last one.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from typing import Any, AsyncIterator, Callable
+
+from .llm_engine import LLMEngine
+from .outputs import EngineStats, RequestOutput
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine thread failed (a step raised) or was shut down."""
+
+
+_END = object()   # stream sentinel: closed without a finished output
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, *, name: str = "engine"):
+        self.engine = engine
+        self.name = name
+        self._inbox: deque[tuple[Callable, tuple, concurrent.futures.Future]] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # request_id -> asyncio.Queue; touched only by the engine thread
+        self._streams: dict[str, asyncio.Queue] = {}
+        # request_id -> the same queue, loop side, until stream() takes it
+        self._unclaimed: dict[str, asyncio.Queue] = {}
+        self._stats: EngineStats = engine.stats()
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume results."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-step", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread after the command being run; pending commands fail, streams end."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+            if self._thread.is_alive():
+                log.error("%s thread did not stop within %.1fs", self.name, timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # ------------------------------------------------------------------ commands
+    def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+        """Queue `fn(*args)` to run on the engine thread; thread-safe."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping or self._thread is None:
+                fut.set_exception(EngineError(f"{self.name} is not running"))
+                return fut
+            self._inbox.append((fn, args, fut))
+            self._cv.notify()
+        return fut
+
+    async def call(self, fn: Callable, *args: Any) -> Any:
+        """Run `fn(*args)` on the engine thread and return its result (or raise its error).
+        `fn` may use `self.engine` freely: nothing else touches it meanwhile."""
+        return await asyncio.wrap_future(self.submit(fn, *args))
+
+    async def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                          prefill_only: bool = False) -> None:
+        """Admit a request; its outputs go to `stream(request_id)`. Raises ValueError."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        def cmd():
+            self.engine.add_request(request_id, prompt, params, prefill_only)
+            self._streams[request_id] = q
+        await self.call(cmd)
+        self._unclaimed[request_id] = q
+
+    async def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
+                                 params: SamplingParams | None = None
+                                 ) -> tuple[list[int], int] | None:
+        """Reserve blocks for a prompt whose KV comes from elsewhere. Returns (block_ids,
+        num_cached_tokens), or None when the blocks are not there. Outputs after
+        `remote_kv_done` go to `stream(request_id)`. Raises ValueError."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        def cmd():
+            req = self.engine.add_remote_request(request_id, prompt_token_ids, params)
+            if req is None:
+                return None
+            self._streams[request_id] = q
+            return list(req.block_ids), req.num_cached_tokens
+        res = await self.call(cmd)
+        if res is not None:
+            self._unclaimed[request_id] = q
+        return res
+
+    async def remote_kv_done(self, request_id: str, first_token_id: int, logprob: float = 0.0,
+                             top_logprobs=None) -> RequestOutput:
+        """Returns the output holding the first token (not put on the stream unless it
+        finished the request, which also ends the stream)."""
+        def cmd():
+            out = self.engine.remote_kv_done(request_id, first_token_id, logprob, top_logprobs)
+            if out.finished:
+                self._deliver(out)
+            return out
+        return await self.call(cmd)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort (frees its blocks, even a finished prefill-only request's); ends its stream
+        with a finish_reason="abort" output. False if the engine did not know the id."""
+        def cmd():
+            found = self.engine.abort_request(request_id)
+            q = self._streams.pop(request_id, None)
+            if q is not None:
+                self._put(q, RequestOutput(request_id, [], [], [], "", True, "abort"))
+            return found
+        return await self.call(cmd)
+
+    async def release(self, request_id: str) -> None:
+        """Free the blocks of a finished prefill-only request."""
+        def cmd():
+            self.engine.release(request_id)
+            q = self._streams.pop(request_id, None)
+            if q is not None:
+                self._put(q, _END)
+        self._unclaimed.pop(request_id, None)
+        await self.call(cmd)
+
+    def stats(self) -> EngineStats:
+        """The snapshot published after the last step or command batch (never blocks)."""
+        return self._stats
+
+    # ------------------------------------------------------------------ streams
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request until (and including) its finished one; one consumer per
+        request. Open it after add_request/add_remote_request returned (outputs produced
+        meanwhile are queued, not lost); raises KeyError for unknown or taken ids."""
+        q = self._unclaimed.pop(request_id, None)
+        if q is None:
+            raise KeyError(f"no stream for request {request_id!r} (unknown or already taken)")
+        while True:
+            item = await q.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    # ------------------------------------------------------------------ engine thread
+    def _put(self, q: asyncio.Queue, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:      # loop closed: nobody is listening any more
+            pass
+
+    def _deliver(self, out: RequestOutput) -> None:
+        q = self._streams.get(out.request_id)
+        if q is None:
+            return
+        if out.finished:
+            # A finished prefill-only request keeps its stream until release(), so that a
+            # stream() opened late still sees the output; everything else leaves now.
+            if out.finish_reason != "prefill_done":
+                del self._streams[out.request_id]
+        self._put(q, out)
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self._cv:
+                while not self._inbox and not self._stopping and not eng.has_unfinished_requests():
+                    self._cv.wait()
+                if self._stopping:
+                    pending = list(self._inbox)
+                    self._inbox.clear()
+                    break
+                cmds = list(self._inbox)
+                self._inbox.clear()
+            for fn, args, fut in cmds:
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:   # the caller gets it; the thread goes on
+                    fut.set_exception(e)
+            if eng.has_unfinished_requests():
+                try:
+                    outs = eng.step()
+                    self.num_steps += 1
+                except Exception as e:
+                    log.exception("%s step failed; aborting every request", self.name)
+                    self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+                    outs = []
+                for out in outs:
+                    self._deliver(out)
+            self._stats = eng.stats()
+        for _, _, fut in pending:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineError(f"{self.name} shut down"))
+        self._fail_all(EngineError(f"{self.name} shut down"))
+
+    def _fail_all(self, err: EngineError) -> None:
+        for rid in list(self.engine.requests):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # keep going: the point is to free what we can
+                log.exception("abort of %s failed", rid)
+        for q in self._streams.values():
+            self._put(q, err)
+        self._streams.clear()
