@@ -62,9 +62,22 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    """One query token per sequence (the last position). q: [B, H_q, D] -> [B, H_q, D]."""
-    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, context_lens, scale)
+    """One query token per sequence (the last position). q: [B, H_q, D] -> [B, H_q, D].
+
+    Batched: every sequence's blocks are gathered into a padded [B, M*bs] context and the
+    positions past each context length are masked, so the whole batch is a few tensor ops."""
+    B, hq, D = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    nblk = (int(context_lens.max()) + bs - 1) // bs
+    idx = block_tables[:, :nblk].long()
+    k = k_cache[idx].flatten(1, 2).float().permute(0, 2, 3, 1)   # [B, H_kv, D, L]
+    v = v_cache[idx].flatten(1, 2).float().transpose(1, 2)        # [B, H_kv, L, D]
+    qf = q.float().view(B, hkv, g, D)
+    scores = (qf @ k) * scale                                     # [B, H_kv, g, L]
+    valid = torch.arange(nblk * bs, device=q.device) < context_lens.unsqueeze(1)  # [B, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return (scores.softmax(-1) @ v).reshape(B, hq, D).to(q.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
