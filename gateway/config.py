@@ -1,0 +1,72 @@
+"""Typed configuration of the gateway; `pdserve gateway` options are generated from it."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class GatewayConfig:
+    model: str = field(default="", metadata={
+        "help": "HF model directory (only its tokenizer and config.json are read); "
+                "empty: the embedded tiny model"})
+    served_model_name: str = field(default="", metadata={
+        "help": "model id clients use; empty: the model directory's name"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    grpc_port: int = field(default=50051, metadata={"help": "public gRPC port (0: any free)"})
+    http_port: int = field(default=0, metadata={"help": "OpenAI REST port (0: disabled)"})
+    prefill: str = field(default="", metadata={"help": "prefill workers, host:port,host:port"})
+    decode: str = field(default="", metadata={"help": "decode workers, host:port,host:port"})
+    prefill_dns: str = field(default="", metadata={
+        "help": "prefill workers as one DNS name:port (e.g. a headless Service)"})
+    decode_dns: str = field(default="", metadata={"help": "decode workers as one DNS name:port"})
+    discovery_interval_s: float = field(default=5.0, metadata={
+        "help": "seconds between DNS refreshes"})
+    health_interval_s: float = field(default=1.0, metadata={
+        "help": "seconds between health/Stats probes of each worker"})
+    probe_timeout_s: float = field(default=1.0, metadata={"help": "deadline of one probe"})
+    request_timeout_s: float = field(default=120.0, metadata={
+        "help": "deadline of one Generate request, end to end"})
+    kv_timeout_ms: int = field(default=0, metadata={
+        "help": "KV reservation timeout asked of decode workers (0: their default)"})
+    max_model_len: int = field(default=0, metadata={
+        "help": "context length; 0: max_position_embeddings from config.json"})
+    migrate_on_decode_failure: bool = field(default=True, metadata={
+        "help": "if a decode worker dies mid-stream, re-prefill prompt + tokens so far on "
+                "another pair and continue the stream"})
+    affinity_slack: int = field(default=2, metadata={
+        "help": "prefix affinity wins unless its worker has this many more requests in "
+                "flight than the least loaded one"})
+
+    def __post_init__(self):
+        if self.health_interval_s <= 0:
+            raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        for pool in ("prefill", "decode"):
+            if getattr(self, pool) and getattr(self, pool + "_dns"):
+                raise ValueError(f"give --{pool} or --{pool}-dns, not both")
+        if not 0 <= self.grpc_port < 65536 or not 0 <= self.http_port < 65536:
+            raise ValueError("ports must be in 0-65535")
+
+    def resolved_model_dir(self) -> Path:
+        if self.model:
+            d = Path(self.model).expanduser()
+            if not (d / "tokenizer.json").is_file():
+                raise ValueError(f"model directory {str(d)!r} has no tokenizer.json")
+            return d
+        from engine.tiny_model import ensure_default_model
+        return ensure_default_model()
+
+    def model_name(self, model_dir: Path) -> str:
+        return self.served_model_name or model_dir.name
+
+    def context_length(self, model_dir: Path) -> int:
+        if self.max_model_len:
+            return self.max_model_len
+        try:
+            cfg = json.loads((model_dir / "config.json").read_text())
+        except (OSError, ValueError):
+            return 0
+        return int(cfg.get("max_position_embeddings") or 0)

@@ -1,0 +1,260 @@
+"""The public `pdserve.v1.Generation` gRPC service on grpc.aio (uvloop), over `Gateway`.
+
+    GenerateRequest --prompt (text | token ids | chat)--> token ids --Gateway.generate()-->
+        GenerateEvents --> GenerateResponse stream (n > 1: one generate() per index, merged)
+
+GatewayError becomes the call's status (code + message). Cancelling the call cancels the
+servicer task, which closes the generators, which abort the request on its workers.
+Also served: grpc.health.v1 ("" and pdserve.v1.Generation) and server reflection.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from dataclasses import replace
+from functools import lru_cache
+from typing import AsyncIterator, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+from .config import GatewayConfig
+from .core import Gateway, GatewayError, GenerateEvent, GenerateInput, Usage
+from .protoconv import FINISH_TO_PROTO, sampling_from_proto
+
+log = logging.getLogger(__name__)
+
+SERVICE = "pdserve.v1.Generation"
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, gateway: Gateway):
+        self.gw = gateway
+        self.created = int(time.time())
+        self._token_text = lru_cache(maxsize=65536)(
+            lambda i: gateway.tokenizer.decode([i], skip_special_tokens=False))
+
+    # -- Generate ----------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        try:
+            async for resp in self._generate(request):
+                yield resp
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
+
+    async def _generate(self, request) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        self._check_model(request.model)
+        ids = self._prompt_ids(request)
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        rid = request.request_id or f"gen-{uuid.uuid4().hex}"
+        opts = request.stream_options
+        # Unset stream options: streaming, the proto's reading of an empty message is "false",
+        # but a client that sent no options at all surely wants the stream.
+        stream = opts.stream or not request.HasField("stream_options")
+        n = params.n
+        inputs = []
+        for i in range(n):
+            p = params if n == 1 else replace(params, n=1, seed=None if params.seed is None
+                                                else params.seed + i)
+            inputs.append(GenerateInput(rid if n == 1 else f"{rid}-{i}", ids, p))
+        usage = [Usage(len(ids), 0, 0) for _ in range(n)]
+        pending: dict[int, generation_pb2.GenerateResponse] = {}
+        async for index, ev in _merge([self.gw.generate(x) for x in inputs]):
+            usage[index].completion_tokens += len(ev.token_ids)
+            if ev.usage is not None:
+                usage[index] = ev.usage
+            msg = self._response(rid, index, ev, ids)
+            if opts.continuous_usage_stats or (ev.finish_reason and opts.include_usage):
+                msg.usage.CopyFrom(_usage_proto(usage[index]))
+            if stream:
+                yield msg
+            elif index in pending:
+                _append(pending[index], msg)
+            else:
+                pending[index] = msg
+        for index in sorted(pending):
+            yield pending[index]
+
+    def _response(self, rid: str, index: int, ev: GenerateEvent, prompt: list[int]):
+        msg = generation_pb2.GenerateResponse(
+            request_id=rid, index=index, token_ids=ev.token_ids, text=ev.text,
+            finish_reason=FINISH_TO_PROTO[ev.finish_reason],
+            stop_reason="" if ev.stop_reason is None else str(ev.stop_reason))
+        if ev.logprobs is not None:
+            for tid, (lp, top) in zip(ev.token_ids, ev.logprobs):
+                msg.logprobs.append(self._token_logprob(tid, lp, top))
+        if ev.prompt_logprobs is not None:
+            for tid, (lp, top) in zip(prompt, ev.prompt_logprobs):
+                msg.prompt_logprobs.append(self._token_logprob(tid, lp or 0.0, top))
+        return msg
+
+    def _token_logprob(self, tid: int, lp: float, top) -> common_pb2.TokenLogprob:
+        m = common_pb2.TokenLogprob(token_id=tid, logprob=lp)
+        for rank, (t, l) in enumerate(top or (), 1):
+            m.top_logprobs.add(token_id=t, logprob=l, token=self._token_text(t))
+            if t == tid:
+                m.rank = rank
+        return m
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.gw.model_name:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"unknown model {model!r}: this gateway serves {self.gw.model_name!r}")
+
+    def _prompt_ids(self, request) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        tok = self.gw.tokenizer
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "text":
+            return tok.encode(request.text)
+        if kind == "chat":
+            return self._chat_ids(request.chat)
+        raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
+                           "GenerateRequest needs a prompt: text, token_ids or chat")
+
+    def _chat_ids(self, chat) -> list[int]:
+        tok = self.gw.tokenizer
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=chat.add_generation_prompt)
+        except Exception as e:  # template errors (raise_exception), no template
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {e}") from None
+        # Templates that begin with the BOS token already contain it.
+        has_bos = tok.bos_token is not None and text.startswith(tok.bos_token)
+        return tok.encode(text, add_special_tokens=not has_bos)
+
+    # -- Tokenize, ListModels -----------------------------------------------------------------
+    async def Tokenize(self, request, context):
+        try:
+            self._check_model(request.model)
+            kind = request.WhichOneof("prompt")
+            if kind == "text":
+                ids = self.gw.tokenizer.encode(request.text, request.add_special_tokens)
+            elif kind == "chat":
+                ids = self._chat_ids(request.chat)
+            else:
+                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   "TokenizeRequest needs text or chat")
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
+        return generation_pb2.TokenizeResponse(token_ids=ids, count=len(ids),
+                                               max_model_len=self.gw.max_model_len)
+
+    async def ListModels(self, request, context):
+        return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
+            id=self.gw.model_name, max_model_len=self.gw.max_model_len, owned_by="pdserve",
+            created=self.created)])
+
+
+def _usage_proto(u: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                            cached_tokens=u.cached_tokens)
+
+
+def _append(acc: generation_pb2.GenerateResponse, msg: generation_pb2.GenerateResponse) -> None:
+    """Fold one streamed message into the single non-streaming one."""
+    acc.token_ids.extend(msg.token_ids)
+    acc.text += msg.text
+    acc.logprobs.extend(msg.logprobs)
+    acc.finish_reason = msg.finish_reason
+    acc.stop_reason = msg.stop_reason
+    if msg.HasField("usage"):
+        acc.usage.CopyFrom(msg.usage)
+
+
+async def _merge(gens: list) -> AsyncIterator[tuple[int, GenerateEvent]]:
+    """(index, event) from several generators as they come; closes them all on exit."""
+    if len(gens) == 1:
+        agen = gens[0]
+        try:
+            async for ev in agen:
+                yield 0, ev
+        finally:
+            await agen.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, agen):
+        try:
+            async for ev in agen:
+                await queue.put((i, ev))
+            await queue.put((i, done))
+        except BaseException as e:  # handed to the consumer, which re-raises
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# -- server ---------------------------------------------------------------------------------
+
+async def serve(cfg: GatewayConfig, ready: Callable[[str], None] | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run the gateway until `stop` is set (or forever); `ready(address)` once SERVING."""
+    gw = Gateway(cfg)
+    await gw.start()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+         health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    address = f"{cfg.host}:{port}"
+    log.info("gateway serving %s on %s (prefill: %d, decode: %d workers)", gw.model_name,
+             address, len(gw.prefill.workers), len(gw.decode.workers))
+    if ready is not None:
+        ready(address)
+    try:
+        if stop is None:
+            await server.wait_for_termination()
+        else:
+            await stop.wait()
+    finally:
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(grace=5)
+        await gw.stop()
+
+
+def run(cfg: GatewayConfig) -> int:
+    """`pdserve gateway`: serve on uvloop until SIGINT/SIGTERM."""
+    import uvloop
+
+    async def main():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(cfg, lambda addr: print(f"gateway ready on {addr}", flush=True), stop)
+
+    uvloop.run(main())
+    return 0

@@ -1,0 +1,60 @@
+"""SamplingParams and logprobs between engine dataclasses and pdserve.v1 messages."""
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from protos.pdserve.v1 import common_pb2
+
+FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    m = common_pb2.SamplingParams(
+        n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens, stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        skip_special_tokens=p.skip_special_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output)
+    if p.seed is not None:
+        m.seed = p.seed
+    if p.max_tokens is None:
+        m.max_tokens_unlimited = True
+    else:
+        m.max_tokens = p.max_tokens
+    if p.logprobs is not None:
+        m.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
+    for k, v in p.logit_bias.items():
+        m.logit_bias[k] = v
+    return m
+
+
+def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take the engine defaults; raises ValueError on bad values."""
+    d = SamplingParams.__dataclass_fields__
+    def opt(name):
+        return getattr(m, name) if m.HasField(name) else d[name].default
+    max_tokens = None if m.max_tokens_unlimited else opt("max_tokens")
+    return SamplingParams(
+        n=opt("n"), temperature=opt("temperature"), top_p=opt("top_p"), top_k=m.top_k,
+        min_p=m.min_p, seed=opt("seed"), presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty, repetition_penalty=opt("repetition_penalty"),
+        max_tokens=max_tokens, min_tokens=m.min_tokens, stop=list(m.stop),
+        stop_token_ids=list(m.stop_token_ids), ignore_eos=m.ignore_eos, logprobs=opt("logprobs"),
+        prompt_logprobs=opt("prompt_logprobs"), logit_bias=dict(m.logit_bias),
+        skip_special_tokens=opt("skip_special_tokens"),
+        include_stop_str_in_output=m.include_stop_str_in_output)
+
+
+def logprob_from_proto(t: common_pb2.TokenLogprob):
+    """(logprob, [(id, logprob)] or None) as in GenerateEvent.logprobs."""
+    top = [(x.token_id, x.logprob) for x in t.top_logprobs] or None
+    return t.logprob, top

@@ -1,0 +1,203 @@
+"""Worker registry: one pool of prefill or decode workers, health-probed, load-ranked.
+
+    WorkerSet (discovery) --on_change--> WorkerPool.add/remove (one gRPC channel each)
+    every health_interval_s, per worker:  Health.Check  -> healthy = SERVING
+                                          Stats         -> last stats (load, free blocks)
+    a call that fails with UNAVAILABLE -> mark_failed(): skipped until the next probe passes
+
+Picking (`pick`): only healthy workers; the key is (gateway-side requests in flight, the
+worker's own running + waiting, -free KV blocks). In-flight counts are exact and immediate;
+Stats lag by one probe interval, so they break ties. Prefix affinity (`PrefixAffinity`)
+overrides the choice when the worker that recently served the prompt's first blocks is no
+more than `slack` requests busier than the best one (SGLang's cache-aware router and
+Dynamo's KV router weigh the same two signals: cache overlap vs load).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections import OrderedDict
+from typing import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.pdserve.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+_SERVICE_NAMES = {"prefill": "pdserve.v1.PrefillWorker", "decode": "pdserve.v1.DecodeWorker"}
+
+
+class Worker:
+    def __init__(self, kind: str, address: str, stub_cls):
+        self.kind = kind
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.enable_retries", 0)])
+        self.stub = stub_cls(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.healthy = False
+        self.probed = False          # at least one probe finished
+        self.stats = None            # last PrefillStats / DecodeStats
+        self.in_flight = 0           # requests this gateway has on it now
+        self.requests_total = 0      # requests this gateway sent it
+        self.failures = 0
+        self.last_error = ""
+
+    @property
+    def worker_id(self) -> str:
+        return (self.stats.worker_id if self.stats is not None and self.stats.worker_id
+                else self.address)
+
+    def load_key(self):
+        s = self.stats
+        queued = (s.num_running + s.num_waiting) if s is not None else 0
+        free = s.free_kv_blocks if s is not None else 0
+        return self.in_flight, queued, -free
+
+    def mark_failed(self, error: str) -> None:
+        if self.healthy:
+            log.warning("%s worker %s marked unhealthy: %s", self.kind, self.address, error)
+        self.healthy = False
+        self.failures += 1
+        self.last_error = error
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)
+
+
+class WorkerPool:
+    """The workers of one role; kept in sync with a WorkerSet and probed periodically."""
+
+    def __init__(self, kind: str, stub_cls, health_interval_s: float, probe_timeout_s: float):
+        self.kind = kind
+        self._stub_cls = stub_cls
+        self.health_interval_s = health_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.workers: dict[str, Worker] = {}
+        self._task: asyncio.Task | None = None
+        self._service = _SERVICE_NAMES[kind]
+
+    async def on_change(self, added: list[str], removed: list[str]) -> None:
+        for a in removed:
+            w = self.workers.pop(a, None)
+            if w is not None:
+                await w.close()
+        new = [self.workers.setdefault(a, Worker(self.kind, a, self._stub_cls)) for a in added]
+        await asyncio.gather(*(self.probe(w) for w in new))
+
+    async def start(self) -> None:
+        await self.probe_all()
+        self._task = asyncio.create_task(self._run(), name=f"health-{self.kind}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await asyncio.gather(*(w.close() for w in self.workers.values()), return_exceptions=True)
+        self.workers.clear()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await self.probe_all()
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(w) for w in list(self.workers.values())))
+
+    async def probe(self, w: Worker) -> None:
+        """Health.Check (the service's name, "" if the server does not know it), then Stats."""
+        was = w.healthy
+        try:
+            status = await self._check(w)
+            healthy = status == health_pb2.HealthCheckResponse.SERVING
+            if healthy:
+                w.stats = await w.stub.Stats(common_pb2.StatsRequest(),
+                                             timeout=self.probe_timeout_s)
+            w.last_error = "" if healthy else f"health status {status}"
+        except grpc.aio.AioRpcError as e:
+            healthy = False
+            w.last_error = f"{e.code().name}: {e.details()}"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never let one bad worker stop the loop
+            healthy = False
+            w.last_error = f"{type(e).__name__}: {e}"
+        w.healthy, w.probed = healthy, True
+        if healthy and not was:
+            log.info("%s worker %s is healthy", self.kind, w.address)
+        elif was and not healthy:
+            log.warning("%s worker %s is unhealthy: %s", self.kind, w.address, w.last_error)
+
+    async def _check(self, w: Worker) -> int:
+        try:
+            r = await w.health.Check(health_pb2.HealthCheckRequest(service=self._service),
+                                     timeout=self.probe_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            r = await w.health.Check(health_pb2.HealthCheckRequest(service=""),
+                                     timeout=self.probe_timeout_s)
+        return r.status
+
+    def healthy(self, exclude: Sequence[str] = ()) -> list[Worker]:
+        return [w for w in self.workers.values() if w.healthy and w.address not in exclude]
+
+    def pick(self, exclude: Sequence[str] = (), affinity: "PrefixAffinity | None" = None,
+             hashes: Sequence[bytes] = (), slack: int = 2) -> Worker | None:
+        cands = self.healthy(exclude)
+        if not cands:
+            return None
+        best = min(cands, key=lambda w: (w.load_key(), w.requests_total))
+        if affinity is not None and hashes:
+            preferred = affinity.lookup(hashes, {w.address: w for w in cands})
+            if preferred is not None and preferred.in_flight <= best.in_flight + slack:
+                return preferred
+        return best
+
+    def block_size(self, default: int = 16) -> int:
+        for w in self.workers.values():
+            if w.stats is not None and w.stats.compat.block_size:
+                return w.stats.compat.block_size
+        return default
+
+
+class PrefixAffinity:
+    """Bounded LRU: hash of a prompt's first k full blocks -> the worker that served it."""
+
+    def __init__(self, capacity: int = 100_000, max_blocks: int = 64):
+        self.capacity = capacity
+        self.max_blocks = max_blocks
+        self._map: OrderedDict[bytes, str] = OrderedDict()
+
+    def block_hashes(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+        """Chained hashes of the full blocks (as the engine's prefix cache chains them)."""
+        out, h = [], b""
+        n = min(len(token_ids) // block_size, self.max_blocks)
+        for i in range(n):
+            block = token_ids[i * block_size:(i + 1) * block_size]
+            h = hashlib.blake2b(h + b"|" + ",".join(map(str, block)).encode(),
+                                digest_size=16).digest()
+            out.append(h)
+        return out
+
+    def lookup(self, hashes: Sequence[bytes], workers: dict[str, Worker]) -> Worker | None:
+        """The worker holding the longest matching prefix among `workers`."""
+        for h in reversed(hashes):
+            addr = self._map.get(h)
+            if addr is not None and addr in workers:
+                self._map.move_to_end(h)
+                return workers[addr]
+        return None
+
+    def record(self, hashes: Sequence[bytes], address: str) -> None:
+        for h in hashes:
+            self._map[h] = address
+            self._map.move_to_end(h)
+        while len(self._map) > self.capacity:
+            self._map.popitem(last=False)
+
