@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import replace
 from functools import lru_cache
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -212,9 +212,10 @@ async def _merge(gens: list) -> AsyncIterator[tuple[int, GenerateEvent]]:
 
 # -- server ---------------------------------------------------------------------------------
 
-async def serve(cfg: GatewayConfig, ready: Callable[[str], None] | None = None,
+async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
-    """Run the gateway until `stop` is set (or forever); `ready(address)` once SERVING."""
+    """Run the gateway until `stop` is set (or forever); `ready` is set once SERVING.
+    (The same shape as the workers' serve(cfg, ready, stop).)"""
     gw = Gateway(cfg)
     await gw.start()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -231,8 +232,9 @@ async def serve(cfg: GatewayConfig, ready: Callable[[str], None] | None = None,
     address = f"{cfg.host}:{port}"
     log.info("gateway serving %s on %s (prefill: %d, decode: %d workers)", gw.model_name,
              address, len(gw.prefill.workers), len(gw.decode.workers))
+    print(f"gateway ready on {address}", flush=True)
     if ready is not None:
-        ready(address)
+        ready.set()
     try:
         if stop is None:
             await server.wait_for_termination()
@@ -254,7 +256,7 @@ def run(cfg: GatewayConfig) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve(cfg, lambda addr: print(f"gateway ready on {addr}", flush=True), stop)
+        await serve(cfg, None, stop)
 
     uvloop.run(main())
     return 0

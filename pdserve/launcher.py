@@ -1,0 +1,211 @@
+"""`pdserve up`: N prefill + M decode workers and a gateway, as separate local processes.
+
+    pick free ports -> start workers -> each worker SERVING (gRPC health; workers report it
+    only after loading and warm-up) -> start gateway with their addresses -> gateway SERVING
+    -> print one line "pdserve ready: grpc=HOST:PORT ..." -> supervise
+
+Supervision: SIGINT/SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period)
+and exits 0; a child that dies on its own stops the rest and exits non-zero. Children also
+get SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so none is
+ever orphaned. Every wait has a deadline.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVICES = {"prefill": "pdserve.v1.PrefillWorker", "decode": "pdserve.v1.DecodeWorker",
+            "gateway": "pdserve.v1.Generation"}
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    role: str
+    address: str
+    argv: list[str]
+    popen: subprocess.Popen | None = None
+    log: IO | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+@dataclass
+class Launcher:
+    """Start/stop a whole local system. Also used by the e2e fixtures."""
+    model_dir: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    grpc_port: int = 0                      # 0: a free port
+    http_port: int = 0
+    log_dir: Path | None = None             # None: children inherit stdout/stderr
+    prefill_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    children: list[Child] = field(default_factory=list)
+
+    @property
+    def grpc_address(self) -> str:
+        return next(c.address for c in self.children if c.role == "gateway")
+
+    def workers(self, role: str) -> list[Child]:
+        return [c for c in self.children if c.role == role]
+
+    def start(self, timeout_s: float = 300.0, cancel: threading.Event | None = None) -> None:
+        """Start everything and wait until it is all SERVING; stops all on any failure
+        (or when `cancel` is set)."""
+        deadline = time.monotonic() + timeout_s
+        self._cancel = cancel or threading.Event()
+        try:
+            for role, n, extra in (("prefill", self.num_prefill, self.prefill_args),
+                                   ("decode", self.num_decode, self.decode_args)):
+                for i in range(n):
+                    port = free_port(self.host)
+                    self._spawn(Child(role, f"{self.host}:{port}", [
+                        role, "--model-dir", str(self.model_dir), "--host", self.host,
+                        "--port", str(port), "--worker-id", f"{role}-{i}", *extra]))
+            for c in list(self.children):
+                self._wait_serving(c, deadline)
+            port = self.grpc_port or free_port(self.host)
+            gw = [
+                "gateway", "--model", str(self.model_dir), "--host", self.host,
+                "--grpc-port", str(port), "--http-port", str(self.http_port),
+                "--prefill", ",".join(c.address for c in self.workers("prefill")),
+                "--decode", ",".join(c.address for c in self.workers("decode")),
+                *self.gateway_args]
+            self._spawn(Child("gateway", f"{self.host}:{port}", gw))
+            self._wait_serving(self.children[-1], deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, c: Child) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        out = None
+        if self.log_dir is not None:
+            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+            n = sum(1 for x in self.children if x.role == c.role)
+            c.log = open(Path(self.log_dir) / f"{c.role}-{n}.log", "wb")
+            out = c.log
+        c.popen = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *c.argv], env=env,
+                                   stdout=out, stderr=subprocess.STDOUT if out else None,
+                                   stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
+        self.children.append(c)
+
+    def _wait_serving(self, c: Child, deadline: float) -> None:
+        with grpc.insecure_channel(c.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                if self._cancel.is_set():
+                    raise LaunchError("interrupted while starting")
+                if c.popen.poll() is not None:
+                    raise LaunchError(f"{c.role} on {c.address} exited with code "
+                                      f"{c.popen.returncode} before it was ready")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LaunchError(f"{c.role} on {c.address} not SERVING in time")
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(service=SERVICES[c.role]),
+                                   timeout=min(1.0, left))
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                # a bounded pause between probes (the probe itself has its own deadline)
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.popen.poll() is not None), None)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child (gateway first), SIGKILL what is left after grace_s."""
+        for c in reversed(self.children):
+            if c.popen is not None and c.popen.poll() is None:
+                c.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in self.children:
+            if c.popen is None:
+                continue
+            try:
+                c.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.popen.kill()
+                c.popen.wait(5)
+            if c.log is not None:
+                c.log.close()
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="", help="HF model directory (default: the embedded tiny model)")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers (default: 1)")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers (default: 1)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port (0: any free)")
+    p.add_argument("--http-port", type=int, default=0, help="gateway REST port (0: off)")
+    p.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds to wait for every process to be SERVING")
+
+
+def main(args) -> int:
+    if args.prefill < 1 or args.decode < 1:
+        raise SystemExit("pdserve up: --prefill and --decode must be >= 1")
+    if args.model:
+        model = args.model
+    else:
+        from engine.tiny_model import ensure_default_model
+        model = str(ensure_default_model())
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    launcher = Launcher(model, args.prefill, args.decode, args.host, args.grpc_port, args.http_port)
+    try:
+        try:
+            launcher.start(args.ready_timeout, cancel=stop)
+        except LaunchError as e:
+            print(f"pdserve up: {e}", file=sys.stderr, flush=True)
+            return 1
+        w = {r: ",".join(c.address for c in launcher.workers(r)) for r in ("prefill", "decode")}
+        print(f"pdserve ready: grpc={launcher.grpc_address} prefill={w['prefill']} "
+              f"decode={w['decode']} model={model}", flush=True)
+        while not stop.wait(0.5):
+            dead = launcher.dead_child()
+            if dead is not None:
+                print(f"pdserve up: {dead.role} on {dead.address} exited with code "
+                      f"{dead.popen.returncode}; stopping everything", file=sys.stderr, flush=True)
+                return 1
+        return 0
+    finally:
+        launcher.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)
