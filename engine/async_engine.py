@@ -140,14 +140,16 @@ class AsyncEngine:
         return await self.call(cmd)
 
     async def abort(self, request_id: str) -> bool:
-        """Abort (frees its blocks, even a finished prefill-only request's); ends its stream
-        with a finish_reason="abort" output. False if the engine did not know the id."""
+        """Abort (frees its blocks, even a finished prefill-only request's); a stream being
+        read ends with a finish_reason="abort" output, an unclaimed one is dropped. False if
+        the engine did not know the id."""
         def cmd():
             found = self.engine.abort_request(request_id)
             q = self._streams.pop(request_id, None)
             if q is not None:
                 self._put(q, RequestOutput(request_id, [], [], [], "", True, "abort"))
             return found
+        self._unclaimed.pop(request_id, None)      # an unclaimed stream is dropped
         return await self.call(cmd)
 
     async def release(self, request_id: str) -> None:
