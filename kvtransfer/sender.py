@@ -73,13 +73,14 @@ class _Peer:
 
 class KVSender:
     def __init__(self, kv_cache: torch.Tensor, compat: CompatKey, transport: Transport, *,
-                 connect_timeout_s: float = 5.0):
+                 connect_timeout_s: float = 5.0, max_inflight: int = 4):
         check_cache_shape(kv_cache)
         CompatKey.from_cache(kv_cache, compat.model).check(compat, "kv_cache", "compat")
         self.kv_cache = kv_cache
         self.compat = compat
         self.transport = transport
         self.connect_timeout_s = connect_timeout_s
+        self.max_inflight = max_inflight      # layer messages posted but not yet completed
         self._block_bytes = block_bytes(kv_cache)
         self._pin = kv_cache.is_cuda
         self._peers: dict[str, _Peer] = {}
@@ -238,24 +239,37 @@ class KVSender:
         self.compat.check(CompatKey.from_json(body), "prefill", "decode")
 
     async def _write_loop(self, peer: _Peer) -> None:
+        """Post each message's two sends in queue order (UCX keeps per-endpoint order) with
+        up to `max_inflight` messages in flight, so per-message round trips overlap."""
+        slots = asyncio.Semaphore(self.max_inflight)
         while True:
             h, hdr, body, fut = await peer.queue.get()
             if h.cancelled or fut.done():
                 fut.cancel()
                 continue
-            try:
-                await peer.conn.send(hdr)
-                await peer.conn.send(body)
-            except Exception as e:
-                if not fut.done():
-                    fut.set_exception(TransportError(f"KV send to {peer.endpoint} failed: {e}"))
-                await self._drop(peer, TransportError(f"KV endpoint {peer.endpoint} is gone: {e}"))
+            await slots.acquire()
+            if peer.error is not None:
+                fut.set_exception(peer.error)
                 return
+            loop = asyncio.get_running_loop()
+            sends = [loop.create_task(peer.conn.send(hdr)), loop.create_task(peer.conn.send(body))]
+            loop.create_task(self._complete(peer, sends, hdr, fut, slots))
+
+    async def _complete(self, peer: _Peer, sends, hdr: bytes, fut, slots: asyncio.Semaphore) -> None:
+        try:
+            await asyncio.gather(*sends)
+        except Exception as e:
             if not fut.done():
-                fut.set_result(None)
-            n = Header.unpack(hdr).num_blocks
-            self.blocks_sent += n
-            self.bytes_sent += n * self._block_bytes
+                fut.set_exception(TransportError(f"KV send to {peer.endpoint} failed: {e}"))
+            await self._drop(peer, TransportError(f"KV endpoint {peer.endpoint} is gone: {e}"))
+            return
+        finally:
+            slots.release()
+        if not fut.done():
+            fut.set_result(None)
+        n = Header.unpack(hdr).num_blocks
+        self.blocks_sent += n
+        self.bytes_sent += n * self._block_bytes
 
     async def _watch(self, peer: _Peer) -> None:
         """The receiver sends nothing after the handshake: any recv result means it closed."""
