@@ -1,0 +1,336 @@
+"""pdserve.telemetry: exact scraped values, tracing off/on, W3C propagation over gRPC, energy."""
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve import telemetry as tm
+
+
+def scrape(text: str) -> dict[tuple, float]:
+    """{(sample name, frozenset(labels)): value} from the plain text format."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples, name, **labels):
+    return samples[(name, frozenset(labels.items()))]
+
+
+def stats(**kw):
+    base = dict(num_running=0, num_waiting=0, num_waiting_for_remote_kv=0, num_free_blocks=100,
+                num_total_blocks=100, num_held_blocks=0, queued_prefill_tokens=0,
+                num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0)
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.fixture(autouse=True)
+def _tracing_off():
+    tm.shutdown_tracing()
+    yield
+    tm.shutdown_tracing()
+
+
+# ----------------------------------------------------------------------------- metrics
+def test_gateway_counters_and_histograms_exact():
+    m = tm.Metrics("gateway")
+    m.observe_finished(0.3, prompt_tokens=10, gen_tokens=5, finish_reason="stop", ttft_s=0.05)
+    m.observe_finished(2.0, prompt_tokens=7, gen_tokens=16, finish_reason="length", ttft_s=0.5)
+    m.observe_finished(0.01, prompt_tokens=3, gen_tokens=0, finish_reason="abort")
+    m.observe_itl(0.02, num_tokens=2)          # two tokens at once: two observations of 0.01
+    m.observe_itl(0.003)
+    m.observe_error("UNAVAILABLE")
+    m.observe_error("UNAVAILABLE")
+    m.observe_error("INVALID_ARGUMENT")
+    m.observe_kv_fallback("retry")
+    s = scrape(tm.render_metrics(m.registry).decode())
+    g = {"role": "gateway"}
+    assert value(s, "pdserve:prompt_tokens_total", **g) == 20
+    assert value(s, "pdserve:generation_tokens_total", **g) == 21
+    assert value(s, "pdserve:request_success_total", finished_reason="stop", **g) == 1
+    assert value(s, "pdserve:request_success_total", finished_reason="length", **g) == 1
+    assert value(s, "pdserve:request_success_total", finished_reason="abort", **g) == 1
+    assert value(s, "pdserve:request_errors_total", code="UNAVAILABLE", **g) == 2
+    assert value(s, "pdserve:request_errors_total", code="INVALID_ARGUMENT", **g) == 1
+    assert value(s, "pdserve:kv_transfer_fallbacks_total", kind="retry", **g) == 1
+    assert value(s, "pdserve:time_to_first_token_seconds_count", **g) == 2
+    assert value(s, "pdserve:time_to_first_token_seconds_bucket", le="0.1", **g) == 1
+    assert value(s, "pdserve:time_to_first_token_seconds_bucket", le="+Inf", **g) == 2
+    assert value(s, "pdserve:time_to_first_token_seconds_sum", **g) == pytest.approx(0.55)
+    assert value(s, "pdserve:e2e_request_latency_seconds_count", **g) == 3
+    assert value(s, "pdserve:e2e_request_latency_seconds_bucket", le="0.01", **g) == 1
+    assert value(s, "pdserve:e2e_request_latency_seconds_bucket", le="0.5", **g) == 2
+    assert value(s, "pdserve:inter_token_latency_seconds_count", **g) == 3
+    assert value(s, "pdserve:inter_token_latency_seconds_bucket", le="0.005", **g) == 1
+    assert value(s, "pdserve:inter_token_latency_seconds_bucket", le="0.01", **g) == 3
+    # Worker-only families are not exported by the gateway (no double counting in sums).
+    names = {k[0] for k in s}
+    assert "pdserve:kv_cache_usage_perc" not in names
+    assert "pdserve:energy_joules_total" not in names
+
+
+def test_request_timer_ttft_then_itl():
+    m = tm.Metrics("gateway")
+    t = m.request_timer()
+    t.token(1)
+    t.token(1)
+    t.token(3)
+    assert t.finish(prompt_tokens=4, gen_tokens=5, finish_reason="stop") >= t.ttft_s >= 0
+    s = scrape(tm.render_metrics(m.registry).decode())
+    assert value(s, "pdserve:time_to_first_token_seconds_count", role="gateway") == 1
+    assert value(s, "pdserve:inter_token_latency_seconds_count", role="gateway") == 4
+    assert value(s, "pdserve:e2e_request_latency_seconds_count", role="gateway") == 1
+    with m.in_flight():
+        s = scrape(tm.render_metrics(m.registry).decode())
+        assert value(s, "pdserve:num_requests_running", role="gateway") == 1
+
+
+def test_engine_stats_gauges_and_counter_deltas():
+    m = tm.Metrics("decode")
+    m.set_engine_stats(stats(num_running=3, num_waiting=1, num_waiting_for_remote_kv=2,
+                             num_free_blocks=25, queued_prefill_tokens=40, num_preemptions=2,
+                             prefix_cache_queries=100, prefix_cache_hits=30))
+    m.set_engine_stats(stats(num_running=5, num_free_blocks=60, num_preemptions=3,
+                             prefix_cache_queries=164, prefix_cache_hits=62))
+    m.set_engine_stats(stats(num_running=5, num_free_blocks=60, num_preemptions=3,
+                             prefix_cache_queries=164, prefix_cache_hits=62))   # unchanged
+    s = scrape(tm.render_metrics(m.registry).decode())
+    d = {"role": "decode"}
+    assert value(s, "pdserve:num_requests_running", **d) == 5
+    assert value(s, "pdserve:num_requests_waiting", **d) == 0
+    assert value(s, "pdserve:kv_cache_usage_perc", **d) == pytest.approx(0.4)
+    assert value(s, "pdserve:prefill_queue_tokens", **d) == 0
+    assert value(s, "pdserve:num_preemptions_total", **d) == 3
+    assert value(s, "pdserve:prefix_cache_queries_total", **d) == 164
+    assert value(s, "pdserve:prefix_cache_hits_total", **d) == 62
+    # A new engine (totals restart from zero): its values count in full.
+    m.set_engine_stats(stats(num_preemptions=1, prefix_cache_queries=10, prefix_cache_hits=4))
+    s = scrape(tm.render_metrics(m.registry).decode())
+    assert value(s, "pdserve:num_preemptions_total", **d) == 4
+    assert value(s, "pdserve:prefix_cache_hits_total", **d) == 66
+
+
+def test_worker_phases_and_kv_transfer():
+    m = tm.Metrics("prefill")
+    m.set_engine_stats(stats(num_waiting=4, queued_prefill_tokens=8192))
+    m.observe_phases(queue_s=0.002, prefill_s=0.2)
+    m.observe_phases(queue_s=0.03)
+    m.observe_kv_transfer(4096, 0.004)
+    m.observe_kv_transfer(1024, 0.2)
+    m.observe_kv_failure()
+    m.observe_kv_fallback("recompute")
+    s = scrape(tm.render_metrics(m.registry).decode())
+    p = {"role": "prefill"}
+    assert value(s, "pdserve:num_requests_waiting", **p) == 4
+    assert value(s, "pdserve:prefill_queue_tokens", **p) == 8192
+    assert value(s, "pdserve:request_queue_time_seconds_count", **p) == 2
+    assert value(s, "pdserve:request_queue_time_seconds_bucket", le="0.005", **p) == 1
+    assert value(s, "pdserve:request_prefill_time_seconds_count", **p) == 1
+    assert value(s, "pdserve:request_decode_time_seconds_count", **p) == 0
+    assert value(s, "pdserve:kv_transfer_bytes_total", **p) == 5120
+    assert value(s, "pdserve:kv_transfer_seconds_count", **p) == 2
+    assert value(s, "pdserve:kv_transfer_seconds_bucket", le="0.005", **p) == 1
+    assert value(s, "pdserve:kv_transfer_failures_total", **p) == 1
+    assert value(s, "pdserve:kv_transfer_fallbacks_total", kind="recompute", **p) == 1
+    assert ("pdserve:request_success_total", frozenset()) not in s
+
+
+def test_registries_are_per_object_and_role_checked():
+    a, b = tm.Metrics("decode"), tm.Metrics("decode")     # no clash: not the global registry
+    a.observe_kv_failure()
+    s = scrape(tm.render_metrics(b.registry).decode())
+    assert value(s, "pdserve:kv_transfer_failures_total", role="decode") == 0
+    with pytest.raises(ValueError):
+        tm.Metrics("router")
+
+
+def test_metrics_http_server_plain_text_even_for_openmetrics_accept():
+    m = tm.Metrics("decode")
+    m.observe_kv_transfer(10)
+    server, port = tm.start_metrics_server(m.registry, "127.0.0.1", 0)
+    try:
+        assert port > 0
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.headers["Content-Type"].startswith("text/plain")
+            text = r.read().decode()
+        assert value(scrape(text), "pdserve:kv_transfer_bytes_total", role="decode") == 10
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=5)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_metrics_asgi_app_on_fastapi_exact_path():
+    fastapi = pytest.importorskip("fastapi")
+    import httpx
+    m = tm.Metrics("gateway")
+    m.observe_finished(0.1, 3, 2, "stop")
+    app = fastapi.FastAPI()
+    app.add_route("/metrics", tm.metrics_asgi_app(m.registry))
+
+    async def get():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get("/metrics")
+    r = asyncio.run(get())
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert value(scrape(r.text), "pdserve:prompt_tokens_total", role="gateway") == 3
+
+
+# ----------------------------------------------------------------------------- tracing
+def test_tracing_off_is_a_noop(monkeypatch):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    assert tm.setup_tracing("pdserve-test") is False
+    assert not tm.tracing_enabled() and tm._provider is None
+    with tm.span("pdserve.generate", None, tm.tracing_enabled() and {"x": 1}) as sp:
+        assert not sp.is_recording()
+        md = [("a", "b")]
+        assert tm.inject_metadata(md) is md
+    assert tm.span("a") is tm.span("b")                   # one shared manager, nothing allocated
+    assert tm.extract_context({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}) is None
+    assert not tm.start_span("x").is_recording()
+    tm.record_span("x", None, 0.0, 1.0)
+
+
+def test_otlp_endpoint_turns_tracing_on(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")   # nothing listens
+    assert tm.setup_tracing("pdserve-test") is True
+    tm.shutdown_tracing()
+    assert not tm.tracing_enabled()
+
+
+def test_spans_attributes_and_recorded_span():
+    exp = InMemorySpanExporter()
+    assert tm.setup_tracing("pdserve-test", exporter=exp)
+    import time
+    t0 = time.monotonic()
+    with tm.span("pdserve.prefill", None, tm.tracing_enabled() and {"request_id": "r1"}) as sp:
+        tm.record_span("pdserve.prefill.queue", None, t0, t0 + 0.001)
+        with tm.span("pdserve.kv.send") as kv:
+            kv.add_event("layer", {"layer": 0})
+    spans = {s.name: s for s in exp.get_finished_spans()}
+    assert set(spans) == {"pdserve.prefill", "pdserve.prefill.queue", "pdserve.kv.send"}
+    root = spans["pdserve.prefill"]
+    assert root.attributes["request_id"] == "r1" and root.parent is None
+    assert root.resource.attributes["service.name"] == "pdserve-test"
+    for child in ("pdserve.prefill.queue", "pdserve.kv.send"):
+        assert spans[child].parent.span_id == sp.get_span_context().span_id
+    q = spans["pdserve.prefill.queue"]
+    assert abs((q.end_time - q.start_time) - 1_000_000) < 1000   # both ends, one clock offset
+    assert [e.name for e in spans["pdserve.kv.send"].events] == ["layer"]
+
+
+def test_span_file_writes_json_lines(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    tm.setup_tracing("pdserve-gateway", span_file=str(path))
+    with tm.span("pdserve.generate", None, {"request_id": "r"}) as root:
+        with tm.span("child"):
+            pass
+    tm.shutdown_tracing()
+    spans = tm.read_span_file(str(path))
+    by = {s["name"]: s for s in spans}
+    assert by["child"]["parent_span_id"] == by["pdserve.generate"]["span_id"]
+    assert by["child"]["trace_id"] == by["pdserve.generate"]["trace_id"] == \
+        format(root.get_span_context().trace_id, "032x")
+    assert by["pdserve.generate"]["service"] == "pdserve-gateway"
+    assert by["pdserve.generate"]["attributes"] == {"request_id": "r"}
+
+
+def test_propagation_over_grpc_aio():
+    """A client span injected into metadata is the parent of the server's span."""
+    exp = InMemorySpanExporter()
+    tm.setup_tracing("pdserve-test", exporter=exp)
+
+    async def handler(request: bytes, context) -> bytes:
+        with tm.span("server", tm.extract_context(context)):
+            return request
+
+    async def main():
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "test.Echo", {"Call": grpc.unary_unary_rpc_method_handler(handler)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = ch.unary_unary("/test.Echo/Call")
+                with tm.span("client") as client_span:
+                    md = tm.inject_metadata([("x-other", "1")])
+                    assert md[0] == ("x-other", "1") and md[1][0] == "traceparent"
+                    assert await call(b"hi", metadata=md, timeout=10) == b"hi"
+                assert await call(b"no-parent", timeout=10) == b"no-parent"
+        finally:
+            await server.stop(None)
+        return client_span.get_span_context()
+
+    client_ctx = asyncio.run(main())
+    servers = [s for s in exp.get_finished_spans() if s.name == "server"]
+    assert len(servers) == 2
+    child, orphan = servers
+    assert child.context.trace_id == client_ctx.trace_id
+    assert child.parent.span_id == client_ctx.span_id and child.parent.is_remote
+    assert orphan.parent is None and orphan.context.trace_id != client_ctx.trace_id
+
+
+# ----------------------------------------------------------------------------- energy
+class FakePower:
+    def __init__(self, *watts):
+        self.watts, self.calls = list(watts), 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.watts.pop(0) if len(self.watts) > 1 else self.watts[0]
+
+
+def test_energy_attribution_by_token_share():
+    m = tm.Metrics("decode")
+    meter = tm.EnergyMeter(FakePower(200.0, 100.0), on_joules=m.add_energy, min_interval_s=0)
+    assert meter.available
+    meter.step(0.5, {"a": 30, "b": 10})          # 100 J: a 75, b 25
+    meter.step(0.2, {"b": 1, "c": 1})            # 20 J: b 10, c 10
+    meter.step(0.1, {})                          # 10 J: nobody's, still counted
+    assert meter.pop("a") == pytest.approx(75.0)
+    assert meter.pop("b") == pytest.approx(35.0)
+    assert meter.pop("b") == 0.0                 # forgotten after pop
+    assert meter.pop("c") == pytest.approx(10.0)
+    assert meter.pop("never-seen") == 0.0
+    assert meter.total_joules == pytest.approx(130.0)
+    s = scrape(tm.render_metrics(m.registry).decode())
+    assert value(s, "pdserve:energy_joules_total", role="decode") == pytest.approx(130.0)
+
+
+def test_energy_power_read_rate_limited_and_unavailable():
+    power = FakePower(100.0)
+    meter = tm.EnergyMeter(power, min_interval_s=3600)
+    meter.step(0.1, {"a": 1})
+    meter.step(0.1, {"a": 1})                    # reuses the first reading
+    assert power.calls == 1 and meter.pop("a") == pytest.approx(20.0)
+    # No NVML here (or anywhere pynvml fails): absent, not zero.
+    m = tm.Metrics("prefill")
+    off = tm.EnergyMeter(None, on_joules=m.add_energy)
+    off.step(1.0, {"a": 5})
+    assert not off.available and off.pop("a") is None
+    assert "pdserve:energy_joules" not in tm.render_metrics(m.registry).decode()
+    # A reader that fails mid-run (None) attributes nothing.
+    flaky = tm.EnergyMeter(lambda: None, min_interval_s=0)
+    flaky.step(1.0, {"a": 5})
+    assert flaky.pop("a") == 0.0
+
+
+def test_nvml_reader_absent_without_gpu(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "pynvml", None)       # import fails
+    assert tm.nvml_power_reader() is None
+    assert not tm.EnergyMeter.for_gpu().available
