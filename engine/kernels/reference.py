@@ -21,10 +21,12 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                    slot_mapping: torch.Tensor) -> None:
     """Scatter k/v [T, H_kv, D] into their slots; slot < 0 means "skip this token"."""
     nb, bs, h, d = k_cache.shape
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(nb * bs, h, d)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(nb * bs, h, d)[slots] = v[keep].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_cache.view(nb * bs, h, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -77,7 +79,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scores = (qf @ k) * scale                                     # [B, H_kv, g, L]
     valid = torch.arange(nblk * bs, device=q.device) < context_lens.unsqueeze(1)  # [B, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    return (scores.softmax(-1) @ v).reshape(B, hq, D).to(q.dtype)
+    out = (scores.softmax(-1) @ v).reshape(B, hq, D)
+    out[context_lens == 0] = 0.0                                  # padding rows (CUDA graphs)
+    return out.to(q.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
