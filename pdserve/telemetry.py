@@ -99,6 +99,9 @@ class Metrics:
         self.role = role
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._stats_source: Callable[[], Any] | None = None
+        # Registered first, so a scrape refreshes the engine gauges before reading them.
+        r.register(_BeforeScrape(self._refresh))
 
         def counter(name, doc, *labels):
             return Counter(PREFIX + name, doc, ("role", *labels), registry=r)
@@ -213,6 +216,19 @@ class Metrics:
         e.inc(joules)
 
     # ---------------------------------------------------------------- workers
+    def watch_engine(self, stats_fn: Callable[[], Any]) -> None:
+        """Call `set_engine_stats(stats_fn())` at every scrape (e.g. AsyncEngine.stats, a
+        snapshot that never blocks), so no timer is needed."""
+        self._stats_source = stats_fn
+
+    def _refresh(self) -> None:
+        fn = self._stats_source
+        if fn is not None:
+            try:
+                self.set_engine_stats(fn())
+            except Exception:   # a scrape must not fail because of one source
+                log.exception("engine stats for metrics failed")
+
     def set_engine_stats(self, stats: Any) -> None:
         """From an engine.outputs.EngineStats (or anything with its attributes): gauges are
         set; the engine's monotonic totals feed the counters by difference."""
@@ -249,6 +265,20 @@ class Metrics:
 
     def observe_kv_failure(self) -> None:
         self.kv_transfer_failures.inc()
+
+
+class _BeforeScrape:
+    """A collector that yields nothing: it runs `fn` when the registry is collected."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        self.fn()
+        return []
 
 
 class RequestTimer:
@@ -515,13 +545,13 @@ def record_span(name: str, parent: Any, start_monotonic: float, end_monotonic: f
     s.end(end_time=monotonic_to_ns(end_monotonic, off))
 
 
-def inject_metadata(metadata: list | tuple | None = None) -> list | tuple | None:
-    """Client side: the call's metadata plus traceparent/tracestate of the current span.
-    Off, or no current span: `metadata` itself, unchanged."""
+def inject_metadata(metadata: list | tuple | None = None, parent: Any = None) -> list | tuple | None:
+    """Client side: the call's metadata plus traceparent/tracestate of `parent` (a Span or
+    Context; None: the current span). Off, or no span: `metadata` itself, unchanged."""
     if _tracer is None:
         return metadata
     carrier: dict[str, str] = {}
-    _propagator.inject(carrier)
+    _propagator.inject(carrier, context=_as_context(parent))
     if not carrier:
         return metadata
     return [*(metadata or ()), *carrier.items()]
@@ -618,3 +648,79 @@ class EnergyMeter:
             return None
         with self._lock:
             return self._joules.pop(request_id, 0.0)
+
+
+def instrument_engine_steps(engine: Any, meter: EnergyMeter) -> bool:
+    """Feed `meter.step` from every `engine.step()` of an engine.llm_engine.LLMEngine
+    (duck-typed: `engine.step()` and `engine.scheduler.schedule()` returning an object whose
+    `.scheduled` items have `.request.request_id` and `.num_new_tokens`). Call it on the
+    thread that owns the engine, before it steps. Does nothing (False) when the meter has no
+    power reading, so CPU hosts pay nothing."""
+    if not meter.available:
+        return False
+    scheduler = engine.scheduler
+    schedule, step = scheduler.schedule, engine.step
+    last: list[Any] = [None]
+
+    def schedule_and_keep(*args, **kwargs):
+        last[0] = out = schedule(*args, **kwargs)
+        return out
+
+    def metered_step(*args, **kwargs):
+        last[0] = None
+        t0 = time.perf_counter()
+        try:
+            return step(*args, **kwargs)       # samples: the GPU work is done when it returns
+        finally:
+            sched = last[0]
+            if sched:
+                meter.step(time.perf_counter() - t0,
+                           {s.request.request_id: s.num_new_tokens for s in sched.scheduled})
+
+    scheduler.schedule = schedule_and_keep
+    engine.step = metered_step
+    return True
+
+
+def gpu_index(device: str) -> int | None:
+    """The NVML index of a torch device string ("cuda", "cuda:1"); None for CPU. Honours a
+    numeric CUDA_VISIBLE_DEVICES (torch's index i is the i-th listed GPU)."""
+    if not device.startswith("cuda"):
+        return None
+    i = int(device.split(":", 1)[1]) if ":" in device else 0
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible and all(v.strip().isdigit() for v in visible) and i < len(visible):
+        return int(visible[i])
+    return i
+
+
+class RoleTelemetry:
+    """What one server process sets up: tracing, its Metrics (+ /metrics server), and for a
+    worker on a GPU an EnergyMeter fed by its engine's steps. See `start_role_telemetry`."""
+
+    def __init__(self, metrics: Metrics, meter: EnergyMeter, server: Any, port: int):
+        self.metrics, self.meter, self.server, self.port = metrics, meter, server, port
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+        shutdown_tracing()
+
+
+def start_role_telemetry(role: str, *, host: str = "0.0.0.0", metrics_port: int | None = None,
+                         trace_file: str = "", device: str = "cpu",
+                         service_name: str = "") -> RoleTelemetry:
+    """Tracing as `pdserve-<role>` (trace_file: JSON-lines spans, see setup_tracing), a
+    Metrics, a /metrics server on metrics_port when it is given (0: a free port; None: none,
+    e.g. the gateway serves /metrics on its HTTP app), an EnergyMeter for a CUDA device."""
+    setup_tracing(service_name or f"pdserve-{role}", span_file=trace_file or None)
+    metrics = Metrics(role)
+    server, port = (None, 0)
+    if metrics_port is not None:
+        server, port = start_metrics_server(metrics.registry, host, metrics_port)
+        log.info("%s metrics on http://%s:%d/metrics", role, host, port)
+    idx = gpu_index(device) if role != "gateway" else None
+    meter = EnergyMeter(nvml_power_reader(idx) if idx is not None else None, metrics.add_energy)
+    return RoleTelemetry(metrics, meter, server, port)

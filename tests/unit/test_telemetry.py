@@ -334,3 +334,63 @@ def test_nvml_reader_absent_without_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)       # import fails
     assert tm.nvml_power_reader() is None
     assert not tm.EnergyMeter.for_gpu().available
+
+
+def test_watch_engine_refreshes_at_scrape():
+    m = tm.Metrics("prefill")
+    current = [stats(num_running=1, prefix_cache_queries=10)]
+    m.watch_engine(lambda: current[0])
+    s = scrape(tm.render_metrics(m.registry).decode())
+    assert value(s, "pdserve:num_requests_running", role="prefill") == 1
+    current[0] = stats(num_running=7, prefix_cache_queries=25)
+    s = scrape(tm.render_metrics(m.registry).decode())
+    assert value(s, "pdserve:num_requests_running", role="prefill") == 7
+    assert value(s, "pdserve:prefix_cache_queries_total", role="prefill") == 25
+
+
+def test_inject_metadata_from_an_explicit_span():
+    exp = InMemorySpanExporter()
+    tm.setup_tracing("pdserve-test", exporter=exp)
+    sp = tm.start_span("pdserve.generate")           # not current (as in an async generator)
+    md = tm.inject_metadata(None, sp)
+    ctx = sp.get_span_context()
+    assert dict(md)["traceparent"].startswith(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-")
+    with tm.span("server", tm.extract_context(dict(md))) as child:
+        pass
+    sp.end()
+    assert child.parent.span_id == ctx.span_id
+
+
+def test_instrument_engine_steps_attributes_scheduled_tokens():
+    from types import SimpleNamespace as NS
+
+    class Engine:
+        def __init__(self):
+            self.scheduler = NS(schedule=lambda: NS(scheduled=[
+                NS(request=NS(request_id="a"), num_new_tokens=3),
+                NS(request=NS(request_id="b"), num_new_tokens=1)]))
+
+        def step(self):
+            self.scheduler.schedule()
+            return ["out"]
+
+    eng = Engine()
+    assert not tm.instrument_engine_steps(eng, tm.EnergyMeter(None))
+    meter = tm.EnergyMeter(lambda: 100.0, min_interval_s=0)
+    assert tm.instrument_engine_steps(eng, meter)
+    assert eng.step() == ["out"]
+    a, b = meter.pop("a"), meter.pop("b")
+    assert a > 0 and a == pytest.approx(3 * b)
+    assert tm.gpu_index("cpu") is None and tm.gpu_index("cuda:1") == 1
+
+
+def test_role_telemetry_worker_without_gpu(tmp_path):
+    t = tm.start_role_telemetry("decode", host="127.0.0.1", metrics_port=0,
+                                trace_file=str(tmp_path / "s.jsonl"))
+    try:
+        assert t.port > 0 and tm.tracing_enabled() and not t.meter.available
+        with urllib.request.urlopen(f"http://127.0.0.1:{t.port}/metrics", timeout=5) as r:
+            assert b"pdserve:kv_cache_usage_perc" in r.read()
+    finally:
+        t.close()
+    assert not tm.tracing_enabled()
