@@ -231,7 +231,12 @@ class Metrics:
 
     def set_engine_stats(self, stats: Any) -> None:
         """From an engine.outputs.EngineStats (or anything with its attributes): gauges are
-        set; the engine's monotonic totals feed the counters by difference."""
+        set; the engine's monotonic totals feed the counters by difference. Thread-safe
+        (concurrent scrapes)."""
+        with self._lock:
+            self._set_engine_stats(stats)
+
+    def _set_engine_stats(self, stats: Any) -> None:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting + getattr(stats, "num_waiting_for_remote_kv", 0))
         total = stats.num_total_blocks
