@@ -65,15 +65,18 @@ class Worker:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-4000:]
 
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()                 # SIGTERM: drain, then exit
+
     def stop(self) -> None:
         self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        self.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
         self._log.close()
 
 
@@ -98,6 +101,8 @@ def workers(model_dir, tmp_path_factory):
             w.wait_serving()
         yield pre, dec, bad
     finally:
+        for w in started:       # all at once: interpreter teardown takes seconds each
+            w.terminate()
         for w in started:
             w.stop()
 
@@ -293,3 +298,27 @@ def test_invalid_arguments(workers):
         p.Prefill(prefill_pb2.PrefillRequest(request_id="bad2", prompt_token_ids=[1] * 5000,
                                              sampling=_greedy(2)), timeout=5)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length" in e.value.details()
+
+
+def test_sigterm_drains_in_flight_then_exits(workers):
+    """Last test: drains the block-size-16 decode worker. In flight: a reservation that
+    expires after 1.5 s (nobody prefills it). New calls are refused with UNAVAILABLE."""
+    _, _, w = workers
+    d = decode_pb2_grpc.DecodeWorkerStub(w.channel)
+    stream = d.Decode(decode_pb2.DecodeRequest(
+        request_id="drain-" + uuid.uuid4().hex, prompt_token_ids=_prompt(20, 8), sampling=_greedy(3),
+        kv_timeout_ms=1500, kv_failure_policy=decode_pb2.KV_FAILURE_POLICY_FAIL), timeout=20)
+    next(stream)
+    w.terminate()
+    health = health_pb2_grpc.HealthStub(w.channel)
+    deadline = time.monotonic() + 5
+    while health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "still SERVING 5 s after SIGTERM"
+        time.sleep(0.05)
+    with pytest.raises(grpc.RpcError) as e:
+        next(d.Decode(decode_pb2.DecodeRequest(request_id="late", prompt_token_ids=[1, 2, 3],
+                                               sampling=_greedy(2)), timeout=5))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+    msgs = list(stream)                                       # the in-flight call still ends cleanly
+    assert msgs[-1].tokens.finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert w.proc.wait(20) == 0
