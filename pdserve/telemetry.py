@@ -65,7 +65,7 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from opentelemetry.trace import INVALID_SPAN, Span, set_span_in_context
+from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode, get_current_span, set_span_in_context
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
@@ -524,6 +524,16 @@ def start_span(name: str, parent: Any = None, attributes: Mapping[str, Any] | No
         return INVALID_SPAN
     return t.start_span(name, context=_as_context(parent), attributes=attributes or None,
                         start_time=start_time_ns)
+
+
+def current_span():
+    """The current span (a non-recording one when off or outside any span)."""
+    return get_current_span()
+
+
+def error_status(message: str) -> Status:
+    """`span.set_status(error_status(msg))` marks a span as failed."""
+    return Status(StatusCode.ERROR, message)
 
 
 def monotonic_to_ns(t_monotonic: float, offset_ns: int | None = None) -> int:
