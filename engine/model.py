@@ -65,10 +65,12 @@ class Attention(nn.Module):
         K.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.decode_only:
             o = K.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                         meta.context_lens, self.scale)
+                                         meta.context_lens, self.scale,
+                                         max_context_len=meta.max_context_len)
         else:
             o = K.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                          meta.cu_seqlens_q, meta.context_lens, self.scale)
+                                          meta.cu_seqlens_q, meta.context_lens, self.scale,
+                                          max_q_len=meta.max_q_len)
         return self.o_proj(o.reshape(T, self.q_size))
 
 

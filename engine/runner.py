@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cuda_graph import DecodeGraphs
 from .model import AttentionMetadata, CausalLM
 from .scheduler import SchedulerOutput
 
@@ -30,7 +31,10 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype, device="cpu"):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype, device="cpu",
+                 max_num_seqs: int = 256, decode_graphs: bool | None = None):
+        """`decode_graphs`: replay decode steps from CUDA graphs (None: on CUDA only; True on
+        CPU runs the same padded static-buffer path eagerly, for tests)."""
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         self.num_blocks = num_blocks
@@ -38,6 +42,12 @@ class ModelRunner:
         self.kv_cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads,
                                     c.head_dim, dtype=dtype, device=device)
         model.bind_kv_cache(self.kv_cache)
+        if decode_graphs is None:
+            decode_graphs = torch.device(device).type == "cuda"
+        self.graphs = None
+        if decode_graphs:
+            self.graphs = DecodeGraphs(model, max_num_seqs, -(-c.max_model_len // block_size), device)
+            self.graphs.capture()
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -65,6 +75,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_hook=None) -> ModelOutput:
         input_ids, positions, meta = self.prepare(out)
+        if (self.graphs is not None and meta.decode_only and layer_hook is None
+                and len(out.scheduled) <= self.graphs.max_batch):
+            # every decode row samples; no prompt logprobs in a decode step
+            return ModelOutput(self.graphs.run(input_ids, positions, meta).cpu(),
+                               list(out.scheduled), {})
         hidden = self.model(input_ids, positions, meta, layer_hook)
         cu = meta.cu_seqlens_q.tolist()
         rows = [b for b, s in enumerate(out.scheduled) if s.samples]
