@@ -3,7 +3,8 @@
     python bench/kvtransfer.py [--runs 5] [--sizes 64K,1M,16M,256M] [--skip-perftest]
 
 Rows (GB/s, median of --runs, same run, same machine):
-  ucx_perftest tag_bw (C)    the ceiling on the same UCX transport (tcp; and sm if it runs)
+  ucx_perftest tag_bw (C)    the ceiling on the same UCX transport (tcp; and sm if it runs),
+                             median of --perftest-runs (3) process pairs
   pdserve UcxTransport       kvtransfer.ucx Connection.send/recv, what KVSender/KVReceiver use
   shared memory, 2 copies    writer -> multiprocessing.shared_memory -> reader
   asyncio TCP socket         loop.sock_sendall / sock_recv_into on 127.0.0.1
@@ -37,8 +38,8 @@ CTRL = struct.Struct("<QQ")  # (message size, messages) ; size 0 = stop
 
 
 def iters_for(size: int) -> int:
-    """Messages per timed run: about 64 MiB, at least 2."""
-    return max(2, min(512, (64 << 20) // size))
+    """Messages per timed run: about 32 MiB, at least 2."""
+    return max(2, min(256, (32 << 20) // size))
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -322,10 +323,16 @@ def with_child(ctx, target, fn, *args):
             p.join(5)
 
 
+def progress(t_start: float, what: str, vals: dict) -> None:
+    print(f"[{time.perf_counter() - t_start:5.1f}s] {what}: "
+          + ", ".join("n/a" if v is None else f"{v:.2f}" for v in vals.values()), file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--sizes", default="64K,1M,16M,256M")
+    ap.add_argument("--perftest-runs", type=int, default=3, help="runs per ceiling point (median)")
     ap.add_argument("--skip-perftest", action="store_true")
     args = ap.parse_args(argv)
     names = args.sizes.split(",")
@@ -336,10 +343,14 @@ def main(argv=None) -> int:
     rows: dict[str, dict[int, float | None]] = {}
     if not args.skip_perftest:
         for tls, label in (("tcp", "ucx_perftest tag_bw, tcp (ceiling)"), ("sm", "ucx_perftest tag_bw, sm")):
-            rows[label] = {s: perftest(tls, s, args.runs) for s in sizes}
+            rows[label] = {s: perftest(tls, s, args.perftest_runs) for s in sizes}
+            progress(t_start, label, rows[label])
     rows["pdserve UcxTransport (tcp)"] = with_child(ctx, _ucx_sink, _ucx_source, sizes, args.runs)
+    progress(t_start, "pdserve UcxTransport", rows["pdserve UcxTransport (tcp)"])
     rows["shared memory, 2 copies"] = shm_bench(ctx, sizes, args.runs)
+    progress(t_start, "shared memory", rows["shared memory, 2 copies"])
     rows["asyncio TCP socket"] = with_child(ctx, _tcp_sink, _tcp_source, sizes, args.runs)
+    progress(t_start, "asyncio TCP", rows["asyncio TCP socket"])
 
     a, b = ctx.Pipe()
     p = ctx.Process(target=_handover_sink, args=(b,), daemon=True)
@@ -356,6 +367,7 @@ def main(argv=None) -> int:
 
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
     print(f"\nKV transfer between two processes on 127.0.0.1, GB/s, median of {args.runs} "
+          f"(perftest: {args.perftest_runs}) "
           f"(UCX_TLS={os.environ['UCX_TLS']}, UCX_RNDV_SCHEME={os.environ['UCX_RNDV_SCHEME']}, "
           f"UCXPY_PROGRESS_MODE={os.environ['UCXPY_PROGRESS_MODE']})\n")
     print("| path | " + " | ".join(names) + " |")
