@@ -90,7 +90,8 @@ def workers(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     started = []
     try:
-        pre = Worker("prefill_worker.server", model_dir, logs / "prefill.log", block_size=BS, num_blocks=64)
+        pre = Worker("prefill_worker.server", model_dir, logs / "prefill.log", block_size=BS, num_blocks=64,
+                     max_num_batched_tokens=16)      # prompts > 16 tokens: chunked prefill
         started.append(pre)
         dec = Worker("decode_worker.server", model_dir, logs / "decode.log", block_size=BS, num_blocks=64,
                      kv_expiry_s=10)
