@@ -31,7 +31,7 @@ import logging
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -77,7 +77,6 @@ class Counters:
     token_expirations: int = 0        # KV arrived but SubmitFirstToken did not, in time
     failed_requests: int = 0          # streams ended with FINISH_REASON_ERROR
     fallbacks: int = 0                # prompts recomputed here (policy recompute)
-    extra: dict = field(default_factory=dict)
 
 
 def _error_chunk(rid: str, reason, message: str, usage: common_pb2.Usage) -> decode_pb2.DecodeResponse:

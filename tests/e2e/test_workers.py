@@ -271,9 +271,6 @@ def test_compat_mismatch_is_failed_precondition(workers):
     assert "block_size" in e.value.details() and "prefill" in e.value.details() and "decode" in e.value.details()
     # the handshake itself also rejects a lying destination (compat copied from a good peer)
     good = _stats(pre, "p").compat
-    dest = _dest(kv)
-    dest.compat.CopyFrom(good)
-    dest.dst_block_ids[:] = list(kv.block_ids) + [0] * 0
     with pytest.raises(grpc.RpcError) as e:
         p.Prefill(prefill_pb2.PrefillRequest(request_id=rid + "b", prompt_token_ids=prompt, sampling=_greedy(3),
                                              destination=prefill_pb2.KvDestination(
