@@ -27,6 +27,7 @@ from .runner import ModelRunner
 from .sampler import Sampler, compute_prompt_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .structured import StructuredOutputs
 from .tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
 
 
@@ -47,6 +48,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, config.device)
         self.sampler = Sampler(eos)
+        # grammars for SamplingParams.structured; the llguidance tokenizer is built on first use
+        self.structured = StructuredOutputs(tok_path if tok_path.exists() else None,
+                                            mc.vocab_size, eos)
         self.requests: dict[str, Request] = {}
         # called as layer_hook(layer_index, scheduler_output) once that layer's KV is written
         self.layer_hook: Callable[[int, SchedulerOutput], None] | None = None
@@ -102,6 +106,8 @@ class LLMEngine:
             raise ValueError(f"request needs up to {need} KV blocks, the cache has {self.num_blocks}")
         req = Request(request_id, ids, params, max_tokens, self.eos_token_ids, prefill_only,
                       arrival_time=time.monotonic())
+        if params.structured is not None:
+            self.structured.add(request_id, params.structured)   # ValueError on a bad spec
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return req
@@ -119,6 +125,7 @@ class LLMEngine:
         (`block_ids`, `num_cached_tokens` say what to fill), or None if blocks are short."""
         req = self._make_request(request_id, prompt_token_ids, params)
         if not self.scheduler.reserve_remote(req):
+            self.structured.remove(request_id)
             return None
         self.requests[request_id] = req
         return req
@@ -138,6 +145,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
+        self.structured.remove(request_id)
         if req is None:
             return False
         if not req.is_finished or req.prefill_only:
@@ -172,7 +180,8 @@ class LLMEngine:
         outputs = []
         if mo.sample_rows:
             reqs = [s.request for s in mo.sample_rows]
-            sampled = self.sampler(mo.logits, reqs)
+            allowed = self.structured.token_mask([r.request_id for r in reqs], mo.logits.shape[1])
+            sampled = self.sampler(mo.logits, reqs, allowed)
             for i, req in enumerate(reqs):
                 top = sampled.top_logprobs[i] if sampled.top_logprobs else None
                 outputs.append(self._append_token(req, sampled.token_ids[i], sampled.logprobs[i], top))
@@ -206,6 +215,8 @@ class LLMEngine:
                     s = next(s for s in p.stop if req.text.startswith(s, at))
                     req.text = req.text[:at + (len(s) if p.include_stop_str_in_output else 0)]
                     req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
+        if not req.is_finished and self.structured.advance(req.request_id, req.output_token_ids):
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None   # grammar complete
         if not req.is_finished and (n >= req.max_tokens or req.num_tokens >= self.config.model.max_model_len):
             req.status = RequestStatus.FINISHED_LENGTH
         if req.prefill_only and not req.is_finished:
@@ -222,6 +233,7 @@ class LLMEngine:
 
     def _finish(self, req: Request) -> None:
         """Leave the scheduler; free blocks, except a prefill-only request's (see release())."""
+        self.structured.remove(req.request_id)
         if req.prefill_only:
             self.scheduler.running.remove(req)
         else:

@@ -6,6 +6,7 @@
          ├─ min_tokens                        EOS / stop_token_ids -> -inf until enough output
          ├─ repetition penalty                prompt + output tokens (divide > 0, multiply < 0)
          ├─ presence / frequency penalties    output tokens (OpenAI semantics)
+         ├─ allowed-token mask                structured output (engine/structured.py)
          │
          ├─ greedy rows (temperature == 0):   argmax
          └─ other rows: / temperature, top-k, top-p, min-p masks, then sample
@@ -37,9 +38,11 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = set(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: Sequence,
+                 allowed: torch.Tensor | None = None) -> SamplerOutput:
         """logits: float [B, V]; rows[i] has sampling_params, prompt_token_ids,
-        output_token_ids and generator (torch.Generator | None)."""
+        output_token_ids and generator (torch.Generator | None). allowed: bool [B, V] or None,
+        tokens a grammar permits (raw logprobs are reported before it, like the others)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -48,6 +51,8 @@ class Sampler:
         apply_logit_bias(x, params)
         apply_min_tokens(x, rows, self.eos_token_ids)
         apply_penalties(x, rows)
+        if allowed is not None:
+            apply_allowed_mask(x, logits, allowed)
         token_ids = sample(x, rows)
         return _gather_logprobs(raw_logprobs, token_ids, params)
 
@@ -105,6 +110,17 @@ def apply_penalties(x: torch.Tensor, rows: Sequence) -> None:
     y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
     y = y - freq * out_counts - pres * (out_counts > 0).float()
     x[rows_idx] = y
+
+
+def apply_allowed_mask(x: torch.Tensor, raw: torch.Tensor, allowed: torch.Tensor) -> None:
+    """In place: disallowed tokens -> -inf. A row the other processors had left with only
+    disallowed tokens (e.g. min_tokens forbids the EOS a finished grammar needs) falls back
+    to its raw logits under the mask: the grammar wins, so no row is ever all -inf."""
+    allowed = allowed.to(x.device)
+    x.masked_fill_(~allowed, NEG_INF)
+    dead = torch.isneginf(x).all(dim=-1) & allowed.any(dim=-1)
+    if bool(dead.any()):
+        x[dead] = raw[dead].masked_fill(~allowed[dead], NEG_INF)
 
 
 def _has_penalty(p) -> bool:

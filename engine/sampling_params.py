@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .structured import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -25,6 +27,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None   # constrain output (JSON schema, regex, Lark)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -67,6 +70,8 @@ class SamplingParams:
             bad("prompt_logprobs", "must be in [0, 20]")
         if any(s == "" for s in self.stop):
             bad("stop", "stop strings must be non-empty")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            bad("structured", "must be an engine.structured.StructuredOutput")
 
     @property
     def greedy(self) -> bool:
