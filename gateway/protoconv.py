@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutput
 from protos.pdserve.v1 import common_pb2
 
 FINISH_TO_PROTO = {
@@ -34,7 +35,21 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         m.prompt_logprobs = p.prompt_logprobs
     for k, v in p.logit_bias.items():
         m.logit_bias[k] = v
+    if p.structured is not None:
+        m.structured.CopyFrom(structured_to_proto(p.structured))
     return m
+
+
+def structured_to_proto(s: StructuredOutput) -> common_pb2.StructuredOutput:
+    if s.json_object:
+        return common_pb2.StructuredOutput(json_object=True)
+    return common_pb2.StructuredOutput(**{s.kind: s.value})
+
+
+def structured_from_proto(m: common_pb2.StructuredOutput) -> StructuredOutput | None:
+    """None when no kind is set; raises ValueError on a malformed schema."""
+    kind = m.WhichOneof("kind")
+    return None if kind is None else StructuredOutput.from_kind(kind, getattr(m, kind))
 
 
 def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
@@ -51,7 +66,8 @@ def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=list(m.stop_token_ids), ignore_eos=m.ignore_eos, logprobs=opt("logprobs"),
         prompt_logprobs=opt("prompt_logprobs"), logit_bias=dict(m.logit_bias),
         skip_special_tokens=opt("skip_special_tokens"),
-        include_stop_str_in_output=m.include_stop_str_in_output)
+        include_stop_str_in_output=m.include_stop_str_in_output,
+        structured=structured_from_proto(m.structured) if m.HasField("structured") else None)
 
 
 def logprob_from_proto(t: common_pb2.TokenLogprob):

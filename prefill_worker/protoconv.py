@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutput
 from kvtransfer.wire import CompatKey
 from protos.pdserve.v1 import common_pb2
 
@@ -30,6 +31,9 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
             kw[name] = getattr(p, name)
     if p.max_tokens_unlimited:
         kw["max_tokens"] = None
+    kind = p.structured.WhichOneof("kind") if p.HasField("structured") else None
+    if kind is not None:
+        kw["structured"] = StructuredOutput.from_kind(kind, getattr(p.structured, kind))
     sp = SamplingParams(**kw)
     if sp.n != 1:
         raise ValueError(f"invalid sampling parameter n={sp.n}: workers take n=1 "
