@@ -16,6 +16,12 @@ class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     grpc_port: int = field(default=50051, metadata={"help": "public gRPC port (0: any free)"})
     http_port: int = field(default=0, metadata={"help": "OpenAI REST port (0: disabled)"})
+    metrics_port: int = field(default=0, metadata={
+        "help": "serve Prometheus /metrics (plain text) on this port (0: off; the REST app "
+                "serves /metrics too)"})
+    trace_file: str = field(default="", metadata={
+        "help": "append finished trace spans as JSON lines to this file (tests); OTLP export "
+                "is enabled by OTEL_EXPORTER_OTLP_ENDPOINT"})
     prefill: str = field(default="", metadata={"help": "prefill workers, host:port,host:port"})
     decode: str = field(default="", metadata={"help": "decode workers, host:port,host:port"})
     prefill_dns: str = field(default="", metadata={
@@ -47,7 +53,7 @@ class GatewayConfig:
         for pool in ("prefill", "decode"):
             if getattr(self, pool) and getattr(self, pool + "_dns"):
                 raise ValueError(f"give --{pool} or --{pool}-dns, not both")
-        if not 0 <= self.grpc_port < 65536 or not 0 <= self.http_port < 65536:
+        if not all(0 <= p < 65536 for p in (self.grpc_port, self.http_port, self.metrics_port)):
             raise ValueError("ports must be in 0-65535")
 
     def resolved_model_dir(self) -> Path:

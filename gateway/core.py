@@ -31,6 +31,7 @@ from google.protobuf.json_format import MessageToDict
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
+from pdserve import telemetry
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from .config import GatewayConfig
@@ -73,6 +74,7 @@ class GenerateInput:
     prompt_token_ids: list[int]
     params: SamplingParams
     deadline_s: float | None = None      # seconds the whole request may take; None: config
+    trace_parent: object = None          # the caller's trace context (telemetry.extract_context)
 
 
 Logprob = tuple[float, "list[tuple[int, float]] | None"]
@@ -205,6 +207,7 @@ class _Segment:
     prefill_call: object = None
     submit_task: asyncio.Task | None = None
     decode_done: bool = False          # the decode worker finished the request itself
+    metadata: object = None            # gRPC metadata for the workers (trace context)
     tasks: list = field(default_factory=list)
 
 
@@ -218,6 +221,7 @@ class Gateway:
         self.model_name = cfg.model_name(model_dir)
         self.max_model_len = cfg.context_length(model_dir)
         self.counters = GatewayCounters()
+        self.metrics = telemetry.Metrics("gateway")    # the caller serves metrics.registry
         self.prefill = WorkerPool("prefill", prefill_pb2_grpc.PrefillWorkerStub,
                                   cfg.health_interval_s, cfg.probe_timeout_s)
         self.decode = WorkerPool("decode", decode_pb2_grpc.DecodeWorkerStub,
@@ -261,7 +265,12 @@ class Gateway:
     # -- one request ---------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
         """Stream the completion of one prompt (params.n must be 1)."""
-        self._validate(inp)
+        timer = self.metrics.request_timer()
+        try:
+            self._validate(inp)
+        except GatewayError as e:
+            timer.error(e.code.name)
+            raise
         self.counters.requests += 1
         loop = asyncio.get_running_loop()
         timeout = inp.deadline_s or self.cfg.request_timeout_s
@@ -269,31 +278,43 @@ class Gateway:
         out = _Output(self.tokenizer, inp, self.max_model_len)
         lost: set[str] = set()
         ok = False
+        error = None                     # the failed request's status code name
+        span = telemetry.start_span("pdserve.generate", inp.trace_parent, telemetry.tracing_enabled() and {
+            "request_id": inp.request_id, "model": self.model_name,
+            "prompt_tokens": len(inp.prompt_token_ids)})
+        metadata = telemetry.inject_metadata(None, span)
         try:
             for segment_no in itertools.count():
                 rid = inp.request_id if segment_no == 0 else f"{inp.request_id}#m{segment_no}"
-                seg = _Segment(rid)
+                seg = _Segment(rid, metadata=metadata)
                 try:
                     async for ev in self._run_segment(out, seg, deadline, lost, first=segment_no == 0):
+                        timer.token(len(ev.token_ids))
                         yield ev
                     ok = True
                     return
                 except _DecodeLost as e:
                     lost.add(e.worker.address)
-                    if not self.cfg.migrate_on_decode_failure or loop.time() >= deadline:
+                    # A grammar's state cannot be rebuilt from a new prompt: no migration.
+                    structured = getattr(inp.params, "structured", None) is not None
+                    if (not self.cfg.migrate_on_decode_failure or structured
+                            or loop.time() >= deadline):
                         raise GatewayError(grpc.StatusCode.UNAVAILABLE, (
                             f"decode worker {e.worker.address} failed mid-stream after "
                             f"{len(out.ids)} token(s): {e}")) from None
                     self.counters.migrations += 1
+                    self.metrics.observe_kv_fallback("migrate")
                     log.warning("request %s: decode worker %s failed after %d token(s) (%s); "
                                 "migrating: re-prefilling prompt + tokens so far on another "
                                 "pair", inp.request_id, e.worker.address, len(out.ids), e)
                 finally:
                     self._cleanup(seg)
         except asyncio.TimeoutError:
+            error = grpc.StatusCode.DEADLINE_EXCEEDED.name
             raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"request exceeded its deadline of {timeout:.1f}s") from None
-        except GatewayError:
+        except GatewayError as e:
+            error = e.code.name
             self.counters.errors += 1
             raise
         except (asyncio.CancelledError, GeneratorExit):
@@ -302,6 +323,17 @@ class Gateway:
         finally:
             if ok:
                 self.counters.finished += 1
+            self._observe_end(timer, span, out, ok, error)
+
+    def _observe_end(self, timer, span, out: _Output, ok: bool, error: str | None) -> None:
+        """Metrics and the request's span: finished (or cancelled: "abort") or failed."""
+        if error is not None:
+            timer.error(error)
+            span.set_status(telemetry.error_status(error))
+        else:
+            timer.finish(len(out.prompt), len(out.ids), (out.finish_reason or "stop") if ok else "abort")
+        span.set_attribute("completion_tokens", len(out.ids))
+        span.end()
 
     def _validate(self, inp: GenerateInput) -> None:
         bad = grpc.StatusCode.INVALID_ARGUMENT
@@ -357,7 +389,7 @@ class Gateway:
         for attempt in range(2):
             if attempt:
                 self._cleanup(seg)
-                seg.__init__(f"{seg.rid}#r{attempt}")
+                seg.__init__(f"{seg.rid}#r{attempt}", metadata=seg.metadata)
             kv = await self._open_decode(seg, prompt, params, deadline, lost)
             try:
                 return kv, await self._prefill(seg, prompt, params, kv, deadline, failed_prefill)
@@ -371,6 +403,7 @@ class Gateway:
                 if not retry:
                     raise self._error(f"prefill worker {w.address}", e) from None
                 self.counters.prefill_retries += 1
+                self.metrics.observe_kv_fallback("retry")
                 log.warning("request %s: Prefill on %s failed (%s: %s); retrying once on another "
                             "prefill worker", seg.rid, w.address, e.code().name, e.details())
         raise AssertionError("unreachable")
@@ -391,7 +424,7 @@ class Gateway:
             req = decode_pb2.DecodeRequest(request_id=seg.rid, prompt_token_ids=prompt,
                                            sampling=sampling_to_proto(params),
                                            kv_timeout_ms=self.cfg.kv_timeout_ms)
-            seg.decode_call = w.stub.Decode(req, timeout=self._remaining(deadline))
+            seg.decode_call = w.stub.Decode(req, timeout=self._remaining(deadline), metadata=seg.metadata)
             seg.decode = w
             w.in_flight += 1
             w.requests_total += 1
@@ -426,7 +459,7 @@ class Gateway:
             num_cached_tokens=kv.num_cached_tokens, compat=kv.compat)
         req = prefill_pb2.PrefillRequest(request_id=seg.rid, prompt_token_ids=prompt,
                                          sampling=sampling_to_proto(params), destination=dest)
-        seg.prefill_call = w.stub.Prefill(req, timeout=self._remaining(deadline))
+        seg.prefill_call = w.stub.Prefill(req, timeout=self._remaining(deadline), metadata=seg.metadata)
         seg.prefill = w
         w.in_flight += 1
         w.requests_total += 1

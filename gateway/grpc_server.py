@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve import telemetry
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .config import GatewayConfig
@@ -43,12 +44,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     # -- Generate ----------------------------------------------------------------------------
     async def Generate(self, request, context):
         try:
-            async for resp in self._generate(request):
+            async for resp in self._generate(request, telemetry.extract_context(context)):
                 yield resp
         except GatewayError as e:
             await context.abort(e.code, e.message)
 
-    async def _generate(self, request) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _generate(self, request, trace_parent=None) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._check_model(request.model)
         ids = self._prompt_ids(request)
         try:
@@ -65,7 +66,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         for i in range(n):
             p = params if n == 1 else replace(params, n=1, seed=None if params.seed is None
                                                 else params.seed + i)
-            inputs.append(GenerateInput(rid if n == 1 else f"{rid}-{i}", ids, p))
+            inputs.append(GenerateInput(rid if n == 1 else f"{rid}-{i}", ids, p,
+                                        trace_parent=trace_parent))
         usage = [Usage(len(ids), 0, 0) for _ in range(n)]
         pending: dict[int, generation_pb2.GenerateResponse] = {}
         async for index, ev in _merge([self.gw.generate(x) for x in inputs]):
@@ -216,7 +218,11 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run the gateway until `stop` is set (or forever); `ready` is set once SERVING.
     (The same shape as the workers' serve(cfg, ready, stop).)"""
+    telemetry.setup_tracing("pdserve-gateway", span_file=cfg.trace_file or None)
     gw = Gateway(cfg)
+    metrics_server = None
+    if cfg.metrics_port:
+        metrics_server, _ = telemetry.start_metrics_server(gw.metrics.registry, cfg.host, cfg.metrics_port)
     await gw.start()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
@@ -245,6 +251,10 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=5)
         await gw.stop()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+        telemetry.shutdown_tracing()
 
 
 def run(cfg: GatewayConfig) -> int:
