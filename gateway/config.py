@@ -16,6 +16,8 @@ class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     grpc_port: int = field(default=50051, metadata={"help": "public gRPC port (0: any free)"})
     http_port: int = field(default=0, metadata={"help": "OpenAI REST port (0: disabled)"})
+    api_key: str = field(default="", metadata={
+        "help": "require 'Authorization: Bearer KEY' on the REST /v1 routes (empty: open)"})
     metrics_port: int = field(default=0, metadata={
         "help": "serve Prometheus /metrics (plain text) on this port (0: off; the REST app "
                 "serves /metrics too)"})

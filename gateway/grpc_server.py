@@ -233,6 +233,10 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
          health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
     await server.start()
+    http = None
+    if cfg.http_port:      # the OpenAI REST shim, in this loop (SERVING waits for it too)
+        from .openai import start_http
+        http = await start_http(gw, cfg.host, cfg.http_port, cfg.api_key)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{cfg.host}:{port}"
@@ -249,6 +253,8 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
     finally:
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if http is not None:
+            await http.stop()
         await server.stop(grace=5)
         await gw.stop()
         if metrics_server is not None:

@@ -1,0 +1,80 @@
+"""Tool calling: constrain (tool_choice required / named) and parse (auto).
+
+Forced calls are enforced by a JSON schema over the chat template's call format
+`{"name": ..., "arguments": {...}}`: a named function gets one such object (its name a
+const), `required` an array of one or more of them (any of the tools). `auto` leaves the
+model free; its output is parsed as calls when it is exactly that format (a JSON object or
+array, or `<tool_call>...</tool_call>` blocks as Hermes-style templates write them).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from .protocol import Tool
+
+_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def call_schema(tool: Tool) -> dict[str, Any]:
+    params = tool.function.parameters or {"type": "object"}
+    return {"type": "object",
+            "properties": {"name": {"const": tool.function.name}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def forced_schema(tools: list[Tool], name: str | None) -> dict[str, Any]:
+    """The schema for tool_choice: a named function (one call) or "required" (>= 1 call)."""
+    if name is not None:
+        tool = next((t for t in tools if t.function.name == name), None)
+        if tool is None:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        return call_schema(tool)
+    return {"type": "array", "minItems": 1,
+            "items": {"anyOf": [call_schema(t) for t in tools]}}
+
+
+def parse_calls(text: str, tools: list[Tool]) -> list[dict[str, Any]] | None:
+    """OpenAI tool_calls for `text`, or None when it is not (only) tool calls."""
+    names = {t.function.name for t in tools}
+    text = text.strip()
+    tagged = _TAGGED.findall(text)
+    if tagged:
+        if _TAGGED.sub("", text).strip():
+            return None
+        items = []
+        for block in tagged:
+            try:
+                items.append(json.loads(block))
+            except ValueError:
+                return None
+    else:
+        if not text.startswith(("{", "[")):
+            return None
+        try:
+            value = json.loads(text)
+        except ValueError:
+            # several calls, one per line (the tiny template's format)
+            try:
+                value = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except ValueError:
+                return None
+        items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not (isinstance(item, dict) and item.get("name") in names and "arguments" in item):
+            return None
+        args = item["arguments"]
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": item["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    return calls or None
+
+
+def may_be_call(text: str) -> bool:
+    """Whether a streamed output that begins with `text` might turn out to be a tool call
+    (then the stream holds the content back until the end)."""
+    t = text.lstrip()
+    return t == "" or t.startswith(("{", "[")) or "<tool_call>".startswith(t[:11]) or t.startswith("<tool_call>")
