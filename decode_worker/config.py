@@ -28,7 +28,8 @@ class DecodeWorkerConfig:
     kernel_backend: str = "auto"
     num_threads: int = 1                 # torch intra-op threads (CPU)
     drain_timeout_s: float = 30.0
-    metrics_port: int = 0                # 0 = off (metrics are added separately)
+    metrics_port: int = 0                # /metrics (plain text) on this port; 0 = off
+    trace_file: str = ""                 # append finished spans as JSON lines (tests); OTLP: OTEL_* env
 
     def __post_init__(self):
         if not self.model_dir:

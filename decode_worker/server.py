@@ -39,6 +39,7 @@ from engine.async_engine import AsyncEngine, EngineError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer.receiver import KVReceiver, TransferState
+from pdserve import telemetry
 from prefill_worker import protoconv
 from prefill_worker.lifecycle import Draining, WorkerServer, config_from_argv, limit_threads
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -86,9 +87,12 @@ def _error_chunk(rid: str, reason, message: str, usage: common_pb2.Usage) -> dec
 
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, cfg: DecodeWorkerConfig, aengine: AsyncEngine, receiver: KVReceiver,
-                 srv: WorkerServer, worker_id: str):
+                 srv: WorkerServer, worker_id: str, metrics: telemetry.Metrics | None = None,
+                 meter: telemetry.EnergyMeter | None = None):
         self.cfg, self.ae, self.receiver, self.srv = cfg, aengine, receiver, srv
         self.worker_id = worker_id
+        self.metrics = metrics or telemetry.Metrics("decode")
+        self.meter = meter or telemetry.EnergyMeter(None)
         self.compat = receiver.compat
         self.block_size = aengine.engine.kv.block_size
         self._pending: dict[str, _Pending] = {}
@@ -96,14 +100,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
 
     # -------------------------------------------------------------- RPCs
     async def Decode(self, request, context):
+        # Not made current: this is an async generator (its context is the caller's task's).
+        span = telemetry.start_span("pdserve.decode", telemetry.extract_context(context),
+                                    telemetry.tracing_enabled() and {
+                                        "request_id": request.request_id,
+                                        "prompt_tokens": len(request.prompt_token_ids)})
         try:
             with self.srv.track():
-                async for msg in self._decode(request):
+                async for msg in self._decode(request, span):
                     yield msg
         except Draining as e:
+            span.set_status(telemetry.error_status(str(e)))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except _Status as e:
+            span.set_status(telemetry.error_status(e.message))
             await context.abort(e.code, e.message)
+        finally:
+            span.end()
 
     async def SubmitFirstToken(self, request, context):
         pend = self._pending.get(request.request_id)
@@ -158,9 +171,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         policy = _POLICIES.get(request.kv_failure_policy, self.cfg.kv_failure_policy)
         return params, list(request.prompt_token_ids), timeout, policy
 
-    async def _decode(self, request):
+    async def _decode(self, request, span=telemetry.INVALID_SPAN):
         params, ids, timeout, policy = self._validate(request)
         rid = request.request_id
+        t_reserve = time.monotonic()
         pend = _Pending(rid, asyncio.get_running_loop().create_future())
         self._pending[rid] = pend
         finished = False
@@ -187,13 +201,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             if fill:
                 self.receiver.reserve(tid, fill, timeout)
                 pend.transfer_id, pend.queued_tokens = tid, len(ids) - n_cached
+            telemetry.record_span("pdserve.decode.reservation", span, t_reserve, time.monotonic(),
+                                  telemetry.tracing_enabled() and {"blocks": len(fill), "cached_tokens": n_cached})
             yield decode_pb2.DecodeResponse(request_id=rid, kv_ready=decode_pb2.KvReady(
                 transfer_id=tid, kv_endpoint=self.receiver.address, block_ids=fill,
                 num_cached_tokens=n_cached, compat=protoconv.compat_to_proto(self.compat),
                 decode_worker_id=self.worker_id,
                 expires_at_unix_ms=int((time.time() + timeout) * 1000)))
 
+            t_wait = time.monotonic()
             problem, first = await self._wait_ready(pend, deadline, timeout)
+            telemetry.record_span("pdserve.decode.transfer_wait", span, t_wait, time.monotonic(),
+                                  telemetry.tracing_enabled() and {"problem": problem or ""})
+            t_decode = time.monotonic()
             if pend.aborted:
                 yield self._abort_chunk(pend, usage)
                 finished = True
@@ -221,6 +241,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                         finished = True
                         return
                     usage.completion_tokens = sent
+                    now = time.monotonic()
+                    self.metrics.observe_phases(decode_s=now - t_decode)
+                    telemetry.record_span("pdserve.decode.generate", span, t_decode, now,
+                                          telemetry.tracing_enabled() and {"completion_tokens": sent})
+                    joules = self.meter.pop(rid)
+                    if joules is not None:
+                        span.set_attribute("energy_joules", joules)
                     chunk.finish_reason = protoconv.FINISH_REASONS[out.finish_reason]
                     chunk.usage.CopyFrom(usage)
                     finished = True
@@ -230,6 +257,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             raise _Status(grpc.StatusCode.INTERNAL, str(e)) from None
         finally:
             self._pending.pop(rid, None)
+            self.meter.pop(rid)
             if pend.transfer_id:
                 self.receiver.abort(pend.transfer_id, "request ended")   # no-op once final
             if not finished:
@@ -246,6 +274,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 return "aborted", None
             if res.state is not TransferState.DONE:
                 problem = f"KV transfer {res.transfer_id} {res.state.value}: {res.reason}"
+                self.metrics.observe_kv_failure()
         if problem is None:
             try:
                 first = await asyncio.wait_for(asyncio.shield(pend.first_token),
@@ -265,6 +294,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         """Policy recompute: drop the reservation, compute the prompt here. Returns how many
         client tokens the engine's token list will not contain (1 if `first` is known)."""
         self.counters.fallbacks += 1
+        self.metrics.observe_kv_fallback("recompute")
         log.warning("request %s: %s; recomputing the prompt on this decode worker (fallback #%d)",
                     rid, problem, self.counters.fallbacks)
         prompt, p = ids, params
@@ -324,9 +354,13 @@ async def serve(cfg: DecodeWorkerConfig, ready: asyncio.Event | None = None,
     receiver = KVReceiver(engine.kv_cache, protoconv.model_compat(engine),
                           UcxTransport(cfg.kv_host or cfg.host, cfg.kv_port), expiry_s=cfg.kv_expiry_s)
     address = await receiver.start()
+    tel = telemetry.start_role_telemetry("decode", host=cfg.host, metrics_port=cfg.metrics_port or None,
+                                         trace_file=cfg.trace_file, device=cfg.device)
+    telemetry.instrument_engine_steps(engine, tel.meter)
     ae = AsyncEngine(engine, name="decode-engine")
     ae.start()
-    servicer = DecodeServicer(cfg, ae, receiver, srv, worker_id)
+    tel.metrics.watch_engine(ae.stats)
+    servicer = DecodeServicer(cfg, ae, receiver, srv, worker_id, tel.metrics, tel.meter)
     decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, srv.server)
     log.info("decode worker %s: KV endpoint %s", worker_id, address)
     try:
@@ -334,6 +368,7 @@ async def serve(cfg: DecodeWorkerConfig, ready: asyncio.Event | None = None,
     finally:
         await ae.shutdown()
         await receiver.close()
+        tel.close()
         log.info("decode worker %s stopped", worker_id)
 
 

@@ -24,7 +24,8 @@ class PrefillWorkerConfig:
     kv_connect_timeout_s: float = 5.0    # connect + handshake to a decode KV endpoint
     kv_send_timeout_s: float = 30.0      # all layers sent after compute finished
     drain_timeout_s: float = 30.0
-    metrics_port: int = 0                # 0 = off (metrics are added separately)
+    metrics_port: int = 0                # /metrics (plain text) on this port; 0 = off
+    trace_file: str = ""                 # append finished spans as JSON lines (tests); OTLP: OTEL_* env
 
     def __post_init__(self):
         if not self.model_dir:

@@ -42,6 +42,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.sender import KVSender, KVTransferTimeout, TransferHandle
 from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
+from pdserve import telemetry
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 from . import protoconv
@@ -65,6 +66,7 @@ class _Push:
     first_block: int                  # index in the request's block table of the first block sent
     bound: bool = False
     error: Exception | None = None
+    span: object = telemetry.INVALID_SPAN   # pdserve.kv.send: one event per pushed layer
 
 
 def _bind_source(handle: TransferHandle, src_block_ids: list[int], device) -> None:
@@ -78,9 +80,12 @@ def _bind_source(handle: TransferHandle, src_block_ids: list[int], device) -> No
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, cfg: PrefillWorkerConfig, aengine: AsyncEngine, sender: KVSender,
-                 srv: WorkerServer, worker_id: str):
+                 srv: WorkerServer, worker_id: str, metrics: telemetry.Metrics | None = None,
+                 meter: telemetry.EnergyMeter | None = None):
         self.cfg, self.ae, self.sender, self.srv = cfg, aengine, sender, srv
         self.worker_id = worker_id
+        self.metrics = metrics or telemetry.Metrics("prefill")
+        self.meter = meter or telemetry.EnergyMeter(None)
         eng = aengine.engine
         self.compat = sender.compat
         self.block_size = eng.kv.block_size
@@ -105,6 +110,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                                  self._device)
                     push.bound = True
                 self.sender.push_layer_threadsafe(push.handle, layer)
+                if push.span.is_recording():
+                    push.span.add_event("layer", {"layer": layer})
             except Exception as e:       # reported by the handler; never break the step
                 push.error = e
                 self.sender.cancel(push.handle)
@@ -113,7 +120,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request, context):
         rid = request.request_id
         try:
-            with self.srv.track():
+            with self.srv.track(), telemetry.span("pdserve.prefill", telemetry.extract_context(context),
+                                                  telemetry.tracing_enabled() and {
+                                                      "request_id": rid,
+                                                      "prompt_tokens": len(request.prompt_token_ids)}):
                 return await self._prefill(request)
         except Draining as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -194,6 +204,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         t0 = time.perf_counter()
         try:
             if dest.dst_block_ids:
+                t_open = time.time_ns()
                 try:
                     dst = list(dest.dst_block_ids)
                     handle = await self.sender.open(dest.transfer_id, dest.kv_endpoint, dst, dst)
@@ -203,7 +214,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                     raise _Status(grpc.StatusCode.UNAVAILABLE, str(e)) from None
                 except ValueError as e:
                     raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-                self._pushes[rid] = _Push(handle, cached // self.block_size)
+                kv_span = telemetry.start_span("pdserve.kv.send", None, telemetry.tracing_enabled() and {
+                    "transfer_id": dest.transfer_id, "blocks": len(dest.dst_block_ids)}, t_open)
+                self._pushes[rid] = _Push(handle, cached // self.block_size, span=kv_span)
             try:
                 await self.ae.add_request(rid, ids, params, prefill_only=True)
             except ValueError as e:
@@ -214,18 +227,29 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             if final is None or final.finish_reason == "abort":
                 raise _Status(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
             t_compute = time.perf_counter()
+            self._observe_engine_phases(rid)
             blocks = nbytes = 0
             push = self._pushes.pop(rid, None)
             if push is not None:
-                if push.error is not None:
-                    raise _Status(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {push.error}")
                 try:
-                    st = await self.sender.finish(handle, timeout=self.cfg.kv_send_timeout_s)
-                except KVTransferTimeout as e:
-                    raise _Status(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
-                except (TransportError, ValueError) as e:
-                    raise _Status(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+                    if push.error is not None:
+                        raise _Status(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {push.error}")
+                    try:
+                        st = await self.sender.finish(handle, timeout=self.cfg.kv_send_timeout_s)
+                    except KVTransferTimeout as e:
+                        raise _Status(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
+                    except (TransportError, ValueError) as e:
+                        raise _Status(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+                except _Status as e:
+                    self.metrics.observe_kv_failure()
+                    push.span.set_status(telemetry.error_status(e.message))
+                    raise
+                finally:
+                    push.span.end()
                 blocks, nbytes = st.blocks_sent, st.bytes_sent
+                self.metrics.observe_kv_transfer(nbytes, time.perf_counter() - t0)
+                if push.span.is_recording():
+                    push.span.set_attributes({"bytes": nbytes, "blocks_sent": blocks})
             t_done = time.perf_counter()
             await self.ae.release(rid)
             released = True
@@ -240,12 +264,30 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         except EngineError as e:
             raise _Status(grpc.StatusCode.INTERNAL, str(e)) from None
         finally:
-            self._pushes.pop(rid, None)
+            stray = self._pushes.pop(rid, None)
+            if stray is not None:
+                stray.span.end()
             self._tasks.pop(rid, None)
+            joules = self.meter.pop(rid)
+            if joules is not None:
+                telemetry.current_span().set_attribute("energy_joules", joules)
             if not released:
                 if handle is not None:
                     self.sender.cancel(handle)
                 await asyncio.shield(self._abort_quietly(rid))
+
+    def _observe_engine_phases(self, rid: str) -> None:
+        """Queue and compute time of a finished prefill-only request, from the engine's own
+        timestamps (the request stays in the engine, untouched, until release())."""
+        req = self.ae.engine.requests.get(rid)
+        arrival = getattr(req, "arrival_time", None)
+        scheduled = getattr(req, "first_scheduled_time", None)
+        first = getattr(req, "first_token_time", None)
+        if arrival is None or scheduled is None or first is None:
+            return
+        self.metrics.observe_phases(queue_s=scheduled - arrival, prefill_s=first - scheduled)
+        telemetry.record_span("pdserve.prefill.queue", None, arrival, scheduled)
+        telemetry.record_span("pdserve.prefill.compute", None, scheduled, first)
 
     async def _abort_quietly(self, rid: str) -> None:
         try:
@@ -283,15 +325,20 @@ async def serve(cfg: PrefillWorkerConfig, ready: asyncio.Event | None = None,
     compat = protoconv.model_compat(engine)
     sender = KVSender(engine.kv_cache, compat, UcxTransport(cfg.host),
                       connect_timeout_s=cfg.kv_connect_timeout_s)
+    tel = telemetry.start_role_telemetry("prefill", host=cfg.host, metrics_port=cfg.metrics_port or None,
+                                         trace_file=cfg.trace_file, device=cfg.device)
+    telemetry.instrument_engine_steps(engine, tel.meter)
     ae = AsyncEngine(engine, name="prefill-engine")
     ae.start()
-    servicer = PrefillServicer(cfg, ae, sender, srv, worker_id)
+    tel.metrics.watch_engine(ae.stats)
+    servicer = PrefillServicer(cfg, ae, sender, srv, worker_id, tel.metrics, tel.meter)
     prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, srv.server)
     try:
         await srv.run(servicer.warm_up, ready, stop)
     finally:
         await ae.shutdown()
         await sender.close()
+        tel.close()
         log.info("prefill worker %s stopped", worker_id)
 
 
