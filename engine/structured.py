@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +172,7 @@ class StructuredOutputs:
     def token_mask(self, request_ids: Sequence[str], vocab: int) -> torch.Tensor | None:
         """Bool [B, vocab] allowed-token mask for these rows, or None when none is constrained.
         Unconstrained rows allow everything."""
+        import torch   # lazily: the spec half of this module is imported by the gateway
         rows = [(self._states[r].matcher, i) for i, r in enumerate(request_ids) if r in self._states]
         if not rows:
             return None
@@ -227,10 +227,8 @@ class StructuredOutputs:
         return self._executor
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """int32 [B, ceil(V/32)] (bit j of word w = token 32w + j) -> bool [B, V]."""
-    bits = (bitmask.unsqueeze(-1) >> _BITS) & 1                  # [B, W, 32]
+    import torch
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1   # [B, W, 32]
     return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
