@@ -247,6 +247,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                                           telemetry.tracing_enabled() and {"completion_tokens": sent})
                     joules = self.meter.pop(rid)
                     if joules is not None:
+                        usage.energy_joules = joules
                         span.set_attribute("energy_joules", joules)
                     chunk.finish_reason = protoconv.FINISH_REASONS[out.finish_reason]
                     chunk.usage.CopyFrom(usage)

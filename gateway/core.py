@@ -66,6 +66,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    energy_joules: float | None = None   # GPU energy, prefill + decode; None: no power reading
 
 
 @dataclass
@@ -135,6 +136,12 @@ class _Output:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.cached_tokens = 0
+        self.energy_joules: float | None = None   # summed over the workers that report it
+
+    def add_energy(self, msg) -> None:
+        """Add a worker's energy_joules (PrefillResponse or Usage) when it has one."""
+        if msg.HasField("energy_joules"):
+            self.energy_joules = (self.energy_joules or 0.0) + msg.energy_joules
 
     @property
     def finished(self) -> bool:
@@ -359,6 +366,7 @@ class Gateway:
         kv, resp = await self._prefill_with_retry(seg, prompt, params, deadline, lost)
         if first:
             out.cached_tokens = max(kv.num_cached_tokens, resp.num_cached_tokens)
+        out.add_energy(resp)
         fin = FINISH_FROM_PROTO.get(resp.finish_reason)
         ev = out.add([resp.first_token], fin)
         if ev is not None and first and params.prompt_logprobs is not None:
@@ -378,7 +386,7 @@ class Gateway:
     def _final(self, ev: GenerateEvent | None, out: _Output) -> GenerateEvent:
         ev = ev or GenerateEvent([], "", [] if out.params.logprobs is not None else None,
                                  out.finish_reason, out.stop_reason)
-        ev.usage = Usage(len(out.prompt), len(out.ids), out.cached_tokens)
+        ev.usage = Usage(len(out.prompt), len(out.ids), out.cached_tokens, out.energy_joules)
         return ev
 
     # -- the two halves --------------------------------------------------------------------
@@ -508,6 +516,8 @@ class Gateway:
                                    f"decode worker {w.address}: {chunk.error or 'failed'}")
             if fin is not None:
                 seg.decode_done = True
+            if chunk.HasField("usage"):
+                out.add_energy(chunk.usage)
             ev = out.add(chunk.tokens, fin)
             if ev is not None:
                 yield ev

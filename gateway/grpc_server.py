@@ -160,7 +160,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 def _usage_proto(u: Usage) -> common_pb2.Usage:
     return common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                            cached_tokens=u.cached_tokens)
+                            cached_tokens=u.cached_tokens, energy_joules=u.energy_joules)
 
 
 def _append(acc: generation_pb2.GenerateResponse, msg: generation_pb2.GenerateResponse) -> None:

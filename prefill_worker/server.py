@@ -254,13 +254,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             await self.ae.release(rid)
             released = True
             first = protoconv.output_tokens(final, 1)[0]
+            joules = self.meter.pop(rid)          # None without a power reading
+            if joules is not None:
+                telemetry.current_span().set_attribute("energy_joules", joules)
             return prefill_pb2.PrefillResponse(
                 request_id=rid, first_token=first,
                 finish_reason=protoconv.FINISH_REASONS.get(final.finish_reason, 0),
                 prompt_logprobs=protoconv.prompt_logprobs(final),
                 num_prompt_tokens=len(ids), num_cached_tokens=final.num_cached_tokens,
                 blocks_transferred=blocks, bytes_transferred=nbytes,
-                compute_ms=(t_compute - t0) * 1e3, transfer_wait_ms=(t_done - t_compute) * 1e3)
+                compute_ms=(t_compute - t0) * 1e3, transfer_wait_ms=(t_done - t_compute) * 1e3,
+                energy_joules=joules)
         except EngineError as e:
             raise _Status(grpc.StatusCode.INTERNAL, str(e)) from None
         finally:
@@ -268,9 +272,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             if stray is not None:
                 stray.span.end()
             self._tasks.pop(rid, None)
-            joules = self.meter.pop(rid)
-            if joules is not None:
-                telemetry.current_span().set_attribute("energy_joules", joules)
+            self.meter.pop(rid)
             if not released:
                 if handle is not None:
                     self.sender.cancel(handle)

@@ -46,7 +46,8 @@ def generate(address: str, ids: list[int], max_tokens: int, request_id: str):
         req = generation_pb2.GenerateRequest(
             request_id=request_id, token_ids=common_pb2.TokenIds(ids=ids),
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                               ignore_eos=True))
+                                               ignore_eos=True),
+            stream_options=generation_pb2.StreamOptions(stream=True, include_usage=True))
         return list(stub.Generate(req, timeout=60))
 
 
@@ -64,7 +65,11 @@ def wait_spans(path: str, name: str, request_id: str, timeout_s: float = 10.0) -
 def test_one_trace_across_three_processes(system):
     launcher, files, _ = system
     rid = "trace-me"
-    generate(launcher.grpc_address, list(range(5, 45)), 4, rid)
+    resps = generate(launcher.grpc_address, list(range(5, 45)), 4, rid)
+    usage = resps[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (40, 4)
+    # CPU workers have no power reading: energy is absent, not zero.
+    assert not usage.HasField("energy_joules")
     gw = wait_spans(files["gateway"], "pdserve.generate", rid)
     pf = wait_spans(files["prefill"], "pdserve.prefill", rid)
     dc = wait_spans(files["decode"], "pdserve.decode", rid)

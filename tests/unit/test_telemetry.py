@@ -394,3 +394,15 @@ def test_role_telemetry_worker_without_gpu(tmp_path):
     finally:
         t.close()
     assert not tm.tracing_enabled()
+
+
+def test_energy_reaches_usage_summed_by_the_gateway():
+    from gateway.core import _Output
+    from protos.pdserve.v1 import common_pb2, prefill_pb2
+    acc = SimpleNamespace(energy_joules=None)
+    _Output.add_energy(acc, prefill_pb2.PrefillResponse())          # no power reading there
+    _Output.add_energy(acc, common_pb2.Usage(energy_joules=None))
+    assert acc.energy_joules is None                               # absent, not zero
+    _Output.add_energy(acc, prefill_pb2.PrefillResponse(energy_joules=2.5))
+    _Output.add_energy(acc, common_pb2.Usage(energy_joules=1.0))
+    assert acc.energy_joules == pytest.approx(3.5)
