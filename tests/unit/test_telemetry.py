@@ -406,3 +406,28 @@ def test_energy_reaches_usage_summed_by_the_gateway():
     _Output.add_energy(acc, prefill_pb2.PrefillResponse(energy_joules=2.5))
     _Output.add_energy(acc, common_pb2.Usage(energy_joules=1.0))
     assert acc.energy_joules == pytest.approx(3.5)
+
+
+def test_energy_hook_on_a_real_engine():
+    """The duck-typed step hook still fits engine.LLMEngine: every prompt and generated
+    token of a request is attributed to it."""
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from engine.tiny_model import ensure_default_model
+    eng = LLMEngine.from_model_dir(str(ensure_default_model()), num_blocks=32, block_size=8,
+                                   max_num_batched_tokens=8)            # 2 prefill chunks
+    watts = 10.0
+    meter = tm.EnergyMeter(lambda: watts, min_interval_s=0)
+    assert tm.instrument_engine_steps(eng, meter)
+    tokens = {"a": 0, "b": 0}
+    inner = meter.step
+    meter.step = lambda d, t: (inner(d, t), [tokens.__setitem__(k, tokens[k] + v) for k, v in t.items()])
+    p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    eng.add_request("a", list(range(1, 13)), p)
+    eng.add_request("b", list(range(20, 24)), p)
+    while eng.has_unfinished_requests():
+        eng.step()
+    # prompt tokens + generated tokens fed back (the last sampled one is never computed)
+    assert tokens == {"a": 12 + 2, "b": 4 + 2}
+    a, b = meter.pop("a"), meter.pop("b")
+    assert a > 0 and b > 0 and a + b == pytest.approx(meter.total_joules)
