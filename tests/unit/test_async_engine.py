@@ -72,7 +72,8 @@ def test_abort_mid_stream_frees_every_block(model_dir):
                     assert await ae.abort("a")
                     assert await ae.abort("b")
             assert seen[-1].finished and seen[-1].finish_reason == "abort"
-            assert len(seen) == 4
+            # outputs already queued before the abort still arrive; then the stream ends
+            assert 4 <= len(seen) < 20 and not any(o.finished for o in seen[:-1])
             with pytest.raises(KeyError):                      # unclaimed: dropped on abort
                 [o async for o in ae.stream("b")]
             await ae.call(lambda: None)                         # a full turn of the thread
