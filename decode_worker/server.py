@@ -40,8 +40,8 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer.receiver import KVReceiver, TransferState
 from pdserve import telemetry
-from prefill_worker import protoconv
-from prefill_worker.lifecycle import Draining, WorkerServer, config_from_argv, limit_threads
+from pdserve import protoconv, worker_server
+from pdserve.worker_server import Draining, WorkerServer, config_from_argv, limit_threads
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 from .config import DecodeWorkerConfig
@@ -152,7 +152,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             transfers=common_pb2.TransferCounters(
                 transfers_done=r.transfers_done, blocks=r.blocks_received, bytes=r.bytes_received,
                 failures=r.failed, expirations=r.expired + c.token_expirations),
-            compat=protoconv.compat_to_proto(self.compat))
+            compat=worker_server.compat_to_proto(self.compat))
 
     # -------------------------------------------------------------- Decode body
     def _validate(self, request) -> tuple[SamplingParams, list[int], float, str]:
@@ -162,7 +162,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if request.request_id in self._pending:
             raise _Status(bad, f"request id {request.request_id!r} is already in flight")
         try:
-            params = protoconv.sampling_from_proto(request.sampling)
+            params = protoconv.worker_sampling_from_proto(request.sampling)
         except (ValueError, TypeError) as e:
             raise _Status(bad, str(e)) from None
         if request.kv_timeout_ms < 0:
@@ -205,7 +205,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                                   telemetry.tracing_enabled() and {"blocks": len(fill), "cached_tokens": n_cached})
             yield decode_pb2.DecodeResponse(request_id=rid, kv_ready=decode_pb2.KvReady(
                 transfer_id=tid, kv_endpoint=self.receiver.address, block_ids=fill,
-                num_cached_tokens=n_cached, compat=protoconv.compat_to_proto(self.compat),
+                num_cached_tokens=n_cached, compat=worker_server.compat_to_proto(self.compat),
                 decode_worker_id=self.worker_id,
                 expires_at_unix_ms=int((time.time() + timeout) * 1000)))
 
@@ -249,7 +249,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                     if joules is not None:
                         usage.energy_joules = joules
                         span.set_attribute("energy_joules", joules)
-                    chunk.finish_reason = protoconv.FINISH_REASONS[out.finish_reason]
+                    chunk.finish_reason = protoconv.FINISH_TO_PROTO[out.finish_reason]
                     chunk.usage.CopyFrom(usage)
                     finished = True
                 if chunk.tokens or out.finished:
@@ -352,7 +352,7 @@ async def serve(cfg: DecodeWorkerConfig, ready: asyncio.Event | None = None,
     engine = await asyncio.to_thread(build_engine, cfg)
     srv = WorkerServer([SERVICE], cfg.host, cfg.port, cfg.drain_timeout_s)
     worker_id = cfg.worker_id or f"decode-{cfg.host}:{srv.port}"
-    receiver = KVReceiver(engine.kv_cache, protoconv.model_compat(engine),
+    receiver = KVReceiver(engine.kv_cache, worker_server.model_compat(engine),
                           UcxTransport(cfg.kv_host or cfg.host, cfg.kv_port), expiry_s=cfg.kv_expiry_s)
     address = await receiver.start()
     tel = telemetry.start_role_telemetry("decode", host=cfg.host, metrics_port=cfg.metrics_port or None,

@@ -36,7 +36,7 @@ from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_p
 
 from .config import GatewayConfig
 from .discovery import WorkerSet, resolver_from_args
-from .protoconv import FINISH_FROM_PROTO, logprob_from_proto, sampling_to_proto
+from pdserve.protoconv import FINISH_FROM_PROTO, logprob_from_proto, sampling_to_proto
 from .registry import PrefixAffinity, Worker, WorkerPool
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .config import GatewayConfig
 from .core import Gateway, GatewayError, GenerateEvent, GenerateInput, Usage
-from .protoconv import FINISH_TO_PROTO, sampling_from_proto
+from pdserve.protoconv import FINISH_TO_PROTO, sampling_from_proto
 
 log = logging.getLogger(__name__)
 

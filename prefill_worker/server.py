@@ -45,9 +45,9 @@ from kvtransfer.wire import IncompatibleKV
 from pdserve import telemetry
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
-from . import protoconv
+from pdserve import protoconv, worker_server
 from .config import PrefillWorkerConfig
-from .lifecycle import Draining, WorkerServer, config_from_argv, limit_threads
+from pdserve.worker_server import Draining, WorkerServer, config_from_argv, limit_threads
 
 log = logging.getLogger(__name__)
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
@@ -153,7 +153,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             total_kv_blocks=st.num_total_blocks,
             transfers=common_pb2.TransferCounters(transfers_done=c.transfers_done, blocks=c.blocks_sent,
                                                   bytes=c.bytes_sent, failures=c.failures),
-            compat=protoconv.compat_to_proto(self.compat))
+            compat=worker_server.compat_to_proto(self.compat))
 
     # -------------------------------------------------------------- Prefill body
     def _validate(self, request) -> tuple[SamplingParams, list[int], int]:
@@ -163,7 +163,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if request.request_id in self._tasks:
             raise _Status(bad, f"request id {request.request_id!r} is already in flight")
         try:
-            params = protoconv.sampling_from_proto(request.sampling)
+            params = protoconv.worker_sampling_from_proto(request.sampling)
         except (ValueError, TypeError) as e:
             raise _Status(bad, str(e)) from None
         ids = list(request.prompt_token_ids)
@@ -180,7 +180,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if not dest.kv_endpoint or not dest.transfer_id:
             raise _Status(bad, "destination.kv_endpoint and destination.transfer_id are required "
                                "(copy them from the decode worker's KvReady)")
-        theirs = protoconv.compat_from_proto(dest.compat)
+        theirs = worker_server.compat_from_proto(dest.compat)
         try:
             self.compat.check(theirs, f"prefill[{self.worker_id}]",
                               f"decode[{dest.decode_worker_id or dest.kv_endpoint}]")
@@ -259,7 +259,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                 telemetry.current_span().set_attribute("energy_joules", joules)
             return prefill_pb2.PrefillResponse(
                 request_id=rid, first_token=first,
-                finish_reason=protoconv.FINISH_REASONS.get(final.finish_reason, 0),
+                finish_reason=protoconv.FINISH_TO_PROTO.get(final.finish_reason, 0),
                 prompt_logprobs=protoconv.prompt_logprobs(final),
                 num_prompt_tokens=len(ids), num_cached_tokens=final.num_cached_tokens,
                 blocks_transferred=blocks, bytes_transferred=nbytes,
@@ -324,7 +324,7 @@ async def serve(cfg: PrefillWorkerConfig, ready: asyncio.Event | None = None,
     engine = await asyncio.to_thread(build_engine, cfg)
     srv = WorkerServer([SERVICE], cfg.host, cfg.port, cfg.drain_timeout_s)
     worker_id = cfg.worker_id or f"prefill-{cfg.host}:{srv.port}"
-    compat = protoconv.model_compat(engine)
+    compat = worker_server.model_compat(engine)
     sender = KVSender(engine.kv_cache, compat, UcxTransport(cfg.host),
                       connect_timeout_s=cfg.kv_connect_timeout_s)
     tel = telemetry.start_role_telemetry("prefill", host=cfg.host, metrics_port=cfg.metrics_port or None,

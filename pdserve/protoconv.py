@@ -1,6 +1,8 @@
-"""SamplingParams and logprobs between engine dataclasses and pdserve.v1 messages."""
+"""Conversions between engine types and pdserve.v1 messages, shared by the gateway and both
+workers. A leaf module: imports engine's plain dataclasses (no torch) and the protos only."""
 from __future__ import annotations
 
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 from protos.pdserve.v1 import common_pb2
@@ -11,8 +13,9 @@ FINISH_TO_PROTO = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
     "error": common_pb2.FINISH_REASON_ERROR,
+    "prefill_done": common_pb2.FINISH_REASON_UNSPECIFIED,   # not finished for the client
 }
-FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items() if k != "prefill_done"}
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -74,3 +77,41 @@ def logprob_from_proto(t: common_pb2.TokenLogprob):
     """(logprob, [(id, logprob)] or None) as in GenerateEvent.logprobs."""
     top = [(x.token_id, x.logprob) for x in t.top_logprobs] or None
     return t.logprob, top
+
+
+def worker_sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
+    """As `sampling_from_proto`, for a worker: the gateway fans out n > 1, workers take n=1."""
+    sp = sampling_from_proto(m)
+    if sp.n != 1:
+        raise ValueError(f"invalid sampling parameter n={sp.n}: workers take n=1 "
+                         "(the gateway fans out n > 1)")
+    return sp
+
+
+def token_logprob(token_id: int, logprob: float | None, top) -> common_pb2.TokenLogprob:
+    """`top`: [(token_id, logprob)] best first, or None."""
+    msg = common_pb2.TokenLogprob(token_id=int(token_id), logprob=float(logprob or 0.0))
+    for tid, lp in top or ():
+        msg.top_logprobs.add(token_id=int(tid), logprob=float(lp))
+    if top:
+        ids = [int(t) for t, _ in top]
+        msg.rank = ids.index(int(token_id)) + 1 if int(token_id) in ids else 0
+    return msg
+
+
+def output_tokens(out: RequestOutput, n_new: int | None = None) -> list[common_pb2.TokenLogprob]:
+    """The last `n_new` generated tokens of `out` (default: its new tokens) as TokenLogprobs."""
+    n = len(out.new_token_ids) if n_new is None else n_new
+    total = len(out.token_ids)
+    res = []
+    for i in range(total - n, total):
+        lp = out.logprobs[i] if i < len(out.logprobs) else 0.0
+        top = out.top_logprobs[i] if i < len(out.top_logprobs) else None
+        res.append(token_logprob(out.token_ids[i], lp, top))
+    return res
+
+
+def prompt_logprobs(out: RequestOutput) -> list[common_pb2.TokenLogprob]:
+    if out.prompt_logprobs is None:
+        return []
+    return [token_logprob(t, lp, top) for t, (lp, top) in zip(out.prompt_token_ids, out.prompt_logprobs)]

@@ -1,6 +1,5 @@
 """What both workers' servers share: a gRPC server with health + reflection, in-flight
-tracking, and a SIGTERM drain. (decode_worker imports this module too; like protoconv it
-depends on nothing worker-specific.)
+tracking, a SIGTERM drain, and the KV compatibility key as a proto.
 
 Serving lifecycle:
 
@@ -24,6 +23,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+
+from kvtransfer.wire import CompatKey
+from protos.pdserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -145,3 +147,19 @@ def config_from_argv(cls, argv: list[str] | None, description: str):
     logging.basicConfig(level=ns.pop("log_level").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return cls(**ns)
+
+
+def compat_to_proto(c: CompatKey) -> common_pb2.KvCompat:
+    return common_pb2.KvCompat(model=c.model, dtype=c.dtype, block_size=c.block_size,
+                               num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                               head_dim=c.head_dim, protocol_version=c.protocol_version)
+
+
+def compat_from_proto(m: common_pb2.KvCompat) -> CompatKey:
+    return CompatKey(m.model, m.dtype, m.block_size, m.num_layers, m.num_kv_heads, m.head_dim,
+                     m.protocol_version)
+
+
+def model_compat(engine) -> CompatKey:
+    """This engine's compatibility key: the model is named by its directory's name."""
+    return CompatKey.from_cache(engine.kv_cache, engine.config.model.name)
