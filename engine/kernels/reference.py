@@ -51,13 +51,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         qb = q[s:e].float().transpose(0, 1)                       # [H_q, q_len, D]
         kb = _gather(k_cache, block_tables[b], L).float().transpose(0, 1)  # [H_kv, L, D]
         vb = _gather(v_cache, block_tables[b], L).float().transpose(0, 1)
-        kb = kb.repeat_interleave(hq // hkv, dim=0)
-        vb = vb.repeat_interleave(hq // hkv, dim=0)
-        qpos = torch.arange(L - (e - s), L).unsqueeze(1)           # [q_len, 1]
-        mask = torch.arange(L).unsqueeze(0) <= qpos               # [q_len, L]
-        scores = (qb @ kb.transpose(1, 2)) * scale
-        scores = scores.masked_fill(~mask, float("-inf"))
-        out[s:e] = (scores.softmax(-1) @ vb).transpose(0, 1).to(q.dtype)
+        qpos = torch.arange(L - (e - s), L, device=q.device).unsqueeze(1)  # [q_len, 1]
+        mask = torch.arange(L, device=q.device).unsqueeze(0) <= qpos      # [q_len, L]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+        out[s:e] = o.transpose(0, 1).to(q.dtype)
     return out
 
 
@@ -70,16 +68,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     positions past each context length are masked, so the whole batch is a few tensor ops."""
     B, hq, D = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    g = hq // hkv
     nblk = (int(context_lens.max()) + bs - 1) // bs
+    if nblk == 0:
+        return torch.zeros_like(q)
     idx = block_tables[:, :nblk].long()
-    k = k_cache[idx].flatten(1, 2).float().permute(0, 2, 3, 1)   # [B, H_kv, D, L]
-    v = v_cache[idx].flatten(1, 2).float().transpose(1, 2)        # [B, H_kv, L, D]
-    qf = q.float().view(B, hkv, g, D)
-    scores = (qf @ k) * scale                                     # [B, H_kv, g, L]
+    k = k_cache[idx].flatten(1, 2).transpose(1, 2)                # [B, H_kv, L, D]
+    v = v_cache[idx].flatten(1, 2).transpose(1, 2)
     valid = torch.arange(nblk * bs, device=q.device) < context_lens.unsqueeze(1)  # [B, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = (scores.softmax(-1) @ v).reshape(B, hq, D)
+    # query heads grouped by their KV head: [B, H_kv, H_q/H_kv, D]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.view(B, hkv, hq // hkv, D).float(), k.float(), v.float(),
+        attn_mask=valid[:, None, None, :], scale=scale).reshape(B, hq, D)
     out[context_lens == 0] = 0.0                                  # padding rows (CUDA graphs)
     return out.to(q.dtype)
 
