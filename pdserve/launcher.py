@@ -173,7 +173,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1, help="number of decode workers (default: 1)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port (0: any free)")
-    p.add_argument("--http-port", type=int, default=0, help="gateway REST port (0: off)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="gateway OpenAI-compatible REST port (default: 8000; -1: off)")
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds to wait for every process to be SERVING")
 
@@ -188,7 +189,8 @@ def main(args) -> int:
         model = str(ensure_default_model())
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    launcher = Launcher(model, args.prefill, args.decode, args.host, args.grpc_port, args.http_port)
+    http_port = 0 if args.http_port < 0 else args.http_port
+    launcher = Launcher(model, args.prefill, args.decode, args.host, args.grpc_port, http_port)
     try:
         try:
             launcher.start(args.ready_timeout, cancel=stop)
@@ -196,7 +198,8 @@ def main(args) -> int:
             print(f"pdserve up: {e}", file=sys.stderr, flush=True)
             return 1
         w = {r: ",".join(c.address for c in launcher.workers(r)) for r in ("prefill", "decode")}
-        print(f"pdserve ready: grpc={launcher.grpc_address} prefill={w['prefill']} "
+        http = f" http=http://{args.host}:{http_port}/v1" if http_port else ""
+        print(f"pdserve ready: grpc={launcher.grpc_address}{http} prefill={w['prefill']} "
               f"decode={w['decode']} model={model}", flush=True)
         while not stop.wait(0.5):
             dead = launcher.dead_child()

@@ -292,10 +292,11 @@ def _children(pid):
 def test_pdserve_up_smoke(model_dir):
     from pdserve.launcher import free_port
 
-    port = free_port()
+    port, http_port = free_port(), free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--model", model_dir,
-                             "--grpc-port", str(port)], stdout=subprocess.PIPE,
+                             "--grpc-port", str(port), "--http-port", str(http_port)],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, env=env, text=True)
     try:
         lines = []
@@ -307,7 +308,11 @@ def test_pdserve_up_smoke(model_dir):
             assert proc.poll() is None, f"pdserve up exited: {lines}"
             assert time.monotonic() < deadline, "no ready line within 120s"
             time.sleep(0.1)
-        assert f"grpc=127.0.0.1:{port}" in next(l for l in lines if l.startswith("pdserve ready"))
+        ready = next(l for l in lines if l.startswith("pdserve ready"))
+        assert f"grpc=127.0.0.1:{port}" in ready and f"http=http://127.0.0.1:{http_port}/v1" in ready
+        import httpx
+        models = httpx.get(f"http://127.0.0.1:{http_port}/v1/models", timeout=10).json()
+        assert models["object"] == "list" and len(models["data"]) == 1
         children = _children(proc.pid)
         assert len(children) == 3, children
         ids, last = collect(gen_stub(f"127.0.0.1:{port}"), request([5, 6, 7, 8], 4,
