@@ -32,6 +32,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.sampling_params import SamplingParams
+from pdserve import telemetry
 from engine.structured import StructuredOutput, validate as validate_structured
 
 from ..core import Gateway, GatewayError, GenerateEvent, GenerateInput
@@ -147,11 +148,11 @@ def create_app(gw: Gateway, api_key: str = "") -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await _Chat(gw, body).run()
+        return await _Chat(gw, body, telemetry.extract_context(dict(request.headers))).run()
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(body: CompletionRequest, request: Request):
-        return await _Completion(gw, body).run()
+        return await _Completion(gw, body, telemetry.extract_context(dict(request.headers))).run()
 
     return app
 
@@ -225,6 +226,7 @@ class _ChoiceOut:
     prompt_logprobs: list | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    energy_joules: float | None = None
 
     def add(self, ev: GenerateEvent) -> None:
         self.token_ids += ev.token_ids
@@ -239,6 +241,7 @@ class _ChoiceOut:
         if ev.usage is not None:
             self.completion_tokens = ev.usage.completion_tokens
             self.cached_tokens = ev.usage.cached_tokens
+            self.energy_joules = ev.usage.energy_joules
 
 
 class _Run:
@@ -334,17 +337,22 @@ def _finite(x: float | None) -> float | None:
     return x if math.isfinite(x) else -9999.0
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int, outs=()) -> dict:
+    """OpenAI usage; `energy_joules` (GPU energy of `outs`' choices) only where measured."""
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens,
+         "prompt_tokens_details": {"cached_tokens": cached}}
+    energy = [o.energy_joules for o in outs if o.energy_joules is not None]
+    if energy:
+        u["energy_joules"] = sum(energy)
+    return u
 
 
 class _Endpoint:
     object_name = ""
 
-    def __init__(self, gw: Gateway, body):
-        self.gw, self.body = gw, body
+    def __init__(self, gw: Gateway, body, trace_parent=None):
+        self.gw, self.body, self.trace_parent = gw, body, trace_parent
         if body.model != gw.model_name:
             raise _unknown_model(gw, body.model)
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
@@ -375,7 +383,8 @@ class _Endpoint:
         for j in range(n):
             seed = None if params.seed is None else params.seed + j
             p = params if (n == 1 and base == 0) else _replace(params, seed=seed)
-            out.append(GenerateInput(f"{self.id}-{base + j}", list(ids), p))
+            out.append(GenerateInput(f"{self.id}-{base + j}", list(ids), p,
+                                     trace_parent=self.trace_parent))
         return out
 
 
@@ -389,8 +398,8 @@ def _replace(p: SamplingParams, **kw) -> SamplingParams:
 class _Chat(_Endpoint):
     prefix = "chatcmpl"
 
-    def __init__(self, gw: Gateway, body: ChatCompletionRequest):
-        super().__init__(gw, body)
+    def __init__(self, gw: Gateway, body: ChatCompletionRequest, trace_parent=None):
+        super().__init__(gw, body, trace_parent)
         self.tools = body.tools or []
         choice = body.tool_choice
         if choice is None:
@@ -457,7 +466,7 @@ class _Chat(_Endpoint):
                 finish = "tool_calls"
             choices.append({"index": i, "message": msg, "finish_reason": finish,
                             "logprobs": self.logprobs(o.token_ids, o.logprobs) if b.logprobs else None})
-        usage = _usage(len(ids), sum(o.completion_tokens for o in outs), outs[0].cached_tokens)
+        usage = _usage(len(ids), sum(o.completion_tokens for o in outs), outs[0].cached_tokens, outs)
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.gw.model_name, "choices": choices, "usage": usage}
 
@@ -530,7 +539,7 @@ class _Chat(_Endpoint):
                                  u, inc_usage)
             if inc_usage:
                 yield self.chunk([], _usage(self.n_prompt, sum(o.completion_tokens for o in outs),
-                                            outs[0].cached_tokens), True)
+                                            outs[0].cached_tokens, outs), True)
         except OpenAIError as e:
             yield _sse(e.body())
         yield "data: [DONE]\n\n"
@@ -621,7 +630,7 @@ class _Completion(_Endpoint):
         outs = await run.collect()
         choices = [self.choice(i, o) for i, o in enumerate(outs)]
         comp = 0 if b.max_tokens == 0 else sum(o.completion_tokens for o in outs)
-        usage = _usage(sum(len(ids) for ids, _ in prompts), comp, outs[0].cached_tokens)
+        usage = _usage(sum(len(ids) for ids, _ in prompts), comp, outs[0].cached_tokens, outs)
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.gw.model_name, "choices": choices, "usage": usage}
 
@@ -697,7 +706,7 @@ class _Completion(_Endpoint):
                 yield _sse({"id": self.id, "object": "text_completion", "created": self.created,
                             "model": self.gw.model_name, "choices": [],
                             "usage": _usage(sum(len(ids) for ids, _ in self.prompt_list), comp,
-                                            outs[0].cached_tokens)})
+                                            outs[0].cached_tokens, outs)})
         except OpenAIError as e:
             yield _sse(e.body())
         yield "data: [DONE]\n\n"

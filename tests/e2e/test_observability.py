@@ -32,11 +32,13 @@ def system(start_system, tmp_path_factory):
     d = tmp_path_factory.mktemp("observability")
     files = {role: str(d / f"{role}.jsonl") for role in ("gateway", "prefill", "decode")}
     ports = {role: free_port() for role in files}
+    ports["http"] = free_port()
     launcher = start_system(
         1, 1,
         prefill_args=["--trace-file", files["prefill"], "--metrics-port", str(ports["prefill"])],
         decode_args=["--trace-file", files["decode"], "--metrics-port", str(ports["decode"])],
-        gateway_args=["--trace-file", files["gateway"], "--metrics-port", str(ports["gateway"])])
+        gateway_args=["--trace-file", files["gateway"], "--metrics-port", str(ports["gateway"]),
+                      "--http-port", str(ports["http"])])
     return launcher, files, ports
 
 
@@ -122,3 +124,27 @@ def test_scraped_counters_equal_what_was_sent(system):
     assert p[("pdserve:request_prefill_time_seconds_count", frozenset({"role": "prefill"}.items()))] >= len(sent)
     assert d[("pdserve:request_decode_time_seconds_count", frozenset({"role": "decode"}.items()))] >= len(sent)
     assert 0.0 <= d[("pdserve:kv_cache_usage_perc", frozenset({"role": "decode"}.items()))] <= 1.0
+
+
+def test_rest_request_continues_the_callers_trace(system):
+    """A W3C `traceparent` header on the REST shim becomes the parent of the gateway's span,
+    and the workers' spans join the same trace."""
+    import httpx
+    launcher, files, ports = system
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    base = f"http://127.0.0.1:{ports['http']}/v1"
+    model = httpx.get(f"{base}/models", timeout=10).json()["data"][0]["id"]
+    r = httpx.post(f"{base}/completions", headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+                   json={"model": model, "prompt": "hello there", "max_tokens": 3,
+                         "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while True:
+        gw = [s for s in tm.read_span_file(files["gateway"]) if s["trace_id"] == trace_id]
+        dc = [s for s in tm.read_span_file(files["decode"]) if s["trace_id"] == trace_id]
+        if gw and dc or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    root = next(s for s in gw if s["name"] == "pdserve.generate")
+    assert root["parent_span_id"] == parent
+    assert any(s["name"] == "pdserve.decode" for s in dc)
