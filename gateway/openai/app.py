@@ -432,7 +432,8 @@ class _Chat(_Endpoint):
                           "response_format")
             name = None if self.tool_choice == "required" else self.tool_choice.function.name
             try:
-                spec = StructuredOutput(json_schema=toolkit.forced_schema(self.tools, name))
+                spec = StructuredOutput(json_schema=toolkit.forced_schema(
+                    self.tools, name, parallel=self.body.parallel_tool_calls is not False))
             except ValueError as e:
                 raise bad(str(e), "tool_choice") from None
             check_structured(spec, "tools")

@@ -25,15 +25,18 @@ def call_schema(tool: Tool) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def forced_schema(tools: list[Tool], name: str | None) -> dict[str, Any]:
-    """The schema for tool_choice: a named function (one call) or "required" (>= 1 call)."""
+def forced_schema(tools: list[Tool], name: str | None, parallel: bool = True) -> dict[str, Any]:
+    """The schema for tool_choice: a named function (one call) or "required" (>= 1 call;
+    exactly 1 when `parallel` is off, as OpenAI's parallel_tool_calls=false means)."""
     if name is not None:
         tool = next((t for t in tools if t.function.name == name), None)
         if tool is None:
             raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
         return call_schema(tool)
-    return {"type": "array", "minItems": 1,
-            "items": {"anyOf": [call_schema(t) for t in tools]}}
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": [call_schema(t) for t in tools]}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def parse_calls(text: str, tools: list[Tool]) -> list[dict[str, Any]] | None:

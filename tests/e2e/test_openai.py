@@ -277,14 +277,28 @@ def test_forced_tool_call_stream_and_not(client, model):
 
 
 def test_required_tool_choice(client, model):
-    out = chat(client, model, tools=[WEATHER, CLOCK], tool_choice="required", temperature=0,
-               max_tokens=150, logit_bias={"63": 3.0})
-    c = out.choices[0]
-    assert c.finish_reason in ("tool_calls", "length")
-    if c.finish_reason == "tool_calls":
-        for call in c.message.tool_calls:
-            assert call.function.name in ("get_weather", "get_time")
-            json.loads(call.function.arguments)
+    """`required` forces a call to one of the tools; with parallel_tool_calls=false, exactly one
+    (a bounded grammar, so even the random tiny model must finish it)."""
+    for stream in (False, True):
+        out = chat(client, model, tools=[WEATHER, CLOCK], tool_choice="required", temperature=0,
+                   max_tokens=150, parallel_tool_calls=False, stream=stream)
+        if stream:
+            calls, finish = {}, None
+            for ch in out:
+                for cc in ch.choices:
+                    for tc in cc.delta.tool_calls or []:
+                        c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                        c["name"] += tc.function.name or ""
+                        c["arguments"] += tc.function.arguments or ""
+                    finish = cc.finish_reason or finish
+            calls = [(c["name"], c["arguments"]) for c in calls.values()]
+        else:
+            finish = out.choices[0].finish_reason
+            calls = [(c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls]
+        assert finish == "tool_calls" and len(calls) == 1
+        name, arguments = calls[0]
+        tool = {"get_weather": WEATHER, "get_time": CLOCK}[name]
+        jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
 
 
 # ----------------------------------------------------------------------------- errors
