@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile

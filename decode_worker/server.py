@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import grpc
 
 from engine.async_engine import AsyncEngine, EngineError
-from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer.receiver import KVReceiver, TransferState
 from pdserve import telemetry
@@ -220,7 +219,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 return
             offset = sent = 0          # client tokens not in the engine's list / delivered
             if problem is None:
-                out0 = await self.ae.remote_kv_done(rid, first.token_id, first.logprob,
+                await self.ae.remote_kv_done(rid, first.token_id, first.logprob,
                                                     [(t.token_id, t.logprob) for t in first.top_logprobs] or None)
                 sent = 1
             elif policy == "fail":
@@ -336,20 +335,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             pass
 
 
-def build_engine(cfg: DecodeWorkerConfig) -> LLMEngine:
-    return LLMEngine.from_model_dir(
-        cfg.model_dir, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-        max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
-        device=cfg.device, dtype=cfg.dtype, kernel_backend=cfg.kernel_backend,
-        kv_cache_memory_gb=cfg.kv_cache_memory_gb)
-
-
 async def serve(cfg: DecodeWorkerConfig, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then drain and return."""
     from kvtransfer.ucx import UcxTransport   # imports ucxx; only the serving process needs it
-    engine = await asyncio.to_thread(build_engine, cfg)
+    engine = await asyncio.to_thread(cfg.build_engine)
     srv = WorkerServer([SERVICE], cfg.host, cfg.port, cfg.drain_timeout_s)
     worker_id = cfg.worker_id or f"decode-{cfg.host}:{srv.port}"
     receiver = KVReceiver(engine.kv_cache, worker_server.model_compat(engine),

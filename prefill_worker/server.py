@@ -37,7 +37,6 @@ import torch
 
 from engine.async_engine import AsyncEngine, EngineError
 from engine.kv_cache_manager import cdiv
-from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer.sender import KVSender, KVTransferTimeout, TransferHandle
 from kvtransfer.transport import TransportError
@@ -308,20 +307,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         await self.ae.release(rid)
 
 
-def build_engine(cfg: PrefillWorkerConfig) -> LLMEngine:
-    return LLMEngine.from_model_dir(
-        cfg.model_dir, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-        max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
-        device=cfg.device, dtype=cfg.dtype, kernel_backend=cfg.kernel_backend,
-        kv_cache_memory_gb=cfg.kv_cache_memory_gb)
-
-
 async def serve(cfg: PrefillWorkerConfig, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then drain and return."""
     from kvtransfer.ucx import UcxTransport   # imports ucxx; only the serving process needs it
-    engine = await asyncio.to_thread(build_engine, cfg)
+    engine = await asyncio.to_thread(cfg.build_engine)
     srv = WorkerServer([SERVICE], cfg.host, cfg.port, cfg.drain_timeout_s)
     worker_id = cfg.worker_id or f"prefill-{cfg.host}:{srv.port}"
     compat = worker_server.model_compat(engine)

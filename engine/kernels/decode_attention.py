@@ -18,7 +18,6 @@ of that width can hold, which is also static. Sequences with ctx_len 0 (padding)
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton

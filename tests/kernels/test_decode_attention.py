@@ -1,5 +1,4 @@
 """Paged decode attention (Triton, split-K) against the torch reference."""
-import time
 
 import pytest
 import torch

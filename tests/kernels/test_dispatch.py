@@ -4,7 +4,7 @@ import torch
 
 import engine.kernels as K
 from engine.kernels import reference
-from kernel_testlib import DEVICE, fresh_generator, on_device, randn
+from kernel_testlib import fresh_generator, on_device, randn
 
 
 def test_auto_uses_torch_on_cpu(monkeypatch):

@@ -7,7 +7,6 @@ import torch
 
 from kvtransfer import (CompatKey, IncompatibleKV, KVReceiver, KVSender, LoopbackTransport,
                         TransferState, TransportError)
-from kvtransfer.wire import Header, MsgType, ids_bytes
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -46,7 +46,7 @@ def hf_tok(model_dir):
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory, model_dir):
     """A Llama-2-style tokenizer: Metaspace, byte fallback, post-processor adding <s>."""
-    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as HFTok, models, pre_tokenizers, processors, trainers
 
     from engine.tiny_model import CORPUS
     t = HFTok(models.BPE(unk_token="<unk>", byte_fallback=True))
