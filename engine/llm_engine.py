@@ -21,7 +21,7 @@ from . import kernels
 from .config import CacheConfig, EngineConfig, ModelConfig
 from .kv_cache_manager import KVCacheManager, cdiv
 from .loader import load_model
-from .outputs import EngineStats, RequestOutput
+from .outputs import EngineStats, Prefix, RequestOutput
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import Sampler, compute_prompt_logprobs
@@ -225,9 +225,9 @@ class LLMEngine:
         if not req.is_finished and p.stop:
             text = text[:len(text) - partial_stop_len(text, p.stop)]
         return RequestOutput(
-            req.request_id, req.prompt_token_ids, list(req.output_token_ids), [token], text,
-            req.is_finished, req.finish_reason, req.stop_reason, list(req.output_logprobs),
-            list(req.output_top_logprobs),
+            req.request_id, req.prompt_token_ids, Prefix(req.output_token_ids), [token], text,
+            req.is_finished, req.finish_reason, req.stop_reason, Prefix(req.output_logprobs),
+            Prefix(req.output_top_logprobs),
             req.prompt_logprobs if p.prompt_logprobs is not None else None,
             max(req.num_cached_tokens, 0), list(req.block_ids) if req.prefill_only else [])
 

@@ -1,7 +1,38 @@
 """What the engine returns per request and step."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+class Prefix(Sequence):
+    """The first `n` items of a list that only ever grows: an O(1) snapshot.
+
+    A request's output lists grow by one token per step; copying them into every step's
+    output would cost O(length) per token, O(length^2) per request. The engine only appends,
+    so a length-bounded view of the same list is a faithful snapshot."""
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list, n: int | None = None):
+        self._items, self._n = items, len(items) if n is None else n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._items[j] for j in range(self._n)[i]]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("Prefix index out of range")
+        return self._items[i]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, tuple, Prefix)) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclass

@@ -50,27 +50,29 @@ class ModelRunner:
             self.graphs.capture()
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Plain Python lists, then one tensor each: per-request tensor ops cost more than
+        the arithmetic at decode batch sizes."""
         bs = self.block_size
-        ids, pos, slots, ctx, cu = [], [], [], [], [0]
-        max_blocks = max(len(s.request.block_ids) for s in out.scheduled)
-        tables = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int32)
-        for b, s in enumerate(out.scheduled):
+        ids, pos, slots, ctx, cu, tables = [], [], [], [], [0], []
+        width = max(len(s.request.block_ids) for s in out.scheduled)
+        for s in out.scheduled:
             r, end = s.request, s.start + s.num_new_tokens
+            blocks = r.block_ids
             ids.extend(r.all_token_ids[s.start:end])
-            p = torch.arange(s.start, end)
-            blocks = torch.tensor(r.block_ids, dtype=torch.int64)
-            pos.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
-            tables[b, :len(r.block_ids)] = blocks
+            pos.extend(range(s.start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(s.start, end))
+            tables.append(blocks + [0] * (width - len(blocks)))
             ctx.append(end)
             cu.append(cu[-1] + s.num_new_tokens)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev), block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             max_q_len=max(s.num_new_tokens for s in out.scheduled), max_context_len=max(ctx))
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(pos).to(dev), meta)
+        return (torch.tensor(ids, dtype=torch.int64, device=dev),
+                torch.tensor(pos, dtype=torch.int64, device=dev), meta)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_hook=None) -> ModelOutput:
