@@ -101,7 +101,8 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens: the context length is {L}, so at "
                              f"most {L - 1} prompt tokens leave room for one generated token")
         max_tokens = min(params.max_tokens or L, L - len(ids))
-        need = cdiv(len(ids) + max_tokens, self.kv.block_size)
+        # a prefill-only request computes the prompt and samples one token, nothing more
+        need = cdiv(len(ids) + (1 if prefill_only else max_tokens), self.kv.block_size)
         if need > self.num_blocks:
             raise ValueError(f"request needs up to {need} KV blocks, the cache has {self.num_blocks}")
         req = Request(request_id, ids, params, max_tokens, self.eos_token_ids, prefill_only,

@@ -298,6 +298,44 @@ def test_invalid_arguments(workers):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length" in e.value.details()
 
 
+def test_sigterm_lets_a_decoding_request_finish(workers, model_dir, tmp_path):
+    """SIGTERM while a request is decoding: it runs to its last token (finish LENGTH), new
+    work is refused with UNAVAILABLE meanwhile, and the worker then exits 0."""
+    pre, _, _ = workers
+    dec = Worker("decode_worker.server", model_dir, tmp_path / "decode_drain.log", block_size=BS,
+                 num_blocks=256, kv_expiry_s=10)
+    try:
+        dec.wait_serving()
+        d = decode_pb2_grpc.DecodeWorkerStub(dec.channel)
+        p = prefill_pb2_grpc.PrefillWorkerStub(pre.channel)
+        rid, prompt, n = "drain-" + uuid.uuid4().hex, _prompt(20, 9), 1500
+        stream = d.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
+                                                   sampling=_greedy(n)), timeout=60)
+        kv = next(stream).kv_ready
+        resp = p.Prefill(prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                                                    sampling=_greedy(n), destination=_dest(kv)), timeout=30)
+        d.SubmitFirstToken(decode_pb2.SubmitFirstTokenRequest(request_id=rid, first_token=resp.first_token),
+                           timeout=5)
+        got = len(next(stream).tokens.tokens)          # decoding has started
+        dec.terminate()
+        with pytest.raises(grpc.RpcError) as e:         # refused while the old one runs
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                next(d.Decode(decode_pb2.DecodeRequest(request_id="late-" + uuid.uuid4().hex,
+                                                       prompt_token_ids=[1, 2, 3], sampling=_greedy(2)),
+                              timeout=5))
+                time.sleep(0.02)                         # until the SIGTERM is handled
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        last = None
+        for msg in stream:
+            got += len(msg.tokens.tokens)
+            last = msg.tokens
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and 1 + got == n
+        assert dec.proc.wait(20) == 0
+    finally:
+        dec.stop()
+
+
 def test_sigterm_drains_in_flight_then_exits(workers):
     """Last test: drains the block-size-16 decode worker. In flight: a reservation that
     expires after 1.5 s (nobody prefills it). New calls are refused with UNAVAILABLE."""

@@ -79,3 +79,16 @@ def test_abort_mid_generation_frees_blocks(model_dir):
         engine.abort_request(f"r{i}")
     assert engine.kv.num_held_blocks() == 0 and not engine.has_unfinished_requests()
     engine.kv.pool.check()
+
+
+def test_prefill_only_needs_blocks_for_the_prompt_only(model_dir):
+    """The prefill role never decodes: a long max_tokens must not be refused for it."""
+    engine = LLMEngine.from_model_dir(model_dir, num_blocks=3)      # 48 token slots
+    params = SamplingParams(max_tokens=60, temperature=0)
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request("full", list(range(3, 20)), params)
+    engine.add_request("pre", list(range(3, 20)), params, prefill_only=True)
+    out = next(o for o in engine.step())
+    assert out.finish_reason == "prefill_done" and len(out.block_ids) == 2
+    engine.release("pre")
+    assert engine.kv.num_held_blocks() == 0
