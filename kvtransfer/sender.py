@@ -61,6 +61,18 @@ class TransferHandle:
     _started: float = field(default_factory=time.monotonic)
     cancelled: bool = False
 
+    def set_source(self, src_block_ids: list[int]) -> None:
+        """Re-point the transfer at other source blocks (same count, same order). The
+        prefill worker opens a transfer before its request is scheduled, so it learns the
+        request's real blocks only in the engine step; call this before the first push."""
+        if len(src_block_ids) != len(self.dst_block_ids):
+            raise ValueError(f"{len(src_block_ids)} source blocks for "
+                             f"{len(self.dst_block_ids)} destination blocks")
+        if self._futures:
+            raise RuntimeError("set_source() after a layer was pushed")
+        self.src_block_ids = list(src_block_ids)
+        self._src_index = torch.tensor(src_block_ids, dtype=torch.long, device=self._src_index.device)
+
 
 class _Peer:
     def __init__(self, endpoint: str, conn: Connection):

@@ -21,7 +21,7 @@ compute, and each layer is one message (the earlier chunks' sends do not overlap
 
 The source blocks are only known once the scheduler allocated them (in the step), so the
 transfer is opened with the destination ids as a placeholder and bound to the request's
-real block ids in the hook at the first pushed layer (`_bind_source`).
+real block ids in the hook at the first pushed layer (`TransferHandle.set_source`).
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 from engine.async_engine import AsyncEngine, EngineError
 from engine.kv_cache_manager import cdiv
@@ -68,15 +67,6 @@ class _Push:
     span: object = telemetry.INVALID_SPAN   # pdserve.kv.send: one event per pushed layer
 
 
-def _bind_source(handle: TransferHandle, src_block_ids: list[int], device) -> None:
-    """Point an opened transfer at the request's real source blocks (see module docstring).
-    TODO(kvtransfer): replace with a public KVSender API once it has one."""
-    if len(src_block_ids) != len(handle.dst_block_ids):
-        raise ValueError(f"{len(src_block_ids)} source blocks for {len(handle.dst_block_ids)} destination blocks")
-    handle.src_block_ids = list(src_block_ids)
-    handle._src_index = torch.tensor(src_block_ids, dtype=torch.long, device=device)
-
-
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, cfg: PrefillWorkerConfig, aengine: AsyncEngine, sender: KVSender,
                  srv: WorkerServer, worker_id: str, metrics: telemetry.Metrics | None = None,
@@ -90,7 +80,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self.block_size = eng.kv.block_size
         self.vocab_size = eng.config.model.vocab_size
         self.max_model_len = eng.config.model.max_model_len
-        self._device = eng.kv_cache.device
         self._pushes: dict[str, _Push] = {}          # read by the engine thread (GIL-atomic ops)
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
@@ -105,8 +94,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             try:
                 if not push.bound:
                     n = len(push.handle.dst_block_ids)
-                    _bind_source(push.handle, s.request.block_ids[push.first_block:push.first_block + n],
-                                 self._device)
+                    push.handle.set_source(s.request.block_ids[push.first_block:push.first_block + n])
                     push.bound = True
                 self.sender.push_layer_threadsafe(push.handle, layer)
                 if push.span.is_recording():

@@ -308,7 +308,7 @@ def test_sigterm_lets_a_decoding_request_finish(workers, model_dir, tmp_path):
         dec.wait_serving()
         d = decode_pb2_grpc.DecodeWorkerStub(dec.channel)
         p = prefill_pb2_grpc.PrefillWorkerStub(pre.channel)
-        rid, prompt, n = "drain-" + uuid.uuid4().hex, _prompt(20, 9), 1500
+        rid, prompt, n = "drain-" + uuid.uuid4().hex, _prompt(20, 9), 600   # well inside the 3 s drain
         stream = d.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
                                                    sampling=_greedy(n)), timeout=60)
         kv = next(stream).kv_ready
@@ -325,7 +325,7 @@ def test_sigterm_lets_a_decoding_request_finish(workers, model_dir, tmp_path):
                                                        prompt_token_ids=[1, 2, 3], sampling=_greedy(2)),
                               timeout=5))
                 time.sleep(0.02)                         # until the SIGTERM is handled
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
         last = None
         for msg in stream:
             got += len(msg.tokens.tokens)

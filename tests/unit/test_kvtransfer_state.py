@@ -255,3 +255,16 @@ def test_reserve_validates():
             await rx.wait("v", 0.01)
         await tx.close(); await rx.close()
     run(main())
+
+
+def test_set_source_rebinds_before_the_first_push_only():
+    import pytest as _pytest
+    from kvtransfer.sender import TransferHandle
+    h = TransferHandle("t", "ep", [0, 1], [5, 6], None, torch.tensor([0, 1]))
+    h.set_source([3, 4])
+    assert h.src_block_ids == [3, 4] and h._src_index.tolist() == [3, 4]
+    with _pytest.raises(ValueError):
+        h.set_source([1])
+    h._futures.append(object())
+    with _pytest.raises(RuntimeError):
+        h.set_source([7, 8])
