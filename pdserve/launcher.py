@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,8 +36,31 @@ class LaunchError(RuntimeError):
     pass
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that is free now, chosen BELOW the kernel's ephemeral range.
+
+    The port is handed to a child that binds it seconds later (after loading a model). A
+    port from the ephemeral range (what bind(0) returns) can be taken in that window by any
+    outgoing connection or port-0 listener on the machine; one below it cannot."""
+    lo, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, lo - 12000), lo)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:   # crowded: any free port
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -298,7 +298,7 @@ def test_pdserve_up_smoke(model_dir):
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--model", model_dir,
                              "--grpc-port", str(port), "--http-port", str(http_port)],
                             stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, env=env, text=True)
+                            stderr=subprocess.STDOUT, env=env, text=True)
     try:
         lines = []
         reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),

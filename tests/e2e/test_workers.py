@@ -6,7 +6,6 @@ the lifecycle driven by hand with grpc stubs:
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,9 +27,8 @@ BS = 8
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from pdserve.launcher import free_port
+    return free_port()
 
 
 class Worker:
