@@ -47,3 +47,24 @@ def upcast_dot(dtype: torch.dtype) -> bool:
     """The Triton 3.x interpreter multiplies bf16 dot operands as raw uint16 bits; under the
     interpreter the kernels feed tl.dot fp32 copies instead (GPU runs use bf16 tensor cores)."""
     return interpreting() and dtype == torch.bfloat16
+
+
+def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor) -> tuple[int, int]:
+    """What both paged attention kernels require: q [N, H_q, D]; K and V caches
+    [blocks, block_size, H_kv, D] of q's dtype and device with the same strides (the kernels
+    index both with one set); H_q a multiple of H_kv; int32 block tables. -> (block_size, H_kv)."""
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    dev, d = q.device, q.shape[2]
+    check_tensor("k_cache", k_cache, 4, (q.dtype,), dev)
+    _, bs, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"k_cache head_dim {dk} != q head_dim {d}")
+    check_tensor("v_cache", v_cache, 4, (q.dtype,), dev)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache strides {v_cache.stride()} differ from k_cache's {k_cache.stride()}")
+    if q.shape[1] % hkv:
+        raise ValueError(f"query heads {q.shape[1]} not a multiple of KV heads {hkv}")
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
+    return bs, hkv

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from ._attention_tile import _attend_tile
-from ._checks import FLOAT_DTYPES, check_out, check_shape, check_tensor, dot_precision, upcast_dot
+from ._checks import (check_out, check_paged_attention, check_shape, check_tensor,
+                      dot_precision, upcast_dot)
 
 DEFAULT_PARTITION = 512
 # launch settings: best of a 24-point sweep (partition 128-512, block_n 32/64, 4/8 warps,
@@ -151,22 +152,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens):
-    check_tensor("q", q, 3, FLOAT_DTYPES)
-    dev = q.device
+    bs, hkv = check_paged_attention(q, k_cache, v_cache, block_tables)
     b, hq, d = q.shape
-    check_tensor("k_cache", k_cache, 4, (q.dtype,), dev)
-    nb, bs, hkv, dk = k_cache.shape
-    if dk != d:
-        raise ValueError(f"k_cache head_dim {dk} != q head_dim {d}")
-    check_tensor("v_cache", v_cache, 4, (q.dtype,), dev)
-    check_shape("v_cache", v_cache, k_cache.shape)
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError(f"v_cache strides {v_cache.stride()} differ from k_cache's {k_cache.stride()}")
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
-    check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
     if block_tables.shape[0] != b:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {b} sequences")
-    check_tensor("context_lens", context_lens, 1, (torch.int32,), dev)
+    check_tensor("context_lens", context_lens, 1, (torch.int32,), q.device)
     check_shape("context_lens", context_lens, (b,))
     return b, hq, d, hkv, bs

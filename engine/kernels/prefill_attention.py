@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from ._attention_tile import _attend_tile
-from ._checks import FLOAT_DTYPES, check_out, check_shape, check_tensor, dot_precision, upcast_dot
+from ._checks import (check_out, check_paged_attention, check_shape, check_tensor,
+                      dot_precision, upcast_dot)
 from .decode_attention import LOG2E
 
 # launch settings: the measured H200 default (215 TFLOP/s at 4 x 4096, 28% of matmul); untuned
@@ -86,20 +87,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     max_q_len: a host int >= every chunk length (the scheduler knows it); when omitted it is
     read from cu_seqlens_q, which syncs with the device. Requires context_lens[b] >= q_len[b].
     """
-    check_tensor("q", q, 3, FLOAT_DTYPES)
+    bs, hkv = check_paged_attention(q, k_cache, v_cache, block_tables)
     dev = q.device
     t, hq, d = q.shape
-    check_tensor("k_cache", k_cache, 4, (q.dtype,), dev)
-    nb, bs, hkv, dk = k_cache.shape
-    if dk != d:
-        raise ValueError(f"k_cache head_dim {dk} != q head_dim {d}")
-    check_tensor("v_cache", v_cache, 4, (q.dtype,), dev)
-    check_shape("v_cache", v_cache, k_cache.shape)
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError(f"v_cache strides {v_cache.stride()} differ from k_cache's {k_cache.stride()}")
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
-    check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
     nseq = block_tables.shape[0]
     check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), dev)
     check_shape("cu_seqlens_q", cu_seqlens_q, (nseq + 1,))
