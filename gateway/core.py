@@ -578,3 +578,42 @@ class Gateway:
                                timeout=_ABORT_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             log.info("Abort(%s) on %s %s: %s", rid, w.kind, w.address, e.code().name)
+
+
+async def merge_streams(gens: list) -> AsyncIterator[tuple[int, GenerateEvent]]:
+    """(index, event) from several `generate()` streams (the choices of an n > 1 request) as
+    they come; the first error is raised; leaving early closes them all."""
+    if len(gens) == 1:
+        agen = gens[0]
+        try:
+            async for ev in agen:
+                yield 0, ev
+        finally:
+            await agen.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, agen):
+        try:
+            async for ev in agen:
+                await queue.put((i, ev))
+            await queue.put((i, done))
+        except BaseException as e:  # handed to the consumer, which re-raises
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

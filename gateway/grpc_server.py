@@ -26,7 +26,7 @@ from pdserve import telemetry
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .config import GatewayConfig
-from .core import Gateway, GatewayError, GenerateEvent, GenerateInput, Usage
+from .core import Gateway, GatewayError, GenerateEvent, GenerateInput, Usage, merge_streams
 from pdserve.protoconv import FINISH_TO_PROTO, sampling_from_proto
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                         trace_parent=trace_parent))
         usage = [Usage(len(ids), 0, 0) for _ in range(n)]
         pending: dict[int, generation_pb2.GenerateResponse] = {}
-        async for index, ev in _merge([self.gw.generate(x) for x in inputs]):
+        async for index, ev in merge_streams([self.gw.generate(x) for x in inputs]):
             usage[index].completion_tokens += len(ev.token_ids)
             if ev.usage is not None:
                 usage[index] = ev.usage
@@ -172,44 +172,6 @@ def _append(acc: generation_pb2.GenerateResponse, msg: generation_pb2.GenerateRe
     acc.stop_reason = msg.stop_reason
     if msg.HasField("usage"):
         acc.usage.CopyFrom(msg.usage)
-
-
-async def _merge(gens: list) -> AsyncIterator[tuple[int, GenerateEvent]]:
-    """(index, event) from several generators as they come; closes them all on exit."""
-    if len(gens) == 1:
-        agen = gens[0]
-        try:
-            async for ev in agen:
-                yield 0, ev
-        finally:
-            await agen.aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i, agen):
-        try:
-            async for ev in agen:
-                await queue.put((i, ev))
-            await queue.put((i, done))
-        except BaseException as e:  # handed to the consumer, which re-raises
-            await queue.put((i, e))
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        left = len(tasks)
-        while left:
-            i, item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # -- server ---------------------------------------------------------------------------------

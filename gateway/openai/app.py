@@ -35,7 +35,7 @@ from engine.sampling_params import SamplingParams
 from pdserve import telemetry
 from engine.structured import StructuredOutput, validate as validate_structured
 
-from ..core import Gateway, GatewayError, GenerateEvent, GenerateInput
+from ..core import Gateway, GatewayError, GenerateEvent, GenerateInput, merge_streams
 from . import tools as toolkit
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -280,37 +280,17 @@ class _Run:
 
     async def events(self) -> AsyncIterator[tuple[int, GenerateEvent]]:
         """(choice index, event) as they come, first events included; closes everything."""
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump(i, g, first):
-            try:
-                if first is not None:
-                    await queue.put((i, first))
-                    async for ev in g:
-                        await queue.put((i, ev))
-                await queue.put((i, done))
-            except BaseException as e:
-                await queue.put((i, e))
-
-        tasks = [asyncio.ensure_future(pump(i, g, f))
-                 for i, (g, f) in enumerate(zip(self.gens, self.firsts))]
+        async def resume(first, g):
+            if first is not None:
+                yield first
+                async for ev in g:
+                    yield ev
         try:
-            left = len(tasks)
-            while left:
-                i, item = await queue.get()
-                if item is done:
-                    left -= 1
-                elif isinstance(item, GatewayError):
-                    raise OpenAIError.from_gateway(item)
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
+            async for i, ev in merge_streams([resume(f, g) for g, f in zip(self.gens, self.firsts)]):
+                yield i, ev
+        except GatewayError as e:
+            raise OpenAIError.from_gateway(e) from None
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             await self.close()
 
     async def close(self) -> None:
