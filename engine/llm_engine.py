@@ -24,7 +24,7 @@ from .loader import load_model
 from .outputs import EngineStats, Prefix, RequestOutput
 from .request import Request, RequestStatus
 from .runner import ModelRunner
-from .sampler import Sampler, compute_prompt_logprobs
+from .sampler import Sampler, compute_prompt_logprobs, skip_draws
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .structured import StructuredOutputs
@@ -139,6 +139,8 @@ class LLMEngine:
         if req.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request_id!r} is not waiting for remote KV ({req.status})")
         self.scheduler.remote_ready(req)
+        if req.generator is not None and not req.sampling_params.greedy:
+            skip_draws(req.generator, self.config.model.vocab_size)   # the first token's draw
         out = self._append_token(req, first_token_id, logprob, top_logprobs)
         if req.is_finished:
             self._finish(req)

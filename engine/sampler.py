@@ -199,6 +199,14 @@ def sample(x: torch.Tensor, rows: Sequence) -> list[int]:
     return torch.where(greedy, tokens, sampled).tolist()
 
 
+def skip_draws(generator: torch.Generator, vocab: int, n: int = 1) -> None:
+    """Advance a seeded request's generator past `n` tokens sampled elsewhere (the decode
+    worker continues a request whose first token the prefill worker drew), so the whole
+    sequence equals what one engine would draw from that seed."""
+    for _ in range(n):
+        torch.empty(vocab, dtype=torch.float32).exponential_(generator=generator)
+
+
 def _exponential_noise(shape, rows: Sequence) -> torch.Tensor:
     """Exp(1) noise [B, V] on the CPU: rows with a generator use it, the rest the global RNG."""
     noise = torch.empty(shape, dtype=torch.float32)

@@ -120,6 +120,25 @@ def test_concurrent_greedy_matches_engine_and_uses_every_worker(system_2p2d, llm
         assert sum(used.values()) >= 16
 
 
+def test_n_choices_stream_with_their_indices(system_2p2d, llm):
+    """n=3 seeded sampling: three choices interleaved on one stream, each its own request,
+    each reproducing the offline engine's tokens for its seed (seed + index)."""
+    from engine import SamplingParams
+    stub = gen_stub(system_2p2d.grpc_address)
+    prompt = list(range(40, 60))
+    req = request(prompt, 6, n=3, temperature=0.8, seed=11, ignore_eos=True)
+    got, finished = {0: [], 1: [], 2: []}, set()
+    for msg in stub.Generate(req, timeout=60):
+        got[msg.index] += list(msg.token_ids)
+        if msg.finish_reason:
+            finished.add(msg.index)
+    assert finished == {0, 1, 2}
+    for i in range(3):
+        ref = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.8, seed=11 + i,
+                                                    ignore_eos=True))[0]
+        assert got[i] == ref.token_ids, f"choice {i}"
+
+
 def test_text_prompt_and_stop_string(system_2p2d, llm):
     stub = gen_stub(system_2p2d.grpc_address)
     ids, last = collect(stub, request(llm.tokenizer.encode(TEXTS[0]), 24, ignore_eos=True))

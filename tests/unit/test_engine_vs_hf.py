@@ -142,3 +142,24 @@ def test_split_prefill_and_decode_instances(models):
     assert_matches(outs, ref)
     assert_no_blocks_held(pre)
     assert_no_blocks_held(dec)
+
+
+def test_split_seeded_sampling_matches_one_engine(models):
+    """A seeded, sampled request gives the same tokens whether one engine runs it or the
+    prefill/decode split does (the decoder skips the draw the prefill worker made)."""
+    d, _ = models("llama")
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    prompt = _prompts()[3]
+    one = LLM(d, num_blocks=64).generate([prompt], params)[0].token_ids
+    pre = LLMEngine.from_model_dir(d, num_blocks=64)
+    dec = LLMEngine.from_model_dir(d, num_blocks=64)
+    pre.add_request("s", prompt, params, prefill_only=True)
+    first = next(o for o in pre.step())
+    r = dec.add_remote_request("s", prompt, params)
+    dec.kv_cache[:, :, torch.tensor(r.block_ids)] = pre.kv_cache[:, :, torch.tensor(first.block_ids)]
+    pre.release("s")
+    dec.remote_kv_done("s", first.token_ids[0], first.logprobs[0])
+    final = None
+    while final is None:
+        final = next((o for o in dec.step() if o.finished), None)
+    assert final.token_ids == one
