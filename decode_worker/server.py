@@ -229,7 +229,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 return                 # finally: blocks freed, reservation aborted
             else:
                 offset = sent = await self._recompute(rid, ids, params, first, problem)
-            async for out in self.ae.stream(rid):
+            async for out in self.ae.stream(rid, coalesce=True):   # one message per catch-up
                 n_client = offset + len(out.token_ids)
                 new = max(n_client - sent, 0)
                 chunk = decode_pb2.TokenChunk(tokens=protoconv.output_tokens(out, new) if new else [])

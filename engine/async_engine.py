@@ -167,15 +167,22 @@ class AsyncEngine:
         return self._stats
 
     # ------------------------------------------------------------------ streams
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: str, coalesce: bool = False) -> AsyncIterator[RequestOutput]:
         """Outputs of a request until (and including) its finished one; one consumer per
         request. Open it after add_request/add_remote_request returned (outputs produced
-        meanwhile are queued, not lost); raises KeyError for unknown or taken ids."""
+        meanwhile are queued, not lost); raises KeyError for unknown or taken ids.
+
+        `coalesce`: when several outputs are already queued (the consumer fell behind the
+        engine), yield only the newest. Outputs are cumulative (token_ids, logprobs, text),
+        so a consumer that sends the difference loses nothing and sends fewer messages;
+        `new_token_ids` then covers only the last step."""
         q = self._unclaimed.pop(request_id, None)
         if q is None:
             raise KeyError(f"no stream for request {request_id!r} (unknown or already taken)")
         while True:
             item = await q.get()
+            while coalesce and isinstance(item, RequestOutput) and not item.finished and not q.empty():
+                item = q.get_nowait()
             if item is _END:
                 return
             if isinstance(item, BaseException):

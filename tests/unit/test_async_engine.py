@@ -166,3 +166,25 @@ def test_step_failure_fails_streams_and_frees(model_dir):
         finally:
             await ae.shutdown()
     asyncio.run(main())
+
+
+def test_coalesced_stream_skips_to_the_newest_output(model_dir):
+    """A consumer that fell behind gets the newest cumulative output, not every step's."""
+    ref = LLM(model_dir, num_blocks=64, block_size=8).generate([_prompts()[0]], GREEDY)[0]
+
+    async def main():
+        ae = AsyncEngine(_engine(model_dir))
+        ae.start()
+        try:
+            await ae.add_request("c", _prompts()[0], GREEDY)
+            for _ in range(200):                       # let it finish before reading (bounded)
+                if ae.engine.requests.get("c") is None:
+                    break
+                await ae.call(lambda: None)
+            return [o async for o in ae.stream("c", coalesce=True)]
+        finally:
+            await ae.shutdown()
+
+    outs = asyncio.run(main())
+    assert len(outs) == 1 and outs[0].finished
+    assert outs[0].token_ids == ref.token_ids and len(outs[0].logprobs) == len(ref.token_ids)
