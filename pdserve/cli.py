@@ -12,24 +12,32 @@ import typing
 
 
 def dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
-    """Add one `--field-name` option per field of a dataclass (bool -> --x/--no-x)."""
+    """Add one `--field-name` option per field of a dataclass (bool -> --x/--no-x). A field
+    without a default is a required option; `metadata={"aliases": [...]}` adds other names."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("cli") is False:
             continue
-        name = "--" + prefix + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        names = ["--" + prefix + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = None if required else (
+            f.default if f.default is not dataclasses.MISSING else f.default_factory())
         kind = hints[f.name]
         args = typing.get_args(kind)
         base = next((a for a in args if a is not type(None)), kind) if args else kind
-        help_ = f.metadata.get("help", "") + f" (default: {default})"
+        help_ = f.metadata.get("help", "") + ("" if required else f" (default: {default})")
         if base is bool:
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help_)
-        elif base in (int, float, str):
-            parser.add_argument(name, type=base, default=default, help=help_)
+            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=default, help=help_)
         else:
-            parser.add_argument(name, type=str, default=default, help=help_)
+            parser.add_argument(*names, dest=f.name, type=base if base in (int, float, str) else str,
+                                default=default, required=required, help=help_)
+
+
+def config_from_args(cls, args: argparse.Namespace):
+    """The dataclass built from options parsed by `dataclass_args` (ValueError on bad values)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if f.metadata.get("cli") is not False})
 
 
 def _make_tiny_model(args) -> int:

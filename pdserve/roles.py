@@ -5,12 +5,10 @@ there (yet) gets a subcommand that says so instead of breaking the whole CLI.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import importlib
 import logging
 
-from .cli import dataclass_args
+from .cli import config_from_args, dataclass_args
 
 # role -> (config module, config class, server module)
 ROLES = {
@@ -37,12 +35,6 @@ def register(sub) -> None:
     from .launcher import add_up_args, main as up_main
     add_up_args(up)
     up.set_defaults(func=up_main)
-
-
-def config_from_args(cls, args: argparse.Namespace):
-    """The dataclass built from the parsed options (ValueError on bad values)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                  if f.metadata.get("cli") is not False})
 
 
 def _run_role(args, cls, server_mod: str) -> int:

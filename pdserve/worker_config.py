@@ -3,12 +3,12 @@ process serves. Each worker's config extends it with its own fields (see prefill
 decode_worker/config.py); the CLI options are generated from the dataclass fields."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class WorkerConfig:
-    model_dir: str
+    model_dir: str = field(metadata={"aliases": ["--model"], "help": "Hugging Face model directory"})
     host: str = "127.0.0.1"
     worker_id: str = ""                  # empty: "<role>-<host>:<port>"
     block_size: int = 16

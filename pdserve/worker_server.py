@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
-import typing
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -126,27 +124,16 @@ class WorkerServer:
 
 
 def config_from_argv(cls, argv: list[str] | None, description: str):
-    """Build a config dataclass from `--field-name VALUE` options (bool: --x/--no-x)."""
+    """Build a worker's config from the command line (`python -m prefill_worker.server`);
+    the options are the ones `pdserve prefill|decode` has."""
+    from .cli import config_from_args, dataclass_args
     p = argparse.ArgumentParser(description=description)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        args = [a for a in typing.get_args(kind) if a is not type(None)]
-        base = args[0] if args else kind
-        name = "--" + f.name.replace("_", "-")
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        default = None if required else (f.default if f.default is not dataclasses.MISSING
-                                         else f.default_factory())
-        if base is bool:
-            p.add_argument(name, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            p.add_argument(name, type=base if base in (int, float, str) else str,
-                           default=default, required=required)
+    dataclass_args(p, cls)
     p.add_argument("--log-level", default="INFO")
-    ns = vars(p.parse_args(argv))
-    logging.basicConfig(level=ns.pop("log_level").upper(),
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return cls(**ns)
+    return config_from_args(cls, args)
 
 
 def compat_to_proto(c: CompatKey) -> common_pb2.KvCompat:
