@@ -1,4 +1,4 @@
-"""The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode, bench.
+"""The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode.
 
 Each role's options are generated from its typed config dataclass (see `dataclass_args`), so
 the CLI and the config never drift apart.
