@@ -6,9 +6,11 @@
 
 Workload: streaming /v1/chat/completions, greedy, max_tokens = --output-tokens, prompts of
 about --prompt-tokens tokens (distinct, so prefix caches do not help), at each concurrency
-(a closed loop of that many clients). Per request: TTFT (first content chunk), ITL (gaps
-between content chunks), output tokens (content chunks: both servers send one token per
-chunk here). Prints one markdown table with both servers side by side and the ratios
+(a closed loop of that many clients). Per request: TTFT (first content chunk), output tokens
+(the streamed text re-tokenized with the model's tokenizer: a server may send several tokens
+in one chunk when its client falls behind), ITL = time per output token after the first,
+(last chunk - first chunk) / (tokens - 1). Prints one markdown table with both servers side
+by side and the ratios
 (pdserve / transformers: < 1 is better for latencies, > 1 for throughput).
 
 The peer ignores `ignore_eos` (it rejects it), so both run without it; the tiny model
@@ -33,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.launcher import Launcher, free_port  # noqa: E402
 
+TOKENIZER = None   # the model's (engine.tokenizer.Tokenizer), set in main()
+
 
 def prompts(model_dir: str, n: int, tokens: int) -> list[str]:
     from engine.tiny_model import CORPUS
@@ -56,7 +60,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
-    stamps = []
+    stamps, text = [], []
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
@@ -65,10 +69,13 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
                 continue
             chunk = json.loads(line[6:])
             for c in chunk.get("choices") or []:
-                if (c.get("delta") or {}).get("content"):
+                content = (c.get("delta") or {}).get("content")
+                if content:
                     stamps.append(time.perf_counter())
+                    text.append(content)
+    n = len(TOKENIZER.encode("".join(text), add_special_tokens=False)) if text else 0
     return {"ttft": stamps[0] - t0 if stamps else float("nan"),
-            "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": len(stamps),
+            "itl": [(stamps[-1] - stamps[0]) / (n - 1)] if n > 1 else [], "tokens": n,
             "e2e": time.perf_counter() - t0}
 
 
@@ -180,6 +187,9 @@ def main() -> int:
         from engine.tiny_model import ensure_default_model
         model_dir = str(ensure_default_model())
     levels = [int(x) for x in args.concurrency.split(",")]
+    global TOKENIZER
+    from engine.tokenizer import Tokenizer
+    TOKENIZER = Tokenizer.from_dir(model_dir)
     ps = prompts(model_dir, args.requests, args.prompt_tokens)
     log_dir = tempfile.mkdtemp(prefix="bench-serving-")
     t0 = time.time()
