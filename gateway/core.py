@@ -458,8 +458,14 @@ class Gateway:
 
     async def _prefill(self, seg, prompt, params, kv, deadline, exclude) -> prefill_pb2.PrefillResponse:
         hashes = self._hashes("prefill", prompt, kv.compat.block_size)
-        w = self.prefill.pick(exclude, self._affinity["prefill"], hashes, self.cfg.affinity_slack)
+        w = self.prefill.pick(exclude, self._affinity["prefill"], hashes, self.cfg.affinity_slack,
+                              compat=kv.compat)
         if w is None:
+            if self.prefill.pick(exclude) is not None:       # healthy, but none can fill this KV
+                raise GatewayError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"no prefill worker's KV layout matches decode worker "
+                                   f"{kv.decode_worker_id or kv.kv_endpoint}: "
+                                   f"{MessageToDict(kv.compat)}")
             raise self._no_worker(self.prefill)
         dest = prefill_pb2.KvDestination(
             decode_worker_id=kv.decode_worker_id, kv_endpoint=kv.kv_endpoint,

@@ -148,8 +148,14 @@ class WorkerPool:
         return [w for w in self.workers.values() if w.healthy and w.address not in exclude]
 
     def pick(self, exclude: Sequence[str] = (), affinity: "PrefixAffinity | None" = None,
-             hashes: Sequence[bytes] = (), slack: int = 2) -> Worker | None:
+             hashes: Sequence[bytes] = (), slack: int = 2, compat=None) -> Worker | None:
+        """The least-loaded healthy worker (or the prefix-affine one, unless it is `slack`
+        requests busier). With `compat` (a KvCompat), only workers whose KV layout matches
+        it, or whose Stats have not arrived yet (they would refuse a mismatch themselves)."""
         cands = self.healthy(exclude)
+        if compat is not None:
+            cands = [w for w in cands if w.stats is None or not w.stats.HasField("compat")
+                     or w.stats.compat == compat]
         if not cands:
             return None
         best = min(cands, key=lambda w: (w.load_key(), w.requests_total))

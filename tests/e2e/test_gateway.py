@@ -346,3 +346,21 @@ def test_pdserve_up_smoke(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_kv_layout_mismatch_between_pools_is_a_clear_error(start_system):
+    """A prefill pool whose KV layout differs from the decoders' (block size 16 vs 8):
+    FAILED_PRECONDITION naming the layout, fast, and the gateway stays up."""
+    launcher = start_system(1, 1, prefill_args=["--block-size", "16"],
+                            decode_args=["--block-size", "8"])
+    stub = gen_stub(launcher.grpc_address)
+    t = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        collect(stub, request(list(range(5, 40)), 4), timeout=30)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+    assert "block_size" in e.value.details() or "blockSize" in e.value.details()
+    assert time.monotonic() - t < 10
+    models = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10)
+    assert len(models.models) == 1
+    for role in ("prefill", "decode"):
+        assert all(c.popen.poll() is None for c in launcher.workers(role))
