@@ -21,6 +21,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import (common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc,
                                prefill_pb2_grpc)
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -82,17 +83,6 @@ def prompts(llm, n):
         ids = tok.encode(TEXTS[i % len(TEXTS)] + " " + TEXTS[(i * 3 + 1) % len(TEXTS)])
         out.append(ids[: 6 + (i * 7) % max(1, len(ids) - 6)])
     return out
-
-
-def wait_until(pred, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        ok, last = pred()
-        if ok:
-            return last
-        time.sleep(0.05)
-    pytest.fail(f"{what} not reached within {timeout_s}s: {last}")
 
 
 # -- tests on a 2 prefill + 2 decode system --------------------------------------------------

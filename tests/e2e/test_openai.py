@@ -19,6 +19,7 @@ import pytest
 
 from pdserve.launcher import free_port
 from protos.pdserve.v1 import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc, prefill_pb2_grpc
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -98,17 +99,6 @@ def held_blocks(launcher):
             if s.free_kv_blocks != s.total_kv_blocks or s.num_running or s.num_waiting:
                 busy[c.address] = (s.free_kv_blocks, s.total_kv_blocks, s.num_running, s.num_waiting)
     return busy
-
-
-def wait_until(pred, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        ok, last = pred()
-        if ok:
-            return last
-        time.sleep(0.05)
-    pytest.fail(f"{what} not reached within {timeout_s}s: {last}")
 
 
 # ----------------------------------------------------------------------------- basics

@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from engine import LLM, LLMEngine, SamplingParams
+from tests.helpers import split_generate
 from tests.hf_models import hf_greedy, make_hf_model
 
 ARCHS = ["llama", "llama3", "llama-tied", "mistral", "qwen2", "qwen3"]
@@ -120,24 +120,8 @@ def test_split_prefill_and_decode_instances(models):
     dec = LLMEngine.from_model_dir(d, num_blocks=64)
     outs = []
     for i, p in enumerate(_prompts()):
-        rid = f"s{i}"
-        pre.add_request(rid, p, GREEDY, prefill_only=True)
-        first = None
-        while first is None:
-            for o in pre.step():
-                first = o
+        first, final = split_generate(pre, dec, f"s{i}", p, GREEDY)
         assert first.finish_reason == "prefill_done" and len(first.token_ids) == 1
-        r = dec.add_remote_request(rid, p, GREEDY)
-        src = torch.tensor(first.block_ids)
-        dst = torch.tensor(r.block_ids)
-        dec.kv_cache[:, :, dst] = pre.kv_cache[:, :, src]
-        pre.release(rid)
-        dec.remote_kv_done(rid, first.token_ids[0], first.logprobs[0])
-        final = None
-        while final is None:
-            for o in dec.step():
-                if o.finished:
-                    final = o
         outs.append(final)
     assert_matches(outs, ref)
     assert_no_blocks_held(pre)
@@ -153,13 +137,5 @@ def test_split_seeded_sampling_matches_one_engine(models):
     one = LLM(d, num_blocks=64).generate([prompt], params)[0].token_ids
     pre = LLMEngine.from_model_dir(d, num_blocks=64)
     dec = LLMEngine.from_model_dir(d, num_blocks=64)
-    pre.add_request("s", prompt, params, prefill_only=True)
-    first = next(o for o in pre.step())
-    r = dec.add_remote_request("s", prompt, params)
-    dec.kv_cache[:, :, torch.tensor(r.block_ids)] = pre.kv_cache[:, :, torch.tensor(first.block_ids)]
-    pre.release("s")
-    dec.remote_kv_done("s", first.token_ids[0], first.logprobs[0])
-    final = None
-    while final is None:
-        final = next((o for o in dec.step() if o.finished), None)
+    _, final = split_generate(pre, dec, "s", prompt, params)
     assert final.token_ids == one

@@ -16,6 +16,7 @@ from engine import LLMEngine, SamplingParams
 from engine.sampler import Sampler
 from engine.structured import StructuredOutput, StructuredOutputs, unpack_bitmask, validate
 from engine.tiny_model import ensure_default_model
+from tests.helpers import split_generate
 
 SCHEMA = {
     "type": "object",
@@ -214,23 +215,9 @@ def test_split_prefill_decode_follows_one_grammar(model_dir):
     params = SamplingParams(temperature=0, max_tokens=200, structured=spec)
     ref = run(LLMEngine.from_model_dir(model_dir, num_blocks=64), PROMPTS, params)
     for i, (p, r) in enumerate(zip(PROMPTS, ref)):
-        rid = f"pd{i}"
-        pre.add_request(rid, p, params, prefill_only=True)
-        first = None
-        while first is None:
-            for o in pre.step():
-                first = o
+        first, final = split_generate(pre, dec, f"pd{i}", p, params)
         assert first.finish_reason == "prefill_done"
         assert len(pre.structured) == 0                 # done with its grammar already
-        req = dec.add_remote_request(rid, p, params)
-        dec.kv_cache[:, :, torch.tensor(req.block_ids)] = pre.kv_cache[:, :, torch.tensor(first.block_ids)]
-        pre.release(rid)
-        dec.remote_kv_done(rid, first.token_ids[0], first.logprobs[0])
-        final = None
-        while final is None:
-            for o in dec.step():
-                if o.finished:
-                    final = o
         assert final.token_ids == r.token_ids
         jsonschema.validate(json.loads(final.text), SCHEMA)
     assert_no_blocks_held(pre)
