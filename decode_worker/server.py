@@ -38,9 +38,14 @@ import grpc
 from engine.async_engine import AsyncEngine, EngineError
 from engine.sampling_params import SamplingParams
 from kvtransfer.receiver import KVReceiver, TransferState
-from pdserve import telemetry
-from pdserve import protoconv, worker_server
-from pdserve.worker_server import Draining, WorkerServer, config_from_argv, limit_threads
+from services import energy
+from services.energy import EnergyMeter
+from services.metrics import Metrics
+from services import telemetry
+from services import tracing
+from services import protoconv, worker_server
+from services.cli_args import config_from_argv
+from services.worker_server import Draining, WorkerServer, limit_threads
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 from .config import DecodeWorkerConfig
@@ -86,12 +91,12 @@ def _error_chunk(rid: str, reason, message: str, usage: common_pb2.Usage) -> dec
 
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, cfg: DecodeWorkerConfig, aengine: AsyncEngine, receiver: KVReceiver,
-                 srv: WorkerServer, worker_id: str, metrics: telemetry.Metrics | None = None,
-                 meter: telemetry.EnergyMeter | None = None):
+                 srv: WorkerServer, worker_id: str, metrics: Metrics | None = None,
+                 meter: EnergyMeter | None = None):
         self.cfg, self.ae, self.receiver, self.srv = cfg, aengine, receiver, srv
         self.worker_id = worker_id
-        self.metrics = metrics or telemetry.Metrics("decode")
-        self.meter = meter or telemetry.EnergyMeter(None)
+        self.metrics = metrics or Metrics("decode")
+        self.meter = meter or EnergyMeter(None)
         self.compat = receiver.compat
         self.block_size = aengine.engine.kv.block_size
         self._pending: dict[str, _Pending] = {}
@@ -100,8 +105,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     # -------------------------------------------------------------- RPCs
     async def Decode(self, request, context):
         # Not made current: this is an async generator (its context is the caller's task's).
-        span = telemetry.start_span("pdserve.decode", telemetry.extract_context(context),
-                                    telemetry.tracing_enabled() and {
+        span = tracing.start_span("pdserve.decode", tracing.extract_context(context),
+                                    tracing.tracing_enabled() and {
                                         "request_id": request.request_id,
                                         "prompt_tokens": len(request.prompt_token_ids)})
         try:
@@ -109,10 +114,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 async for msg in self._decode(request, span):
                     yield msg
         except Draining as e:
-            span.set_status(telemetry.error_status(str(e)))
+            span.set_status(tracing.error_status(str(e)))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except _Status as e:
-            span.set_status(telemetry.error_status(e.message))
+            span.set_status(tracing.error_status(e.message))
             await context.abort(e.code, e.message)
         finally:
             span.end()
@@ -151,7 +156,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             transfers=common_pb2.TransferCounters(
                 transfers_done=r.transfers_done, blocks=r.blocks_received, bytes=r.bytes_received,
                 failures=r.failed, expirations=r.expired + c.token_expirations),
-            compat=worker_server.compat_to_proto(self.compat))
+            compat=protoconv.compat_to_proto(self.compat))
 
     # -------------------------------------------------------------- Decode body
     def _validate(self, request) -> tuple[SamplingParams, list[int], float, str]:
@@ -170,7 +175,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         policy = _POLICIES.get(request.kv_failure_policy, self.cfg.kv_failure_policy)
         return params, list(request.prompt_token_ids), timeout, policy
 
-    async def _decode(self, request, span=telemetry.INVALID_SPAN):
+    async def _decode(self, request, span=tracing.INVALID_SPAN):
         params, ids, timeout, policy = self._validate(request)
         rid = request.request_id
         t_reserve = time.monotonic()
@@ -200,18 +205,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             if fill:
                 self.receiver.reserve(tid, fill, timeout)
                 pend.transfer_id, pend.queued_tokens = tid, len(ids) - n_cached
-            telemetry.record_span("pdserve.decode.reservation", span, t_reserve, time.monotonic(),
-                                  telemetry.tracing_enabled() and {"blocks": len(fill), "cached_tokens": n_cached})
+            tracing.record_span("pdserve.decode.reservation", span, t_reserve, time.monotonic(),
+                                  tracing.tracing_enabled() and {"blocks": len(fill), "cached_tokens": n_cached})
             yield decode_pb2.DecodeResponse(request_id=rid, kv_ready=decode_pb2.KvReady(
                 transfer_id=tid, kv_endpoint=self.receiver.address, block_ids=fill,
-                num_cached_tokens=n_cached, compat=worker_server.compat_to_proto(self.compat),
+                num_cached_tokens=n_cached, compat=protoconv.compat_to_proto(self.compat),
                 decode_worker_id=self.worker_id,
                 expires_at_unix_ms=int((time.time() + timeout) * 1000)))
 
             t_wait = time.monotonic()
             problem, first = await self._wait_ready(pend, deadline, timeout)
-            telemetry.record_span("pdserve.decode.transfer_wait", span, t_wait, time.monotonic(),
-                                  telemetry.tracing_enabled() and {"problem": problem or ""})
+            tracing.record_span("pdserve.decode.transfer_wait", span, t_wait, time.monotonic(),
+                                  tracing.tracing_enabled() and {"problem": problem or ""})
             t_decode = time.monotonic()
             if pend.aborted:
                 yield self._abort_chunk(pend, usage)
@@ -242,8 +247,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                     usage.completion_tokens = sent
                     now = time.monotonic()
                     self.metrics.observe_phases(decode_s=now - t_decode)
-                    telemetry.record_span("pdserve.decode.generate", span, t_decode, now,
-                                          telemetry.tracing_enabled() and {"completion_tokens": sent})
+                    tracing.record_span("pdserve.decode.generate", span, t_decode, now,
+                                          tracing.tracing_enabled() and {"completion_tokens": sent})
                     joules = self.meter.pop(rid)
                     if joules is not None:
                         usage.energy_joules = joules
@@ -347,7 +352,7 @@ async def serve(cfg: DecodeWorkerConfig, ready: asyncio.Event | None = None,
     address = await receiver.start()
     tel = telemetry.start_role_telemetry("decode", host=cfg.host, metrics_port=cfg.metrics_port or None,
                                          trace_file=cfg.trace_file, device=cfg.device)
-    telemetry.instrument_engine_steps(engine, tel.meter)
+    energy.instrument_engine_steps(engine, tel.meter)
     ae = AsyncEngine(engine, name="decode-engine")
     ae.start()
     tel.metrics.watch_engine(ae.stats)

@@ -10,7 +10,7 @@ from pathlib import Path
 class GatewayConfig:
     model: str = field(default="", metadata={
         "help": "HF model directory (only its tokenizer and config.json are read); "
-                "empty: the embedded tiny model"})
+                "`pdserve gateway` without it: the embedded tiny model"})
     served_model_name: str = field(default="", metadata={
         "help": "model id clients use; empty: the model directory's name"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
@@ -59,13 +59,14 @@ class GatewayConfig:
             raise ValueError("ports must be in 0-65535")
 
     def resolved_model_dir(self) -> Path:
-        if self.model:
-            d = Path(self.model).expanduser()
-            if not (d / "tokenizer.json").is_file():
-                raise ValueError(f"model directory {str(d)!r} has no tokenizer.json")
-            return d
-        from engine.tiny_model import ensure_default_model
-        return ensure_default_model()
+        """The model directory (the launcher fills in the embedded default: making it needs
+        torch, which the gateway process never imports)."""
+        if not self.model:
+            raise ValueError("the gateway needs --model (a directory with tokenizer.json)")
+        d = Path(self.model).expanduser()
+        if not (d / "tokenizer.json").is_file():
+            raise ValueError(f"model directory {str(d)!r} has no tokenizer.json")
+        return d
 
     def model_name(self, model_dir: Path) -> str:
         return self.served_model_name or model_dir.name

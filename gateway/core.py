@@ -31,12 +31,13 @@ from google.protobuf.json_format import MessageToDict
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
-from pdserve import telemetry
+from services.metrics import Metrics
+from services import tracing
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from .config import GatewayConfig
 from .discovery import WorkerSet, resolver_from_args
-from pdserve.protoconv import FINISH_FROM_PROTO, logprob_from_proto, sampling_to_proto
+from services.protoconv import FINISH_FROM_PROTO, logprob_from_proto, sampling_to_proto
 from .registry import PrefixAffinity, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class GenerateInput:
     prompt_token_ids: list[int]
     params: SamplingParams
     deadline_s: float | None = None      # seconds the whole request may take; None: config
-    trace_parent: object = None          # the caller's trace context (telemetry.extract_context)
+    trace_parent: object = None          # the caller's trace context (tracing.extract_context)
 
 
 Logprob = tuple[float, "list[tuple[int, float]] | None"]
@@ -228,7 +229,7 @@ class Gateway:
         self.model_name = cfg.model_name(model_dir)
         self.max_model_len = cfg.context_length(model_dir)
         self.counters = GatewayCounters()
-        self.metrics = telemetry.Metrics("gateway")    # the caller serves metrics.registry
+        self.metrics = Metrics("gateway")    # the caller serves metrics.registry
         self.prefill = WorkerPool("prefill", prefill_pb2_grpc.PrefillWorkerStub,
                                   cfg.health_interval_s, cfg.probe_timeout_s)
         self.decode = WorkerPool("decode", decode_pb2_grpc.DecodeWorkerStub,
@@ -286,10 +287,10 @@ class Gateway:
         lost: set[str] = set()
         ok = False
         error = None                     # the failed request's status code name
-        span = telemetry.start_span("pdserve.generate", inp.trace_parent, telemetry.tracing_enabled() and {
+        span = tracing.start_span("pdserve.generate", inp.trace_parent, tracing.tracing_enabled() and {
             "request_id": inp.request_id, "model": self.model_name,
             "prompt_tokens": len(inp.prompt_token_ids)})
-        metadata = telemetry.inject_metadata(None, span)
+        metadata = tracing.inject_metadata(None, span)
         try:
             for segment_no in itertools.count():
                 rid = inp.request_id if segment_no == 0 else f"{inp.request_id}#m{segment_no}"
@@ -336,7 +337,7 @@ class Gateway:
         """Metrics and the request's span: finished (or cancelled: "abort") or failed."""
         if error is not None:
             timer.error(error)
-            span.set_status(telemetry.error_status(error))
+            span.set_status(tracing.error_status(error))
         else:
             timer.finish(len(out.prompt), len(out.ids), (out.finish_reason or "stop") if ok else "abort")
         span.set_attribute("completion_tokens", len(out.ids))

@@ -22,12 +22,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import telemetry
+from services import metrics
+from services import tracing
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .config import GatewayConfig
 from .core import Gateway, GatewayError, GenerateEvent, GenerateInput, Usage, merge_streams
-from pdserve.protoconv import FINISH_TO_PROTO, sampling_from_proto
+from services.protoconv import FINISH_TO_PROTO, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     # -- Generate ----------------------------------------------------------------------------
     async def Generate(self, request, context):
         try:
-            async for resp in self._generate(request, telemetry.extract_context(context)):
+            async for resp in self._generate(request, tracing.extract_context(context)):
                 yield resp
         except GatewayError as e:
             await context.abort(e.code, e.message)
@@ -180,11 +181,11 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run the gateway until `stop` is set (or forever); `ready` is set once SERVING.
     (The same shape as the workers' serve(cfg, ready, stop).)"""
-    telemetry.setup_tracing("pdserve-gateway", span_file=cfg.trace_file or None)
+    tracing.setup_tracing("pdserve-gateway", span_file=cfg.trace_file or None)
     gw = Gateway(cfg)
     metrics_server = None
     if cfg.metrics_port:
-        metrics_server, _ = telemetry.start_metrics_server(gw.metrics.registry, cfg.host, cfg.metrics_port)
+        metrics_server, _ = metrics.start_metrics_server(gw.metrics.registry, cfg.host, cfg.metrics_port)
     await gw.start()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
@@ -222,7 +223,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()
-        telemetry.shutdown_tracing()
+        tracing.shutdown_tracing()
 
 
 def run(cfg: GatewayConfig) -> int:

@@ -1,43 +1,21 @@
 """The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode.
 
-Each role's options are generated from its typed config dataclass (see `dataclass_args`), so
-the CLI and the config never drift apart.
+Each role's options are generated from its typed config dataclass
+(`services.cli_args.dataclass_args`), so the CLI and the config never drift apart. A role's
+server module (which may import torch) is imported only when that role runs.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import logging
 import sys
-import typing
 
+from decode_worker.config import DecodeWorkerConfig
+from gateway.config import GatewayConfig
+from prefill_worker.config import PrefillWorkerConfig
+from services.cli_args import config_from_args, dataclass_args
 
-def dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
-    """Add one `--field-name` option per field of a dataclass (bool -> --x/--no-x). A field
-    without a default is a required option; `metadata={"aliases": [...]}` adds other names."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("cli") is False:
-            continue
-        names = ["--" + prefix + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        default = None if required else (
-            f.default if f.default is not dataclasses.MISSING else f.default_factory())
-        kind = hints[f.name]
-        args = typing.get_args(kind)
-        base = next((a for a in args if a is not type(None)), kind) if args else kind
-        help_ = f.metadata.get("help", "") + ("" if required else f" (default: {default})")
-        if base is bool:
-            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=default, help=help_)
-        else:
-            parser.add_argument(*names, dest=f.name, type=base if base in (int, float, str) else str,
-                                default=default, required=required, help=help_)
-
-
-def config_from_args(cls, args: argparse.Namespace):
-    """The dataclass built from options parsed by `dataclass_args` (ValueError on bad values)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                  if f.metadata.get("cli") is not False})
+from . import launcher
 
 
 def _make_tiny_model(args) -> int:
@@ -47,6 +25,41 @@ def _make_tiny_model(args) -> int:
     return 0
 
 
+def _run_gateway(cfg: GatewayConfig) -> int:
+    if not cfg.model:                       # the embedded default is the launcher's to make
+        from engine.tiny_model import ensure_default_model
+        cfg.model = str(ensure_default_model())
+    from gateway import grpc_server
+    return grpc_server.run(cfg) or 0
+
+
+def _run_prefill(cfg: PrefillWorkerConfig) -> int:
+    from prefill_worker import server
+    return server.run(cfg) or 0
+
+
+def _run_decode(cfg: DecodeWorkerConfig) -> int:
+    from decode_worker import server
+    return server.run(cfg) or 0
+
+
+ROLES = {  # subcommand -> (help, config class, runner)
+    "gateway": ("the public gRPC (and REST) gateway", GatewayConfig, _run_gateway),
+    "prefill": ("a prefill worker", PrefillWorkerConfig, _run_prefill),
+    "decode": ("a decode worker", DecodeWorkerConfig, _run_decode),
+}
+
+
+def _run_role(args, cls, runner) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(cls, args)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"pdserve: bad configuration: {e}")
+    return runner(cfg)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -54,13 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("dir")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=_make_tiny_model)
-    # roles register themselves here (see pdserve/roles.py)
-    try:
-        from . import roles
-    except ImportError:
-        roles = None
-    if roles is not None:
-        roles.register(sub)
+    for role, (help_, cls, runner) in ROLES.items():
+        r = sub.add_parser(role, help=help_)
+        dataclass_args(r, cls)
+        r.add_argument("--log-level", default="INFO")
+        r.set_defaults(func=lambda args, cls=cls, runner=runner: _run_role(args, cls, runner))
+    up = sub.add_parser("up", help="run gateway + N prefill + M decode workers locally")
+    launcher.add_up_args(up)
+    up.set_defaults(func=launcher.main)
     return p
 
 

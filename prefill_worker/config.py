@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.worker_config import WorkerConfig
+from services.worker_config import WorkerConfig
 
 
 @dataclass

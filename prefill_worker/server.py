@@ -40,12 +40,17 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.sender import KVSender, KVTransferTimeout, TransferHandle
 from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
-from pdserve import telemetry
+from services import energy
+from services.energy import EnergyMeter
+from services.metrics import Metrics
+from services import telemetry
+from services import tracing
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
-from pdserve import protoconv, worker_server
+from services import protoconv, worker_server
 from .config import PrefillWorkerConfig
-from pdserve.worker_server import Draining, WorkerServer, config_from_argv, limit_threads
+from services.cli_args import config_from_argv
+from services.worker_server import Draining, WorkerServer, limit_threads
 
 log = logging.getLogger(__name__)
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
@@ -64,17 +69,17 @@ class _Push:
     first_block: int                  # index in the request's block table of the first block sent
     bound: bool = False
     error: Exception | None = None
-    span: object = telemetry.INVALID_SPAN   # pdserve.kv.send: one event per pushed layer
+    span: object = tracing.INVALID_SPAN   # pdserve.kv.send: one event per pushed layer
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, cfg: PrefillWorkerConfig, aengine: AsyncEngine, sender: KVSender,
-                 srv: WorkerServer, worker_id: str, metrics: telemetry.Metrics | None = None,
-                 meter: telemetry.EnergyMeter | None = None):
+                 srv: WorkerServer, worker_id: str, metrics: Metrics | None = None,
+                 meter: EnergyMeter | None = None):
         self.cfg, self.ae, self.sender, self.srv = cfg, aengine, sender, srv
         self.worker_id = worker_id
-        self.metrics = metrics or telemetry.Metrics("prefill")
-        self.meter = meter or telemetry.EnergyMeter(None)
+        self.metrics = metrics or Metrics("prefill")
+        self.meter = meter or EnergyMeter(None)
         eng = aengine.engine
         self.compat = sender.compat
         self.block_size = eng.kv.block_size
@@ -107,8 +112,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request, context):
         rid = request.request_id
         try:
-            with self.srv.track(), telemetry.span("pdserve.prefill", telemetry.extract_context(context),
-                                                  telemetry.tracing_enabled() and {
+            with self.srv.track(), tracing.span("pdserve.prefill", tracing.extract_context(context),
+                                                  tracing.tracing_enabled() and {
                                                       "request_id": rid,
                                                       "prompt_tokens": len(request.prompt_token_ids)}):
                 return await self._prefill(request)
@@ -140,7 +145,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             total_kv_blocks=st.num_total_blocks,
             transfers=common_pb2.TransferCounters(transfers_done=c.transfers_done, blocks=c.blocks_sent,
                                                   bytes=c.bytes_sent, failures=c.failures),
-            compat=worker_server.compat_to_proto(self.compat))
+            compat=protoconv.compat_to_proto(self.compat))
 
     # -------------------------------------------------------------- Prefill body
     def _validate(self, request) -> tuple[SamplingParams, list[int], int]:
@@ -167,7 +172,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if not dest.kv_endpoint or not dest.transfer_id:
             raise _Status(bad, "destination.kv_endpoint and destination.transfer_id are required "
                                "(copy them from the decode worker's KvReady)")
-        theirs = worker_server.compat_from_proto(dest.compat)
+        theirs = protoconv.compat_from_proto(dest.compat)
         try:
             self.compat.check(theirs, f"prefill[{self.worker_id}]",
                               f"decode[{dest.decode_worker_id or dest.kv_endpoint}]")
@@ -201,7 +206,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                     raise _Status(grpc.StatusCode.UNAVAILABLE, str(e)) from None
                 except ValueError as e:
                     raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-                kv_span = telemetry.start_span("pdserve.kv.send", None, telemetry.tracing_enabled() and {
+                kv_span = tracing.start_span("pdserve.kv.send", None, tracing.tracing_enabled() and {
                     "transfer_id": dest.transfer_id, "blocks": len(dest.dst_block_ids)}, t_open)
                 self._pushes[rid] = _Push(handle, cached // self.block_size, span=kv_span)
             try:
@@ -229,7 +234,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                         raise _Status(grpc.StatusCode.UNAVAILABLE, str(e)) from None
                 except _Status as e:
                     self.metrics.observe_kv_failure()
-                    push.span.set_status(telemetry.error_status(e.message))
+                    push.span.set_status(tracing.error_status(e.message))
                     raise
                 finally:
                     push.span.end()
@@ -243,7 +248,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             first = protoconv.output_tokens(final, 1)[0]
             joules = self.meter.pop(rid)          # None without a power reading
             if joules is not None:
-                telemetry.current_span().set_attribute("energy_joules", joules)
+                tracing.current_span().set_attribute("energy_joules", joules)
             return prefill_pb2.PrefillResponse(
                 request_id=rid, first_token=first,
                 finish_reason=protoconv.FINISH_TO_PROTO.get(final.finish_reason, 0),
@@ -275,8 +280,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if arrival is None or scheduled is None or first is None:
             return
         self.metrics.observe_phases(queue_s=scheduled - arrival, prefill_s=first - scheduled)
-        telemetry.record_span("pdserve.prefill.queue", None, arrival, scheduled)
-        telemetry.record_span("pdserve.prefill.compute", None, scheduled, first)
+        tracing.record_span("pdserve.prefill.queue", None, arrival, scheduled)
+        tracing.record_span("pdserve.prefill.compute", None, scheduled, first)
 
     async def _abort_quietly(self, rid: str) -> None:
         try:
@@ -307,7 +312,7 @@ async def serve(cfg: PrefillWorkerConfig, ready: asyncio.Event | None = None,
                       connect_timeout_s=cfg.kv_connect_timeout_s)
     tel = telemetry.start_role_telemetry("prefill", host=cfg.host, metrics_port=cfg.metrics_port or None,
                                          trace_file=cfg.trace_file, device=cfg.device)
-    telemetry.instrument_engine_steps(engine, tel.meter)
+    energy.instrument_engine_steps(engine, tel.meter)
     ae = AsyncEngine(engine, name="prefill-engine")
     ae.start()
     tel.metrics.watch_engine(ae.stats)

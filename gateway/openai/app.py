@@ -32,7 +32,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.sampling_params import SamplingParams
-from pdserve import telemetry
+from services import tracing
 from engine.structured import StructuredOutput, validate as validate_structured
 
 from ..core import Gateway, GatewayError, GenerateEvent, GenerateInput, merge_streams
@@ -148,11 +148,11 @@ def create_app(gw: Gateway, api_key: str = "") -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await _Chat(gw, body, telemetry.extract_context(dict(request.headers))).run()
+        return await _Chat(gw, body, tracing.extract_context(dict(request.headers))).run()
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(body: CompletionRequest, request: Request):
-        return await _Completion(gw, body, telemetry.extract_context(dict(request.headers))).run()
+        return await _Completion(gw, body, tracing.extract_context(dict(request.headers))).run()
 
     return app
 

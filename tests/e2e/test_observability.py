@@ -13,7 +13,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve import telemetry as tm
+from services import tracing
 from pdserve.launcher import free_port
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -56,7 +56,7 @@ def generate(address: str, ids: list[int], max_tokens: int, request_id: str):
 def wait_spans(path: str, name: str, request_id: str, timeout_s: float = 10.0) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while True:
-        spans = tm.read_span_file(path)
+        spans = tracing.read_span_file(path)
         if any(s["name"] == name and s["attributes"].get("request_id") == request_id for s in spans):
             return spans
         if time.monotonic() > deadline:
@@ -140,8 +140,8 @@ def test_rest_request_continues_the_callers_trace(system):
     assert r.status_code == 200, r.text
     deadline = time.monotonic() + 10
     while True:
-        gw = [s for s in tm.read_span_file(files["gateway"]) if s["trace_id"] == trace_id]
-        dc = [s for s in tm.read_span_file(files["decode"]) if s["trace_id"] == trace_id]
+        gw = [s for s in tracing.read_span_file(files["gateway"]) if s["trace_id"] == trace_id]
+        dc = [s for s in tracing.read_span_file(files["decode"]) if s["trace_id"] == trace_id]
         names = {s["name"] for s in gw + dc}
         if {"pdserve.generate", "pdserve.decode"} <= names or time.monotonic() > deadline:
             break

@@ -32,11 +32,12 @@ def _free_port() -> int:
 
 
 class Worker:
-    def __init__(self, module: str, model_dir: str, log_path: Path, **opts):
+    def __init__(self, module: str, model_dir: str, log_path: Path, drain_timeout_s: float = 3.0,
+                 **opts):
         self.port = _free_port()
         self.log_path = log_path
         args = [sys.executable, "-m", module, "--model-dir", model_dir, "--port", str(self.port),
-                "--host", "127.0.0.1", "--drain-timeout-s", "3"]
+                "--host", "127.0.0.1", "--drain-timeout-s", str(drain_timeout_s)]
         for k, v in opts.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -300,13 +301,15 @@ def test_sigterm_lets_a_decoding_request_finish(workers, model_dir, tmp_path):
     """SIGTERM while a request is decoding: it runs to its last token (finish LENGTH), new
     work is refused with UNAVAILABLE meanwhile, and the worker then exits 0."""
     pre, _, _ = workers
+    # The drain deadline is sized from the work, not from this machine's speed: 600 tokens
+    # of the tiny model take a few seconds even on a loaded machine; the drain allows 120 s.
     dec = Worker("decode_worker.server", model_dir, tmp_path / "decode_drain.log", block_size=BS,
-                 num_blocks=256, kv_expiry_s=10)
+                 drain_timeout_s=120, num_blocks=256, kv_expiry_s=10)
     try:
         dec.wait_serving()
         d = decode_pb2_grpc.DecodeWorkerStub(dec.channel)
         p = prefill_pb2_grpc.PrefillWorkerStub(pre.channel)
-        rid, prompt, n = "drain-" + uuid.uuid4().hex, _prompt(20, 9), 600   # well inside the 3 s drain
+        rid, prompt, n = "drain-" + uuid.uuid4().hex, _prompt(20, 9), 600
         stream = d.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
                                                    sampling=_greedy(n)), timeout=60)
         kv = next(stream).kv_ready
@@ -329,7 +332,7 @@ def test_sigterm_lets_a_decoding_request_finish(workers, model_dir, tmp_path):
             got += len(msg.tokens.tokens)
             last = msg.tokens
         assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and 1 + got == n
-        assert dec.proc.wait(20) == 0
+        assert dec.proc.wait(30) == 0
     finally:
         dec.stop()
 

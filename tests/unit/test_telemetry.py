@@ -1,4 +1,4 @@
-"""pdserve.telemetry: exact scraped values, tracing off/on, W3C propagation over gRPC, energy."""
+"""services.metrics, services.tracing, services.energy: exact scraped values, tracing off/on, W3C propagation over gRPC, energy."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,10 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve import telemetry as tm
+from services import energy
+from services import metrics
+from services import telemetry
+from services import tracing
 
 
 def scrape(text: str) -> dict[tuple, float]:
@@ -35,14 +38,14 @@ def stats(**kw):
 
 @pytest.fixture(autouse=True)
 def _tracing_off():
-    tm.shutdown_tracing()
+    tracing.shutdown_tracing()
     yield
-    tm.shutdown_tracing()
+    tracing.shutdown_tracing()
 
 
 # ----------------------------------------------------------------------------- metrics
 def test_gateway_counters_and_histograms_exact():
-    m = tm.Metrics("gateway")
+    m = metrics.Metrics("gateway")
     m.observe_finished(0.3, prompt_tokens=10, gen_tokens=5, finish_reason="stop", ttft_s=0.05)
     m.observe_finished(2.0, prompt_tokens=7, gen_tokens=16, finish_reason="length", ttft_s=0.5)
     m.observe_finished(0.01, prompt_tokens=3, gen_tokens=0, finish_reason="abort")
@@ -52,7 +55,7 @@ def test_gateway_counters_and_histograms_exact():
     m.observe_error("UNAVAILABLE")
     m.observe_error("INVALID_ARGUMENT")
     m.observe_kv_fallback("retry")
-    s = scrape(tm.render_metrics(m.registry).decode())
+    s = scrape(metrics.render_metrics(m.registry).decode())
     g = {"role": "gateway"}
     assert value(s, "pdserve:prompt_tokens_total", **g) == 20
     assert value(s, "pdserve:generation_tokens_total", **g) == 21
@@ -79,23 +82,23 @@ def test_gateway_counters_and_histograms_exact():
 
 
 def test_request_timer_ttft_then_itl():
-    m = tm.Metrics("gateway")
+    m = metrics.Metrics("gateway")
     t = m.request_timer()
     t.token(1)
     t.token(1)
     t.token(3)
     assert t.finish(prompt_tokens=4, gen_tokens=5, finish_reason="stop") >= t.ttft_s >= 0
-    s = scrape(tm.render_metrics(m.registry).decode())
+    s = scrape(metrics.render_metrics(m.registry).decode())
     assert value(s, "pdserve:time_to_first_token_seconds_count", role="gateway") == 1
     assert value(s, "pdserve:inter_token_latency_seconds_count", role="gateway") == 4
     assert value(s, "pdserve:e2e_request_latency_seconds_count", role="gateway") == 1
     with m.in_flight():
-        s = scrape(tm.render_metrics(m.registry).decode())
+        s = scrape(metrics.render_metrics(m.registry).decode())
         assert value(s, "pdserve:num_requests_running", role="gateway") == 1
 
 
 def test_engine_stats_gauges_and_counter_deltas():
-    m = tm.Metrics("decode")
+    m = metrics.Metrics("decode")
     m.set_engine_stats(stats(num_running=3, num_waiting=1, num_waiting_for_remote_kv=2,
                              num_free_blocks=25, queued_prefill_tokens=40, num_preemptions=2,
                              prefix_cache_queries=100, prefix_cache_hits=30))
@@ -103,7 +106,7 @@ def test_engine_stats_gauges_and_counter_deltas():
                              prefix_cache_queries=164, prefix_cache_hits=62))
     m.set_engine_stats(stats(num_running=5, num_free_blocks=60, num_preemptions=3,
                              prefix_cache_queries=164, prefix_cache_hits=62))   # unchanged
-    s = scrape(tm.render_metrics(m.registry).decode())
+    s = scrape(metrics.render_metrics(m.registry).decode())
     d = {"role": "decode"}
     assert value(s, "pdserve:num_requests_running", **d) == 5
     assert value(s, "pdserve:num_requests_waiting", **d) == 0
@@ -114,13 +117,13 @@ def test_engine_stats_gauges_and_counter_deltas():
     assert value(s, "pdserve:prefix_cache_hits_total", **d) == 62
     # A new engine (totals restart from zero): its values count in full.
     m.set_engine_stats(stats(num_preemptions=1, prefix_cache_queries=10, prefix_cache_hits=4))
-    s = scrape(tm.render_metrics(m.registry).decode())
+    s = scrape(metrics.render_metrics(m.registry).decode())
     assert value(s, "pdserve:num_preemptions_total", **d) == 4
     assert value(s, "pdserve:prefix_cache_hits_total", **d) == 66
 
 
 def test_worker_phases_and_kv_transfer():
-    m = tm.Metrics("prefill")
+    m = metrics.Metrics("prefill")
     m.set_engine_stats(stats(num_waiting=4, queued_prefill_tokens=8192))
     m.observe_phases(queue_s=0.002, prefill_s=0.2)
     m.observe_phases(queue_s=0.03)
@@ -128,7 +131,7 @@ def test_worker_phases_and_kv_transfer():
     m.observe_kv_transfer(1024, 0.2)
     m.observe_kv_failure()
     m.observe_kv_fallback("recompute")
-    s = scrape(tm.render_metrics(m.registry).decode())
+    s = scrape(metrics.render_metrics(m.registry).decode())
     p = {"role": "prefill"}
     assert value(s, "pdserve:num_requests_waiting", **p) == 4
     assert value(s, "pdserve:prefill_queue_tokens", **p) == 8192
@@ -145,18 +148,18 @@ def test_worker_phases_and_kv_transfer():
 
 
 def test_registries_are_per_object_and_role_checked():
-    a, b = tm.Metrics("decode"), tm.Metrics("decode")     # no clash: not the global registry
+    a, b = metrics.Metrics("decode"), metrics.Metrics("decode")     # no clash: not the global registry
     a.observe_kv_failure()
-    s = scrape(tm.render_metrics(b.registry).decode())
+    s = scrape(metrics.render_metrics(b.registry).decode())
     assert value(s, "pdserve:kv_transfer_failures_total", role="decode") == 0
     with pytest.raises(ValueError):
-        tm.Metrics("router")
+        metrics.Metrics("router")
 
 
 def test_metrics_http_server_plain_text_even_for_openmetrics_accept():
-    m = tm.Metrics("decode")
+    m = metrics.Metrics("decode")
     m.observe_kv_transfer(10)
-    server, port = tm.start_metrics_server(m.registry, "127.0.0.1", 0)
+    server, port = metrics.start_metrics_server(m.registry, "127.0.0.1", 0)
     try:
         assert port > 0
         req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
@@ -175,10 +178,10 @@ def test_metrics_http_server_plain_text_even_for_openmetrics_accept():
 def test_metrics_asgi_app_on_fastapi_exact_path():
     fastapi = pytest.importorskip("fastapi")
     import httpx
-    m = tm.Metrics("gateway")
+    m = metrics.Metrics("gateway")
     m.observe_finished(0.1, 3, 2, "stop")
     app = fastapi.FastAPI()
-    app.add_route("/metrics", tm.metrics_asgi_app(m.registry))
+    app.add_route("/metrics", metrics.metrics_asgi_app(m.registry))
 
     async def get():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -192,33 +195,33 @@ def test_metrics_asgi_app_on_fastapi_exact_path():
 def test_tracing_off_is_a_noop(monkeypatch):
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
-    assert tm.setup_tracing("pdserve-test") is False
-    assert not tm.tracing_enabled() and tm._provider is None
-    with tm.span("pdserve.generate", None, tm.tracing_enabled() and {"x": 1}) as sp:
+    assert tracing.setup_tracing("pdserve-test") is False
+    assert not tracing.tracing_enabled() and tracing._provider is None
+    with tracing.span("pdserve.generate", None, tracing.tracing_enabled() and {"x": 1}) as sp:
         assert not sp.is_recording()
         md = [("a", "b")]
-        assert tm.inject_metadata(md) is md
-    assert tm.span("a") is tm.span("b")                   # one shared manager, nothing allocated
-    assert tm.extract_context({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}) is None
-    assert not tm.start_span("x").is_recording()
-    tm.record_span("x", None, 0.0, 1.0)
+        assert tracing.inject_metadata(md) is md
+    assert tracing.span("a") is tracing.span("b")                   # one shared manager, nothing allocated
+    assert tracing.extract_context({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}) is None
+    assert not tracing.start_span("x").is_recording()
+    tracing.record_span("x", None, 0.0, 1.0)
 
 
 def test_otlp_endpoint_turns_tracing_on(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")   # nothing listens
-    assert tm.setup_tracing("pdserve-test") is True
-    tm.shutdown_tracing()
-    assert not tm.tracing_enabled()
+    assert tracing.setup_tracing("pdserve-test") is True
+    tracing.shutdown_tracing()
+    assert not tracing.tracing_enabled()
 
 
 def test_spans_attributes_and_recorded_span():
     exp = InMemorySpanExporter()
-    assert tm.setup_tracing("pdserve-test", exporter=exp)
+    assert tracing.setup_tracing("pdserve-test", exporter=exp)
     import time
     t0 = time.monotonic()
-    with tm.span("pdserve.prefill", None, tm.tracing_enabled() and {"request_id": "r1"}) as sp:
-        tm.record_span("pdserve.prefill.queue", None, t0, t0 + 0.001)
-        with tm.span("pdserve.kv.send") as kv:
+    with tracing.span("pdserve.prefill", None, tracing.tracing_enabled() and {"request_id": "r1"}) as sp:
+        tracing.record_span("pdserve.prefill.queue", None, t0, t0 + 0.001)
+        with tracing.span("pdserve.kv.send") as kv:
             kv.add_event("layer", {"layer": 0})
     spans = {s.name: s for s in exp.get_finished_spans()}
     assert set(spans) == {"pdserve.prefill", "pdserve.prefill.queue", "pdserve.kv.send"}
@@ -234,12 +237,12 @@ def test_spans_attributes_and_recorded_span():
 
 def test_span_file_writes_json_lines(tmp_path):
     path = tmp_path / "spans.jsonl"
-    tm.setup_tracing("pdserve-gateway", span_file=str(path))
-    with tm.span("pdserve.generate", None, {"request_id": "r"}) as root:
-        with tm.span("child"):
+    tracing.setup_tracing("pdserve-gateway", span_file=str(path))
+    with tracing.span("pdserve.generate", None, {"request_id": "r"}) as root:
+        with tracing.span("child"):
             pass
-    tm.shutdown_tracing()
-    spans = tm.read_span_file(str(path))
+    tracing.shutdown_tracing()
+    spans = tracing.read_span_file(str(path))
     by = {s["name"]: s for s in spans}
     assert by["child"]["parent_span_id"] == by["pdserve.generate"]["span_id"]
     assert by["child"]["trace_id"] == by["pdserve.generate"]["trace_id"] == \
@@ -251,10 +254,10 @@ def test_span_file_writes_json_lines(tmp_path):
 def test_propagation_over_grpc_aio():
     """A client span injected into metadata is the parent of the server's span."""
     exp = InMemorySpanExporter()
-    tm.setup_tracing("pdserve-test", exporter=exp)
+    tracing.setup_tracing("pdserve-test", exporter=exp)
 
     async def handler(request: bytes, context) -> bytes:
-        with tm.span("server", tm.extract_context(context)):
+        with tracing.span("server", tracing.extract_context(context)):
             return request
 
     async def main():
@@ -266,8 +269,8 @@ def test_propagation_over_grpc_aio():
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 call = ch.unary_unary("/test.Echo/Call")
-                with tm.span("client") as client_span:
-                    md = tm.inject_metadata([("x-other", "1")])
+                with tracing.span("client") as client_span:
+                    md = tracing.inject_metadata([("x-other", "1")])
                     assert md[0] == ("x-other", "1") and md[1][0] == "traceparent"
                     assert await call(b"hi", metadata=md, timeout=10) == b"hi"
                 assert await call(b"no-parent", timeout=10) == b"no-parent"
@@ -295,8 +298,8 @@ class FakePower:
 
 
 def test_energy_attribution_by_token_share():
-    m = tm.Metrics("decode")
-    meter = tm.EnergyMeter(FakePower(200.0, 100.0), on_joules=m.add_energy, min_interval_s=0)
+    m = metrics.Metrics("decode")
+    meter = energy.EnergyMeter(FakePower(200.0, 100.0), on_joules=m.add_energy, min_interval_s=0)
     assert meter.available
     meter.step(0.5, {"a": 30, "b": 10})          # 100 J: a 75, b 25
     meter.step(0.2, {"b": 1, "c": 1})            # 20 J: b 10, c 10
@@ -307,24 +310,24 @@ def test_energy_attribution_by_token_share():
     assert meter.pop("c") == pytest.approx(10.0)
     assert meter.pop("never-seen") == 0.0
     assert meter.total_joules == pytest.approx(130.0)
-    s = scrape(tm.render_metrics(m.registry).decode())
+    s = scrape(metrics.render_metrics(m.registry).decode())
     assert value(s, "pdserve:energy_joules_total", role="decode") == pytest.approx(130.0)
 
 
 def test_energy_power_read_rate_limited_and_unavailable():
     power = FakePower(100.0)
-    meter = tm.EnergyMeter(power, min_interval_s=3600)
+    meter = energy.EnergyMeter(power, min_interval_s=3600)
     meter.step(0.1, {"a": 1})
     meter.step(0.1, {"a": 1})                    # reuses the first reading
     assert power.calls == 1 and meter.pop("a") == pytest.approx(20.0)
     # No NVML here (or anywhere pynvml fails): absent, not zero.
-    m = tm.Metrics("prefill")
-    off = tm.EnergyMeter(None, on_joules=m.add_energy)
+    m = metrics.Metrics("prefill")
+    off = energy.EnergyMeter(None, on_joules=m.add_energy)
     off.step(1.0, {"a": 5})
     assert not off.available and off.pop("a") is None
-    assert "pdserve:energy_joules" not in tm.render_metrics(m.registry).decode()
+    assert "pdserve:energy_joules" not in metrics.render_metrics(m.registry).decode()
     # A reader that fails mid-run (None) attributes nothing.
-    flaky = tm.EnergyMeter(lambda: None, min_interval_s=0)
+    flaky = energy.EnergyMeter(lambda: None, min_interval_s=0)
     flaky.step(1.0, {"a": 5})
     assert flaky.pop("a") == 0.0
 
@@ -332,30 +335,30 @@ def test_energy_power_read_rate_limited_and_unavailable():
 def test_nvml_reader_absent_without_gpu(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "pynvml", None)       # import fails
-    assert tm.nvml_power_reader() is None
-    assert not tm.EnergyMeter.for_gpu().available
+    assert energy.nvml_power_reader() is None
+    assert not energy.EnergyMeter.for_gpu().available
 
 
 def test_watch_engine_refreshes_at_scrape():
-    m = tm.Metrics("prefill")
+    m = metrics.Metrics("prefill")
     current = [stats(num_running=1, prefix_cache_queries=10)]
     m.watch_engine(lambda: current[0])
-    s = scrape(tm.render_metrics(m.registry).decode())
+    s = scrape(metrics.render_metrics(m.registry).decode())
     assert value(s, "pdserve:num_requests_running", role="prefill") == 1
     current[0] = stats(num_running=7, prefix_cache_queries=25)
-    s = scrape(tm.render_metrics(m.registry).decode())
+    s = scrape(metrics.render_metrics(m.registry).decode())
     assert value(s, "pdserve:num_requests_running", role="prefill") == 7
     assert value(s, "pdserve:prefix_cache_queries_total", role="prefill") == 25
 
 
 def test_inject_metadata_from_an_explicit_span():
     exp = InMemorySpanExporter()
-    tm.setup_tracing("pdserve-test", exporter=exp)
-    sp = tm.start_span("pdserve.generate")           # not current (as in an async generator)
-    md = tm.inject_metadata(None, sp)
+    tracing.setup_tracing("pdserve-test", exporter=exp)
+    sp = tracing.start_span("pdserve.generate")           # not current (as in an async generator)
+    md = tracing.inject_metadata(None, sp)
     ctx = sp.get_span_context()
     assert dict(md)["traceparent"].startswith(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-")
-    with tm.span("server", tm.extract_context(dict(md))) as child:
+    with tracing.span("server", tracing.extract_context(dict(md))) as child:
         pass
     sp.end()
     assert child.parent.span_id == ctx.span_id
@@ -375,25 +378,25 @@ def test_instrument_engine_steps_attributes_scheduled_tokens():
             return ["out"]
 
     eng = Engine()
-    assert not tm.instrument_engine_steps(eng, tm.EnergyMeter(None))
-    meter = tm.EnergyMeter(lambda: 100.0, min_interval_s=0)
-    assert tm.instrument_engine_steps(eng, meter)
+    assert not energy.instrument_engine_steps(eng, energy.EnergyMeter(None))
+    meter = energy.EnergyMeter(lambda: 100.0, min_interval_s=0)
+    assert energy.instrument_engine_steps(eng, meter)
     assert eng.step() == ["out"]
     a, b = meter.pop("a"), meter.pop("b")
     assert a > 0 and a == pytest.approx(3 * b)
-    assert tm.gpu_index("cpu") is None and tm.gpu_index("cuda:1") == 1
+    assert energy.gpu_index("cpu") is None and energy.gpu_index("cuda:1") == 1
 
 
 def test_role_telemetry_worker_without_gpu(tmp_path):
-    t = tm.start_role_telemetry("decode", host="127.0.0.1", metrics_port=0,
+    t = telemetry.start_role_telemetry("decode", host="127.0.0.1", metrics_port=0,
                                 trace_file=str(tmp_path / "s.jsonl"))
     try:
-        assert t.port > 0 and tm.tracing_enabled() and not t.meter.available
+        assert t.port > 0 and tracing.tracing_enabled() and not t.meter.available
         with urllib.request.urlopen(f"http://127.0.0.1:{t.port}/metrics", timeout=5) as r:
             assert b"pdserve:kv_cache_usage_perc" in r.read()
     finally:
         t.close()
-    assert not tm.tracing_enabled()
+    assert not tracing.tracing_enabled()
 
 
 def test_energy_reaches_usage_summed_by_the_gateway():
@@ -417,8 +420,8 @@ def test_energy_hook_on_a_real_engine():
     eng = LLMEngine.from_model_dir(str(ensure_default_model()), num_blocks=32, block_size=8,
                                    max_num_batched_tokens=8)            # 2 prefill chunks
     watts = 10.0
-    meter = tm.EnergyMeter(lambda: watts, min_interval_s=0)
-    assert tm.instrument_engine_steps(eng, meter)
+    meter = energy.EnergyMeter(lambda: watts, min_interval_s=0)
+    assert energy.instrument_engine_steps(eng, meter)
     tokens = {"a": 0, "b": 0}
     inner = meter.step
     meter.step = lambda d, t: (inner(d, t), [tokens.__setitem__(k, tokens[k] + v) for k, v in t.items()])

@@ -10,7 +10,6 @@ Serving lifecycle:
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -23,7 +22,6 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvtransfer.wire import CompatKey
-from protos.pdserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -121,30 +119,6 @@ class WorkerServer:
             await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
         except asyncio.TimeoutError:
             log.warning("drain timeout: %d call(s) still in flight are cancelled", self.in_flight)
-
-
-def config_from_argv(cls, argv: list[str] | None, description: str):
-    """Build a worker's config from the command line (`python -m prefill_worker.server`);
-    the options are the ones `pdserve prefill|decode` has."""
-    from .cli import config_from_args, dataclass_args
-    p = argparse.ArgumentParser(description=description)
-    dataclass_args(p, cls)
-    p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return config_from_args(cls, args)
-
-
-def compat_to_proto(c: CompatKey) -> common_pb2.KvCompat:
-    return common_pb2.KvCompat(model=c.model, dtype=c.dtype, block_size=c.block_size,
-                               num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                               head_dim=c.head_dim, protocol_version=c.protocol_version)
-
-
-def compat_from_proto(m: common_pb2.KvCompat) -> CompatKey:
-    return CompatKey(m.model, m.dtype, m.block_size, m.num_layers, m.num_kv_heads, m.head_dim,
-                     m.protocol_version)
 
 
 def model_compat(engine) -> CompatKey:

@@ -2,10 +2,15 @@
 workers. A leaf module: imports engine's plain dataclasses (no torch) and the protos only."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 from protos.pdserve.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from kvtransfer.wire import CompatKey
 
 FINISH_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -115,3 +120,15 @@ def prompt_logprobs(out: RequestOutput) -> list[common_pb2.TokenLogprob]:
     if out.prompt_logprobs is None:
         return []
     return [token_logprob(t, lp, top) for t, (lp, top) in zip(out.prompt_token_ids, out.prompt_logprobs)]
+
+
+def compat_to_proto(c: "CompatKey") -> common_pb2.KvCompat:
+    return common_pb2.KvCompat(model=c.model, dtype=c.dtype, block_size=c.block_size,
+                               num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                               head_dim=c.head_dim, protocol_version=c.protocol_version)
+
+
+def compat_from_proto(m: common_pb2.KvCompat) -> "CompatKey":
+    from kvtransfer.wire import CompatKey    # torch: only the workers call this
+    return CompatKey(m.model, m.dtype, m.block_size, m.num_layers, m.num_kv_heads, m.head_dim,
+                     m.protocol_version)

@@ -1,0 +1,44 @@
+"""What one server process sets up for operators: tracing, its metrics (and a /metrics
+server), and for a worker on a GPU an energy meter. See `start_role_telemetry`."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .energy import EnergyMeter, gpu_index, nvml_power_reader
+from .metrics import Metrics, start_metrics_server
+from .tracing import setup_tracing, shutdown_tracing
+
+log = logging.getLogger(__name__)
+
+
+class RoleTelemetry:
+    """What one server process sets up: tracing, its Metrics (+ /metrics server), and for a
+    worker on a GPU an EnergyMeter fed by its engine's steps. See `start_role_telemetry`."""
+
+    def __init__(self, metrics: Metrics, meter: EnergyMeter, server: Any, port: int):
+        self.metrics, self.meter, self.server, self.port = metrics, meter, server, port
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+        shutdown_tracing()
+
+
+def start_role_telemetry(role: str, *, host: str = "0.0.0.0", metrics_port: int | None = None,
+                         trace_file: str = "", device: str = "cpu",
+                         service_name: str = "") -> RoleTelemetry:
+    """Tracing as `pdserve-<role>` (trace_file: JSON-lines spans, see setup_tracing), a
+    Metrics, a /metrics server on metrics_port when it is given (0: a free port; None: none,
+    e.g. the gateway serves /metrics on its HTTP app), an EnergyMeter for a CUDA device."""
+    setup_tracing(service_name or f"pdserve-{role}", span_file=trace_file or None)
+    metrics = Metrics(role)
+    server, port = (None, 0)
+    if metrics_port is not None:
+        server, port = start_metrics_server(metrics.registry, host, metrics_port)
+        log.info("%s metrics on http://%s:%d/metrics", role, host, port)
+    idx = gpu_index(device) if role != "gateway" else None
+    meter = EnergyMeter(nvml_power_reader(idx) if idx is not None else None, metrics.add_energy)
+    return RoleTelemetry(metrics, meter, server, port)
