@@ -17,7 +17,6 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import kernels
 from .config import CacheConfig, EngineConfig, ModelConfig
 from .kv_cache_manager import KVCacheManager, cdiv
 from .loader import load_model
@@ -35,9 +34,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         mc = config.model
-        kernels.set_backend(config.kernel_backend)
         self.dtype = config.torch_dtype
-        self.model = load_model(mc, self.dtype, config.device)
+        self.model = load_model(mc, self.dtype, config.device, config.kernel_backend)
         tok_path = Path(mc.model_dir) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_dir(mc.model_dir) if tok_path.exists() else None
         eos = set(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
