@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from . import kernels as K
-from .config import ModelConfig
+from .config import ModelConfig, check_kernel_backend
 from .kernels.rope import build_cos_sin_cache
 
 
@@ -111,7 +111,7 @@ class CausalLM(nn.Module):
     def __init__(self, c: ModelConfig, backend: str = "auto"):
         super().__init__()
         self.config = c
-        self.backend = K.check_backend(backend)
+        self.backend = check_kernel_backend(backend)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c, backend) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)

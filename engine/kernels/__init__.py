@@ -2,8 +2,9 @@
 
 Every op here dispatches on the `backend` its caller passes ("auto": Triton for CUDA tensors,
 the torch reference otherwise; "torch" or "triton" force one). There is no process-wide
-setting: each engine's model carries its own backend (engine.config.EngineOptions.kernel_backend)
-and hands it to every op, so two engines in one process never change each other's kernels.
+setting: each engine's model carries its own backend (EngineOptions.kernel_backend, checked
+against engine.config.KERNEL_BACKENDS where the options are built) and hands it to every op,
+so two engines in one process never change each other's kernels.
 The Triton kernels live in their own modules (imported on first use, so the CPU path never
 imports triton, and TRITON_INTERPRET set before that first use still takes effect);
 `reference.py` holds the torch oracle for each.
@@ -21,18 +22,8 @@ import torch
 from . import reference
 from .rope import build_cos_sin_cache
 
-BACKENDS = ("auto", "torch", "triton")
-
-__all__ = ["BACKENDS", "check_backend", "use_triton", "write_kv_cache", "paged_prefill_attention",
-           "paged_decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-           "build_cos_sin_cache"]
-
-
-def check_backend(name: str) -> str:
-    """`name` if it is a backend, else ValueError (callers check once, where they are built)."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {name!r}: expected auto, torch or triton")
-    return name
+__all__ = ["use_triton", "write_kv_cache", "paged_prefill_attention", "paged_decode_attention",
+           "rms_norm", "rotary_embedding", "silu_and_mul", "build_cos_sin_cache"]
 
 
 def use_triton(t: torch.Tensor, backend: str = "auto") -> bool:

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import engine.kernels as K
+from engine.config import EngineOptions
 from engine.kernels import reference
 from kernel_testlib import fresh_generator, on_device, randn
 
@@ -36,7 +37,14 @@ def test_forced_torch_never_launches_triton(monkeypatch):
                                msg=lambda m: f"seed={seed}: {m}")
 
 
-def test_bad_backend_name():
+def test_bad_backend_name(tmp_path):
+    from engine.config import ModelConfig
+    from engine.model import CausalLM
+    from tests.hf_models import make_hf_model
     with pytest.raises(ValueError, match="unknown kernel backend 'cuda'"):
-        K.check_backend("cuda")
-    assert K.check_backend("triton") == "triton"
+        EngineOptions(kernel_backend="cuda")                # rejected where the config is built
+    cfg = ModelConfig.from_dir(make_hf_model("llama", tmp_path / "m"))
+    with pytest.raises(ValueError, match="unknown kernel backend 'cuda'"), torch.device("meta"):
+        CausalLM(cfg, "cuda")                               # and by the model that carries it
+    with torch.device("meta"):
+        assert CausalLM(cfg, "triton").backend == "triton"
