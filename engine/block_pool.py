@@ -86,11 +86,6 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> None:
-        for b in self.cached.values():
-            b.block_hash = None
-        self.cached.clear()
-
     def check(self) -> None:
         """Assert the invariants above (for tests)."""
         for b in self.blocks:

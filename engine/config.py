@@ -1,14 +1,20 @@
-"""Typed configuration of the engine: model (read from a Hugging Face config.json), cache,
-scheduler (in scheduler.py), composed into `EngineConfig`. Validation happens here."""
+"""Typed configuration of the engine, in two layers:
+
+  * what the user chooses: `EngineOptions` (device, dtype, kernel backend, context cap) with
+    its `CacheConfig` and `SchedulerConfig` nested. Every option has its one default here;
+    the workers' and `pdserve up`'s command-line options are generated from these fields
+    (services/cli_args.py) and `LLMEngine.from_model_dir(d, block_size=..)` takes them by name;
+  * what an engine is built from: `EngineConfig` = those options + the `ModelConfig` read from
+    the model directory's config.json (`EngineConfig.build(model_dir, options)`).
+
+Validation happens where each dataclass is built. This module does not import torch at
+import time: the CLI (and so the gateway process, which never loads torch) imports it.
+"""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-
-import torch
-
-from .scheduler import SchedulerConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -91,29 +97,104 @@ class ModelConfig:
         return cfg
 
 
+KERNEL_BACKENDS = ("auto", "torch", "triton")    # what engine.kernels dispatches on
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_kernel_backend(name: str) -> str:
+    """`name` if engine.kernels knows it, else ValueError."""
+    if name not in KERNEL_BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}: expected auto, torch or triton")
+    return name
+
+
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    num_blocks: int | None = None         # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
-    enable_prefix_caching: bool = True
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
+    num_blocks: int | None = field(default=None, metadata={
+        "help": "KV cache blocks; unset: as many as kv_cache_memory_gb holds"})
+    kv_cache_memory_gb: float = field(default=0.5, metadata={
+        "help": "memory for the KV cache when num_blocks is unset"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV of prompt prefixes already in the cache"})
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 (unset: sized from kv_cache_memory_gb), "
+                             f"got {self.num_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "tokens computed per step, all requests together"})
+    max_num_seqs: int = field(default=128, metadata={"help": "requests running at once"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "split prompts longer than the step budget over several steps"})
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+
+@dataclass
+class EngineOptions:
+    """What the user chooses about an engine; the model's own shape comes from its directory."""
+    device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:1, ..."})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16"})
+    kernel_backend: str = field(default="auto", metadata={
+        "help": "auto (Triton on CUDA, torch references on CPU) | torch | triton"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context length; unset: the model's (capped by it in any case)"})
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self):
+        check_kernel_backend(self.kernel_backend)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}: expected one of {DTYPES}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @classmethod
+    def of(cls, **options) -> "EngineOptions":
+        """Options by flat name, each given to the dataclass that has it:
+        `EngineOptions.of(block_size=8, max_num_seqs=4, device="cuda")`. Unknown names:
+        TypeError, as for any call."""
+        nested = {}
+        for name, sub in (("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            mine = {f.name for f in fields(sub)}
+            nested[name] = sub(**{k: options.pop(k) for k in list(options) if k in mine})
+        return cls(**options, **nested)
 
 
 @dataclass
 class EngineConfig:
+    """Everything an LLMEngine is built from (no defaults here: they are EngineOptions')."""
     model: ModelConfig
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "cpu"
-    dtype: str = "auto"                    # auto: float32 on CPU, bfloat16 on CUDA
-    kernel_backend: str = "auto"           # auto | torch | triton
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str
+    dtype: str
+    kernel_backend: str
+
+    @classmethod
+    def build(cls, model_dir: str | Path, options: EngineOptions) -> "EngineConfig":
+        """Read the model's config.json and apply the options (ValueError on bad input)."""
+        return cls(model=ModelConfig.from_dir(model_dir, options.max_model_len),
+                   cache=options.cache, scheduler=options.scheduler, device=options.device,
+                   dtype=options.dtype, kernel_backend=options.kernel_backend)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self):
+        import torch
         if self.dtype == "auto":
             return torch.float32 if self.device == "cpu" else torch.bfloat16
         try:

@@ -43,10 +43,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
-
     def _hashes(self, req: Request, n_blocks: int) -> list[bytes]:
         bs, hashes = self.block_size, req.block_hashes
         if len(hashes) < n_blocks:

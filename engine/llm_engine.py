@@ -17,8 +17,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import kernels
-from .config import CacheConfig, EngineConfig, ModelConfig
+from .config import CacheConfig, EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
 from .loader import load_model
 from .outputs import EngineStats, Prefix, RequestOutput
@@ -26,7 +25,7 @@ from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import Sampler, compute_prompt_logprobs, skip_draws
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .scheduler import Scheduler, SchedulerOutput
 from .structured import StructuredOutputs
 from .tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
 
@@ -35,9 +34,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         mc = config.model
-        kernels.set_backend(config.kernel_backend)
         self.dtype = config.torch_dtype
-        self.model = load_model(mc, self.dtype, config.device)
+        self.model = load_model(mc, self.dtype, config.device, config.kernel_backend)
         tok_path = Path(mc.model_dir) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_dir(mc.model_dir) if tok_path.exists() else None
         eos = set(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
@@ -56,17 +54,13 @@ class LLMEngine:
         self.layer_hook: Callable[[int, SchedulerOutput], None] | None = None
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, *, block_size: int = 16,
-                       num_blocks: int | None = None, max_model_len: int | None = None,
-                       max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
-                       enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                       device: str = "cpu", dtype: str = "auto", kernel_backend: str = "auto",
-                       kv_cache_memory_gb: float = 0.5) -> "LLMEngine":
-        return cls(EngineConfig(
-            model=ModelConfig.from_dir(model_dir, max_model_len),
-            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill),
-            device=device, dtype=dtype, kernel_backend=kernel_backend))
+    def from_model_dir(cls, model_dir: str | Path, options: EngineOptions | None = None,
+                       **by_name) -> "LLMEngine":
+        """The engine for a model directory, with `options` or EngineOptions given by name
+        (`from_model_dir(d, num_blocks=64, kernel_backend="triton")`; defaults: EngineOptions')."""
+        if options is not None and by_name:
+            raise TypeError("give EngineOptions or options by name, not both")
+        return cls(EngineConfig.build(model_dir, options or EngineOptions.of(**by_name)))
 
     def _blocks_for_memory(self, cc: CacheConfig) -> int:
         mc = self.config.model

@@ -46,9 +46,10 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> CausalLM:
+def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
+               kernel_backend: str = "auto") -> CausalLM:
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, kernel_backend)
     params = dict(model.named_parameters())
     tensors: dict[str, torch.Tensor] = {}
     shards: dict[str, dict[int, torch.Tensor]] = {}

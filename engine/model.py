@@ -3,6 +3,9 @@
 The forward pass takes a flat, ragged batch: every scheduled token of every request in one
 [T] row, with `AttentionMetadata` saying where each request's queries start, how long its
 context is, and which cache slot each new token's K/V goes to.
+
+`backend` (auto | torch | triton) is the kernel backend this model's layers pass to every op
+in engine.kernels: it belongs to the model, not to the process.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 from torch import nn
 
 from . import kernels as K
-from .config import ModelConfig
+from .config import ModelConfig, check_kernel_backend
 from .kernels.rope import build_cos_sin_cache
 
 
@@ -32,24 +35,25 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, backend: str):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.backend = eps, backend
 
     def forward(self, x, residual=None):
-        return K.rms_norm(x, self.weight, self.eps, residual)
+        return K.rms_norm(x, self.weight, self.eps, residual, backend=self.backend)
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, backend: str):
         super().__init__()
+        self.backend = backend
         self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
+        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps, backend) if c.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps, backend) if c.qk_norm else None
         self.scale = self.hd ** -0.5
         self.k_cache = self.v_cache = None   # [num_blocks, block_size, nkv, hd], bound later
 
@@ -61,36 +65,37 @@ class Attention(nn.Module):
         v = v.view(T, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = K.rotary_embedding(positions, q, k, cos_sin)
-        K.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        q, k = K.rotary_embedding(positions, q, k, cos_sin, backend=self.backend)
+        K.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend=self.backend)
         if meta.decode_only:
             o = K.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                          meta.context_lens, self.scale,
-                                         max_context_len=meta.max_context_len)
+                                         max_context_len=meta.max_context_len, backend=self.backend)
         else:
             o = K.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                           meta.cu_seqlens_q, meta.context_lens, self.scale,
-                                          max_q_len=meta.max_q_len)
+                                          max_q_len=meta.max_q_len, backend=self.backend)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, backend: str):
         super().__init__()
+        self.backend = backend
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(K.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(K.silu_and_mul(self.gate_up_proj(x), backend=self.backend))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, backend: str):
         super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = MLP(c)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, backend)
+        self.mlp = MLP(c, backend)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
 
     def forward(self, positions, h, residual, meta, cos_sin):
         if residual is None:
@@ -103,12 +108,13 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, backend: str = "auto"):
         super().__init__()
         self.config = c
+        self.backend = check_kernel_backend(backend)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c, backend) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.register_buffer("cos_sin", build_cos_sin_cache(
             c.head_dim, c.max_model_len + 1, c.rope_theta, c.rope_scaling), persistent=False)

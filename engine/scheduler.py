@@ -15,21 +15,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from .config import SchedulerConfig
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    enable_chunked_prefill: bool = True
-
-    def __post_init__(self):
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
 
 
 @dataclass

@@ -60,6 +60,14 @@ def _run_role(args, cls, runner) -> int:
     return runner(cfg)
 
 
+def _run_up(args) -> int:
+    try:
+        cfg = config_from_args(launcher.UpConfig, args)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"pdserve up: {e}")
+    return launcher.main(cfg)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -73,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--log-level", default="INFO")
         r.set_defaults(func=lambda args, cls=cls, runner=runner: _run_role(args, cls, runner))
     up = sub.add_parser("up", help="run gateway + N prefill + M decode workers locally")
-    launcher.add_up_args(up)
-    up.set_defaults(func=launcher.main)
+    dataclass_args(up, launcher.UpConfig)
+    up.set_defaults(func=_run_up)
     return p
 
 

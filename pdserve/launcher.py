@@ -4,6 +4,10 @@
     only after loading and warm-up) -> start gateway with their addresses -> gateway SERVING
     -> print one line "pdserve ready: grpc=HOST:PORT ..." -> supervise
 
+`pdserve up`'s options are generated from `UpConfig`: its own fields plus every engine option
+(`--device`, `--block-size`, ... from engine.config.EngineOptions), which the launcher hands
+to every worker as options (only those that differ from the defaults the workers share).
+
 Supervision: SIGINT/SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period)
 and exits 0; a child that dies on its own stops the rest and exits non-zero. Children also
 get SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so none is
@@ -11,7 +15,6 @@ ever orphaned. Every wait has a deadline.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import random
@@ -27,6 +30,9 @@ from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.config import EngineOptions
+from services.cli_args import config_argv
 
 SERVICES = {"prefill": "pdserve.v1.PrefillWorker", "decode": "pdserve.v1.DecodeWorker",
             "gateway": "pdserve.v1.Generation"}
@@ -98,6 +104,7 @@ class Launcher:
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
+    engine: EngineOptions = field(default_factory=EngineOptions)   # every worker's engine
     children: list[Child] = field(default_factory=list)
 
     @property
@@ -112,6 +119,7 @@ class Launcher:
         (or when `cancel` is set)."""
         deadline = time.monotonic() + timeout_s
         self._cancel = cancel or threading.Event()
+        engine_args = config_argv(self.engine)   # before extra: a role's own args win
         try:
             for role, n, extra in (("prefill", self.num_prefill, self.prefill_args),
                                    ("decode", self.num_decode, self.decode_args)):
@@ -119,7 +127,8 @@ class Launcher:
                     port = free_port(self.host)
                     self._spawn(Child(role, f"{self.host}:{port}", [
                         role, "--model-dir", str(self.model_dir), "--host", self.host,
-                        "--port", str(port), "--worker-id", f"{role}-{i}", *extra]))
+                        "--port", str(port), "--worker-id", f"{role}-{i}", *engine_args,
+                        *extra]))
             for c in list(self.children):
                 self._wait_serving(c, deadline)
             port = self.grpc_port or free_port(self.host)
@@ -128,6 +137,8 @@ class Launcher:
                 "--grpc-port", str(port), "--http-port", str(self.http_port),
                 "--prefill", ",".join(c.address for c in self.workers("prefill")),
                 "--decode", ",".join(c.address for c in self.workers("decode")),
+                *(["--max-model-len", str(self.engine.max_model_len)]
+                  if self.engine.max_model_len else []),
                 *self.gateway_args]
             self._spawn(Child("gateway", f"{self.host}:{port}", gw))
             self._wait_serving(self.children[-1], deadline)
@@ -191,38 +202,45 @@ class Launcher:
                 c.log.close()
 
 
-def add_up_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="", help="HF model directory (default: the embedded tiny model)")
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers (default: 1)")
-    p.add_argument("--decode", type=int, default=1, help="number of decode workers (default: 1)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port (0: any free)")
-    p.add_argument("--http-port", type=int, default=8000,
-                   help="gateway OpenAI-compatible REST port (default: 8000; -1: off)")
-    p.add_argument("--ready-timeout", type=float, default=300.0,
-                   help="seconds to wait for every process to be SERVING")
+@dataclass
+class UpConfig:
+    """`pdserve up`: the system's shape and ports, and the engine options of every worker."""
+    model: str = field(default="", metadata={
+        "help": "HF model directory (empty: the embedded tiny model)"})
+    prefill: int = field(default=1, metadata={"help": "number of prefill workers"})
+    decode: int = field(default=1, metadata={"help": "number of decode workers"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
+    grpc_port: int = field(default=50051, metadata={"help": "gateway gRPC port (0: any free)"})
+    http_port: int = field(default=8000, metadata={
+        "help": "gateway OpenAI-compatible REST port (-1: off)"})
+    ready_timeout: float = field(default=300.0, metadata={
+        "help": "seconds to wait for every process to be SERVING"})
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+    def __post_init__(self):
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError("--prefill and --decode must be >= 1")
 
 
-def main(args) -> int:
-    if args.prefill < 1 or args.decode < 1:
-        raise SystemExit("pdserve up: --prefill and --decode must be >= 1")
-    if args.model:
-        model = args.model
+def main(cfg: UpConfig) -> int:
+    if cfg.model:
+        model = cfg.model
     else:
         from engine.tiny_model import ensure_default_model
         model = str(ensure_default_model())
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    http_port = 0 if args.http_port < 0 else args.http_port
-    launcher = Launcher(model, args.prefill, args.decode, args.host, args.grpc_port, http_port)
+    http_port = 0 if cfg.http_port < 0 else cfg.http_port
+    launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
+                        engine=cfg.engine)
     try:
         try:
-            launcher.start(args.ready_timeout, cancel=stop)
+            launcher.start(cfg.ready_timeout, cancel=stop)
         except LaunchError as e:
             print(f"pdserve up: {e}", file=sys.stderr, flush=True)
             return 1
         w = {r: ",".join(c.address for c in launcher.workers(r)) for r in ("prefill", "decode")}
-        http = f" http=http://{args.host}:{http_port}/v1" if http_port else ""
+        http = f" http=http://{cfg.host}:{http_port}/v1" if http_port else ""
         print(f"pdserve ready: grpc={launcher.grpc_address}{http} prefill={w['prefill']} "
               f"decode={w['decode']} model={model}", flush=True)
         while not stop.wait(0.5):

@@ -1,8 +1,16 @@
-"""Config dataclass -> command-line options, so a role's CLI and its config never drift apart.
+"""Config dataclass <-> command-line options, so a role's CLI and its config never drift apart.
 
-`dataclass_args` adds one `--field-name` option per field (nested config dataclasses add
-their fields too, flattened); `config_from_args` builds the dataclass back from the parsed
-options. `pdserve gateway|prefill|decode|up` and `python -m prefill_worker.server` all use it.
+`dataclass_args` adds one `--field-name` option per field. A field whose type is itself a
+config dataclass (a worker's `engine: EngineOptions`, which nests `cache` and `scheduler`)
+adds its fields the same way, flattened: `--block-size`, not `--engine-cache-block-size`, so
+every option name must be unique across the tree (argparse rejects a clash when the parser is
+built). `config_from_args` builds the dataclass tree back from the parsed options;
+`config_argv` writes a config's non-default values as options again (the launcher passes
+`pdserve up`'s engine options to each worker that way). `pdserve gateway|prefill|decode|up`
+and `python -m prefill_worker.server` all use them.
+
+Per-field metadata: "help"; "aliases" (other option names, e.g. `--model` for `--model-dir`);
+"cli": False keeps a field off the command line (it takes its default).
 """
 from __future__ import annotations
 
@@ -12,20 +20,40 @@ import logging
 import typing
 
 
-def dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
-    """Add one `--field-name` option per field of a dataclass (bool -> --x/--no-x). A field
-    without a default is a required option; `metadata={"aliases": [...]}` adds other names."""
+def _options(cls):
+    """(field, its type without Optional) for each field of `cls` on the command line."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("cli") is False:
             continue
-        names = ["--" + prefix + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        default = None if required else (
-            f.default if f.default is not dataclasses.MISSING else f.default_factory())
         kind = hints[f.name]
-        args = typing.get_args(kind)
-        base = next((a for a in args if a is not type(None)), kind) if args else kind
+        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        yield f, base
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
+    """Add one `--field-name` option per field of a dataclass (bool -> --x/--no-x), nested
+    config dataclasses flattened. A field without a default is a required option."""
+    for f, base in _options(cls):
+        if dataclasses.is_dataclass(base):
+            dataclass_args(parser, base)
+            continue
+        names = [_flag(f), *f.metadata.get("aliases", ())]
+        default = _default(f)
+        required = default is dataclasses.MISSING
+        default = None if required else default
         help_ = f.metadata.get("help", "") + ("" if required else f" (default: {default})")
         if base is bool:
             parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
@@ -36,9 +64,28 @@ def dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "") -> No
 
 
 def config_from_args(cls, args: argparse.Namespace):
-    """The dataclass built from options parsed by `dataclass_args` (ValueError on bad values)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                  if f.metadata.get("cli") is not False})
+    """The dataclass (nested ones included) built from options parsed by `dataclass_args`
+    (ValueError on bad values, raised by the dataclass that checks them)."""
+    return cls(**{f.name: config_from_args(base, args) if dataclasses.is_dataclass(base)
+                  else getattr(args, f.name) for f, base in _options(cls)})
+
+
+def config_argv(config) -> list[str]:
+    """The options that rebuild `config` through `dataclass_args` + `config_from_args`: one
+    per field whose value is not its default (nested dataclasses flattened)."""
+    argv = []
+    for f, base in _options(type(config)):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(base):
+            argv += config_argv(value)
+        elif value != _default(f):
+            if value is None:
+                raise ValueError(f"{f.name}=None cannot be written as an option")
+            if base is bool:
+                argv.append(_flag(f) if value else "--no-" + _flag(f)[2:])
+            else:
+                argv += [_flag(f), str(value)]
+    return argv
 
 
 def config_from_argv(cls, argv: list[str] | None, description: str):

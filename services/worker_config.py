@@ -1,30 +1,28 @@
-"""The configuration both workers share: which model, how its engine is sized, how the
+"""The configuration both workers share: which model, how its engine is built, how the
 process serves. Each worker's config extends it with its own fields (see prefill_worker/ and
-decode_worker/config.py); the CLI options are generated from the dataclass fields."""
+decode_worker/config.py); the CLI options are generated from the dataclass fields, the
+engine's flattened (`--block-size`, `--device`, ...: see engine.config.EngineOptions, which
+holds their one default each)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from engine.config import EngineOptions
 
 
 @dataclass
 class WorkerConfig:
     model_dir: str = field(metadata={"aliases": ["--model"], "help": "Hugging Face model directory"})
-    host: str = "127.0.0.1"
-    worker_id: str = ""                  # empty: "<role>-<host>:<port>"
-    block_size: int = 16
-    num_blocks: int | None = None        # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 0.5
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    enable_prefix_caching: bool = True
-    device: str = "cpu"
-    dtype: str = "auto"
-    kernel_backend: str = "auto"
-    num_threads: int = 1                 # torch intra-op threads (CPU)
-    drain_timeout_s: float = 30.0
-    metrics_port: int = 0                # /metrics (plain text) on this port; 0 = off
-    trace_file: str = ""                 # append finished spans as JSON lines (tests); OTLP: OTEL_* env
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    worker_id: str = field(default="", metadata={"help": "empty: <role>-<host>:<port>"})
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    num_threads: int = field(default=1, metadata={"help": "torch intra-op threads (CPU)"})
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM, seconds to let requests in flight finish"})
+    metrics_port: int = field(default=0, metadata={
+        "help": "serve /metrics (plain text) on this port (0: off)"})
+    trace_file: str = field(default="", metadata={
+        "help": "append finished spans as JSON lines (tests); OTLP export: OTEL_* env"})
 
     # fields each subclass checks as positive seconds / as ports
     _positive = ("drain_timeout_s",)
@@ -42,12 +40,12 @@ class WorkerConfig:
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
 
+    @property
+    def device(self) -> str:
+        """The engine's device (the servers' telemetry reads it here)."""
+        return self.engine.device
+
     def build_engine(self):
         """The LLMEngine this config describes (loads the model: call it off the event loop)."""
         from engine.llm_engine import LLMEngine
-        return LLMEngine.from_model_dir(
-            self.model_dir, block_size=self.block_size, num_blocks=self.num_blocks,
-            max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.enable_prefix_caching,
-            device=self.device, dtype=self.dtype, kernel_backend=self.kernel_backend,
-            kv_cache_memory_gb=self.kv_cache_memory_gb)
+        return LLMEngine.from_model_dir(self.model_dir, self.engine)

@@ -1,9 +1,13 @@
 """Kernels used by the model: Triton on CUDA, torch references on CPU.
 
-Every op here dispatches on the selected backend ("auto": Triton for CUDA tensors, the torch
-reference otherwise; "torch" or "triton" force one). The Triton kernels live in their own
-modules (imported on first use, so the CPU path never imports triton, and TRITON_INTERPRET
-set before that first use still takes effect); `reference.py` holds the torch oracle for each.
+Every op here dispatches on the `backend` its caller passes ("auto": Triton for CUDA tensors,
+the torch reference otherwise; "torch" or "triton" force one). There is no process-wide
+setting: each engine's model carries its own backend (EngineOptions.kernel_backend, checked
+against engine.config.KERNEL_BACKENDS where the options are built) and hands it to every op,
+so two engines in one process never change each other's kernels.
+The Triton kernels live in their own modules (imported on first use, so the CPU path never
+imports triton, and TRITON_INTERPRET set before that first use still takes effect);
+`reference.py` holds the torch oracle for each.
 
 The public ops keep reference.py's signatures. Keyword-only extras the Triton wrappers take
 (`out=`, `max_context_len=`, ...) are accepted on both paths: the torch path writes its result
@@ -18,30 +22,15 @@ import torch
 from . import reference
 from .rope import build_cos_sin_cache
 
-_BACKEND = "auto"
-_BACKENDS = ("auto", "torch", "triton")
-
-__all__ = ["set_backend", "get_backend", "write_kv_cache", "paged_prefill_attention",
-           "paged_decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-           "build_cos_sin_cache"]
+__all__ = ["use_triton", "write_kv_cache", "paged_prefill_attention", "paged_decode_attention",
+           "rms_norm", "rotary_embedding", "silu_and_mul", "build_cos_sin_cache"]
 
 
-def set_backend(name: str) -> None:
-    global _BACKEND
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown kernel backend {name!r}: expected auto, torch or triton")
-    _BACKEND = name
-
-
-def get_backend() -> str:
-    return _BACKEND
-
-
-def use_triton(t: torch.Tensor) -> bool:
+def use_triton(t: torch.Tensor, backend: str = "auto") -> bool:
     """The decision every op makes, from the backend and the device of its first tensor."""
-    if _BACKEND == "auto":
+    if backend == "auto":
         return t.is_cuda
-    return _BACKEND == "triton"
+    return backend == "triton"
 
 
 def _triton_op(module: str, name: str):
@@ -55,15 +44,15 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    if use_triton(k_cache):
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, backend: str = "auto") -> None:
+    if use_triton(k_cache, backend):
         return _triton_op("kv_cache", "write_kv_cache")(k, v, k_cache, v_cache, slot_mapping)
     return reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                            *, max_q_len: int | None = None, out=None):
-    if use_triton(q):
+                            *, max_q_len: int | None = None, out=None, backend: str = "auto"):
+    if use_triton(q, backend):
         return _triton_op("prefill_attention", "paged_prefill_attention")(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
             max_q_len=max_q_len, out=out)
@@ -72,8 +61,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                           *, max_context_len: int | None = None, out=None):
-    if use_triton(q):
+                           *, max_context_len: int | None = None, out=None, backend: str = "auto"):
+    if use_triton(q, backend):
         return _triton_op("decode_attention", "paged_decode_attention")(
             q, k_cache, v_cache, block_tables, context_lens, scale,
             max_context_len=max_context_len, out=out)
@@ -81,8 +70,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                                                        context_lens, scale))
 
 
-def rms_norm(x, weight, eps, residual=None, *, out=None, residual_out=None):
-    if use_triton(x):
+def rms_norm(x, weight, eps, residual=None, *, out=None, residual_out=None, backend: str = "auto"):
+    if use_triton(x, backend):
         return _triton_op("norm", "rms_norm")(x, weight, eps, residual, out=out,
                                               residual_out=residual_out)
     res = reference.rms_norm(x, weight, eps, residual)
@@ -91,15 +80,16 @@ def rms_norm(x, weight, eps, residual=None, *, out=None, residual_out=None):
     return _into(out, res[0]), _into(residual_out, res[1])
 
 
-def rotary_embedding(positions, q, k, cos_sin_cache, *, q_out=None, k_out=None):
-    if use_triton(q):
+def rotary_embedding(positions, q, k, cos_sin_cache, *, q_out=None, k_out=None,
+                     backend: str = "auto"):
+    if use_triton(q, backend):
         return _triton_op("rotary", "rotary_embedding")(positions, q, k, cos_sin_cache,
                                                         q_out=q_out, k_out=k_out)
     qr, kr = reference.rotary_embedding(positions, q, k, cos_sin_cache)
     return _into(q_out, qr), _into(k_out, kr)
 
 
-def silu_and_mul(x, *, out=None):
-    if use_triton(x):
+def silu_and_mul(x, *, out=None, backend: str = "auto"):
+    if use_triton(x, backend):
         return _triton_op("activation", "silu_and_mul")(x, out=out)
     return _into(out, reference.silu_and_mul(x))

@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
-
-import engine.kernels as K
 
 # On a GPU machine the kernels run for real on CUDA; otherwise under the interpreter on CPU.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,11 +52,3 @@ def paged_cache(gen, context_lens, block_size, num_kv_heads, head_dim, dtype, sp
     k_cache = randn(gen, nb, block_size, num_kv_heads, head_dim, dtype=dtype)
     v_cache = randn(gen, nb, block_size, num_kv_heads, head_dim, dtype=dtype)
     return k_cache, v_cache, table
-
-
-@pytest.fixture
-def triton_backend():
-    """Force the Triton kernels (under the interpreter on CPU) for one test."""
-    K.set_backend("triton")
-    yield
-    K.set_backend("auto")
