@@ -42,12 +42,14 @@ class WorkerConfig:
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
 
-    def build_engine(self):
-        """The LLMEngine this config describes (loads the model: call it off the event loop)."""
+    def build_engine(self, kv_connector=None, step_observers=()):
+        """The LLMEngine this config describes (loads the model: call it off the event loop),
+        with the worker's seams (engine/kv_connector.py, engine/step_observer.py)."""
         from engine.llm_engine import LLMEngine
         return LLMEngine.from_model_dir(
             self.model_dir, block_size=self.block_size, num_blocks=self.num_blocks,
             max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.enable_prefix_caching,
             device=self.device, dtype=self.dtype, kernel_backend=self.kernel_backend,
-            kv_cache_memory_gb=self.kv_cache_memory_gb)
+            kv_cache_memory_gb=self.kv_cache_memory_gb, kv_connector=kv_connector,
+            step_observers=step_observers)
