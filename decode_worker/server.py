@@ -1,15 +1,20 @@
 """The decode worker: gRPC `DecodeWorker` (Decode, SubmitFirstToken, Abort, Stats) + health
-+ reflection, and a KVReceiver (UCX) that prefill workers push KV blocks into.
++ reflection, and a KVReceiver (UCX by default) that prefill workers push KV blocks into.
 
-One Decode call (see protos/pdserve/v1/decode.proto):
+One Decode call (see protos/pdserve/v1/decode.proto), one `_Pending` object holding its
+state (shared with SubmitFirstToken and Abort), in five phases:
 
-    add_remote_request: reserve blocks for the prompt minus this worker's prefix-cache hits
-        (none free: RESOURCE_EXHAUSTED); receiver.reserve(transfer_id, blocks to fill)
-    -> stream KvReady{transfer_id, kv_endpoint, block_ids to fill, num_cached_tokens, compat}
-    -> wait, both bounded by the reservation deadline (kv_timeout_ms or kv_expiry_s):
-         the transfer reaches DONE (the receiver's reaper expires it at the deadline), and
-         SubmitFirstToken(request_id) hands in the token the prefill worker sampled
-    -> remote_kv_done(first token) -> stream tokens 2..n (last chunk: finish_reason + usage)
+    reserve:      add_remote_request: blocks for the prompt minus this worker's prefix-cache
+                  hits (none free: RESOURCE_EXHAUSTED); receiver.reserve(transfer_id,
+                  blocks to fill)
+    announce:     stream KvReady{transfer_id, kv_endpoint, block_ids to fill,
+                  num_cached_tokens, compat}
+    wait ready:   both bounded by the reservation deadline (kv_timeout_ms or kv_expiry_s):
+                  the transfer reaches DONE (the receiver's reaper expires it at the
+                  deadline), and SubmitFirstToken(request_id) hands in the token the
+                  prefill worker sampled
+    admit (or fall back, below): remote_kv_done(first token)
+    stream:       tokens 2..n (last chunk: finish_reason + usage)
 
     Failure (expired, failed transfer, or no first token in time), by policy:
       fail:      free the blocks, end the stream with FINISH_REASON_ERROR and the reason
@@ -31,22 +36,19 @@ import logging
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from engine.async_engine import AsyncEngine, EngineError
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.receiver import KVReceiver, TransferState
-from services import energy
+from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services import protoconv, tracing, worker_server
 from services.energy import EnergyMeter
 from services.metrics import Metrics
-from services import telemetry
-from services import tracing
-from services import protoconv, worker_server
-from services.cli_args import config_from_argv
-from services.worker_server import Draining, WorkerServer, limit_threads
-from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.worker_server import Draining, WorkerParts, WorkerServer
 
 from .config import DecodeWorkerConfig
 
@@ -69,12 +71,25 @@ class _Aborted(Exception):
 class _Pending:
     """One Decode call's state shared with SubmitFirstToken/Abort (all on the loop)."""
     request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    timeout: float                    # reservation deadline, seconds from the reservation
+    policy: str                       # on a failed transfer: "fail" | "recompute"
     first_token: asyncio.Future
-    transfer_id: str = ""
+    span: object = tracing.INVALID_SPAN   # pdserve.decode (not current: an async generator)
+    usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
+    fill: list[int] = field(default_factory=list)   # reserved blocks the prompt's KV arrives into
+    deadline: float = 0.0             # time.monotonic() of the reservation deadline
+    transfer_id: str = ""             # the receiver's transfer ("" when nothing arrives)
     queued_tokens: int = 0            # prompt tokens still to arrive over KV
     kv_done: bool = False
     aborted: bool = False
     abort_reason: str = ""
+    finished: bool = False            # the stream ended with a finish or abort chunk
+    offset: int = 0                   # client tokens not in the engine's token list
+    sent: int = 0                     # client tokens delivered (the first one by prefill)
+    t_reserve: float = field(default_factory=time.monotonic)
+    t_decode: float = 0.0             # admitted to the running batch (or recomputing)
 
 
 @dataclass
@@ -98,7 +113,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self.metrics = metrics or Metrics("decode")
         self.meter = meter or EnergyMeter(None)
         self.compat = receiver.compat
-        self.block_size = aengine.engine.kv.block_size
+        self.block_size = aengine.block_size
         self._pending: dict[str, _Pending] = {}
         self.counters = Counters()
 
@@ -159,7 +174,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             compat=protoconv.compat_to_proto(self.compat))
 
     # -------------------------------------------------------------- Decode body
-    def _validate(self, request) -> tuple[SamplingParams, list[int], float, str]:
+    def _validate(self, request, span) -> _Pending:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if not request.request_id:
             raise _Status(bad, "request_id is required")
@@ -173,107 +188,83 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             raise _Status(bad, f"kv_timeout_ms must be >= 0, got {request.kv_timeout_ms}")
         timeout = request.kv_timeout_ms / 1000 if request.kv_timeout_ms else self.cfg.kv_expiry_s
         policy = _POLICIES.get(request.kv_failure_policy, self.cfg.kv_failure_policy)
-        return params, list(request.prompt_token_ids), timeout, policy
+        ids = list(request.prompt_token_ids)
+        return _Pending(request.request_id, ids, params, timeout, policy,
+                        asyncio.get_running_loop().create_future(), span,
+                        common_pb2.Usage(prompt_tokens=len(ids)))
 
     async def _decode(self, request, span=tracing.INVALID_SPAN):
-        params, ids, timeout, policy = self._validate(request)
-        rid = request.request_id
-        t_reserve = time.monotonic()
-        pend = _Pending(rid, asyncio.get_running_loop().create_future())
-        self._pending[rid] = pend
-        finished = False
-        usage = common_pb2.Usage(prompt_tokens=len(ids))
+        pend = self._validate(request, span)
+        self._pending[pend.request_id] = pend
         try:
-            try:
-                res = await self.ae.add_remote_request(rid, ids, params)
-            except ValueError as e:
-                raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            if res is None:
-                st = self.ae.stats()
-                raise _Status(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"not enough free KV blocks for a {len(ids)}-token prompt "
-                              f"({st.num_free_blocks} of {st.num_total_blocks} free)")
-            block_ids, n_cached = res
-            usage.cached_tokens = n_cached
-            fill = block_ids[n_cached // self.block_size:]
-            deadline = time.monotonic() + timeout
+            await self._reserve(pend)
             if pend.aborted:
-                yield self._abort_chunk(pend, usage)
-                finished = True
+                yield self._abort_chunk(pend)
                 return
-            tid = uuid.uuid4().hex
-            if fill:
-                self.receiver.reserve(tid, fill, timeout)
-                pend.transfer_id, pend.queued_tokens = tid, len(ids) - n_cached
-            tracing.record_span("pdserve.decode.reservation", span, t_reserve, time.monotonic(),
-                                  tracing.tracing_enabled() and {"blocks": len(fill), "cached_tokens": n_cached})
-            yield decode_pb2.DecodeResponse(request_id=rid, kv_ready=decode_pb2.KvReady(
-                transfer_id=tid, kv_endpoint=self.receiver.address, block_ids=fill,
-                num_cached_tokens=n_cached, compat=protoconv.compat_to_proto(self.compat),
-                decode_worker_id=self.worker_id,
-                expires_at_unix_ms=int((time.time() + timeout) * 1000)))
-
-            t_wait = time.monotonic()
-            problem, first = await self._wait_ready(pend, deadline, timeout)
-            tracing.record_span("pdserve.decode.transfer_wait", span, t_wait, time.monotonic(),
-                                  tracing.tracing_enabled() and {"problem": problem or ""})
-            t_decode = time.monotonic()
+            yield self._announce(pend)
+            problem, first = await self._wait_ready(pend)
             if pend.aborted:
-                yield self._abort_chunk(pend, usage)
-                finished = True
+                yield self._abort_chunk(pend)
                 return
-            offset = sent = 0          # client tokens not in the engine's list / delivered
-            if problem is None:
-                await self.ae.remote_kv_done(rid, first.token_id, first.logprob,
-                                                    [(t.token_id, t.logprob) for t in first.top_logprobs] or None)
-                sent = 1
-            elif policy == "fail":
-                self.counters.failed_requests += 1
-                log.warning("request %s failed (policy fail): %s", rid, problem)
-                yield _error_chunk(rid, common_pb2.FINISH_REASON_ERROR, problem, usage)
-                return                 # finally: blocks freed, reservation aborted
-            else:
-                offset = sent = await self._recompute(rid, ids, params, first, problem)
-            async for out in self.ae.stream(rid, coalesce=True):   # one message per catch-up
-                n_client = offset + len(out.token_ids)
-                new = max(n_client - sent, 0)
-                chunk = decode_pb2.TokenChunk(tokens=protoconv.output_tokens(out, new) if new else [])
-                sent = max(sent, n_client)
-                if out.finished:
-                    if out.finish_reason == "abort":
-                        yield self._abort_chunk(pend, usage, sent)
-                        finished = True
-                        return
-                    usage.completion_tokens = sent
-                    now = time.monotonic()
-                    self.metrics.observe_phases(decode_s=now - t_decode)
-                    tracing.record_span("pdserve.decode.generate", span, t_decode, now,
-                                          tracing.tracing_enabled() and {"completion_tokens": sent})
-                    joules = self.meter.pop(rid)
-                    if joules is not None:
-                        usage.energy_joules = joules
-                        span.set_attribute("energy_joules", joules)
-                    chunk.finish_reason = protoconv.FINISH_TO_PROTO[out.finish_reason]
-                    chunk.usage.CopyFrom(usage)
-                    finished = True
-                if chunk.tokens or out.finished:
-                    yield decode_pb2.DecodeResponse(request_id=rid, tokens=chunk)
+            failed = await self._admit_or_fall_back(pend, problem, first)
+            if failed is not None:
+                yield failed
+                return                 # _end: blocks freed, reservation aborted
+            async for msg in self._stream(pend):
+                yield msg
         except EngineError as e:
             raise _Status(grpc.StatusCode.INTERNAL, str(e)) from None
         finally:
-            self._pending.pop(rid, None)
-            self.meter.pop(rid)
-            if pend.transfer_id:
-                self.receiver.abort(pend.transfer_id, "request ended")   # no-op once final
-            if not finished:
-                await asyncio.shield(self._abort_quietly(rid))
+            await self._end(pend)
 
-    async def _wait_ready(self, pend: _Pending, deadline: float, timeout: float):
-        """Wait for the KV (if any) and the first token, both by the deadline.
-        Returns (problem or None, first TokenLogprob or None)."""
+    async def _reserve(self, pend: _Pending) -> None:
+        """Blocks for the prompt minus this worker's prefix-cache hits; the receiver expects
+        the KV of the rest by the deadline."""
+        try:
+            res = await self.ae.add_remote_request(pend.request_id, pend.prompt, pend.params)
+        except ValueError as e:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if res is None:
+            st = self.ae.stats()
+            raise _Status(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"not enough free KV blocks for a {len(pend.prompt)}-token prompt "
+                          f"({st.num_free_blocks} of {st.num_total_blocks} free)")
+        block_ids, n_cached = res
+        pend.usage.cached_tokens = n_cached
+        pend.fill = block_ids[n_cached // self.block_size:]
+        pend.deadline = time.monotonic() + pend.timeout
+        if pend.aborted:
+            return
+        if pend.fill:
+            tid = uuid.uuid4().hex
+            self.receiver.reserve(tid, pend.fill, pend.timeout)
+            pend.transfer_id, pend.queued_tokens = tid, len(pend.prompt) - n_cached
+        tracing.record_span("pdserve.decode.reservation", pend.span, pend.t_reserve, time.monotonic(),
+                            tracing.tracing_enabled() and {"blocks": len(pend.fill),
+                                                           "cached_tokens": n_cached})
+
+    def _announce(self, pend: _Pending) -> decode_pb2.DecodeResponse:
+        """KvReady: where and into which blocks the prefill worker pushes the KV."""
+        return decode_pb2.DecodeResponse(request_id=pend.request_id, kv_ready=decode_pb2.KvReady(
+            transfer_id=pend.transfer_id or uuid.uuid4().hex, kv_endpoint=self.receiver.address,
+            block_ids=pend.fill, num_cached_tokens=pend.usage.cached_tokens,
+            compat=protoconv.compat_to_proto(self.compat), decode_worker_id=self.worker_id,
+            expires_at_unix_ms=int((time.time() + pend.timeout) * 1000)))
+
+    async def _wait_ready(self, pend: _Pending):
+        """The KV and the first token, both by the deadline. Returns (problem or None,
+        first TokenLogprob or None)."""
+        t_wait = time.monotonic()
+        problem, first = await self._wait_kv_and_first_token(pend)
+        tracing.record_span("pdserve.decode.transfer_wait", pend.span, t_wait, time.monotonic(),
+                            tracing.tracing_enabled() and {"problem": problem or ""})
+        pend.t_decode = time.monotonic()
+        return problem, first
+
+    async def _wait_kv_and_first_token(self, pend: _Pending):
         problem = None
         if pend.transfer_id:
-            res = await self.receiver.wait(pend.transfer_id, timeout=timeout + 5.0)  # reaper bounds it
+            res = await self.receiver.wait(pend.transfer_id, timeout=pend.timeout + 5.0)  # reaper bounds it
             pend.kv_done = True
             if res.state is TransferState.ABORTED:
                 return "aborted", None
@@ -283,46 +274,98 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if problem is None:
             try:
                 first = await asyncio.wait_for(asyncio.shield(pend.first_token),
-                                               max(deadline - time.monotonic(), 0.0))
+                                               max(pend.deadline - time.monotonic(), 0.0))
                 return None, first
             except asyncio.TimeoutError:
                 self.counters.token_expirations += 1
                 problem = (f"reservation expired: no SubmitFirstToken for {pend.request_id!r} "
-                           f"within {timeout:.3g}s")
+                           f"within {pend.timeout:.3g}s")
             except _Aborted:
                 return "aborted", None
         first = pend.first_token.result() if pend.first_token.done() and not pend.aborted else None
         return problem, first
 
-    async def _recompute(self, rid: str, ids: list[int], params: SamplingParams, first,
-                         problem: str) -> int:
+    async def _admit_or_fall_back(self, pend: _Pending, problem: str | None, first):
+        """Admit the request to the running batch with the prefill worker's first token; on
+        a problem, by policy: an error chunk to end the stream with (fail), or recompute
+        the prompt here (None)."""
+        if problem is None:
+            await self.ae.remote_kv_done(pend.request_id, first.token_id, first.logprob,
+                                         [(t.token_id, t.logprob) for t in first.top_logprobs] or None)
+            pend.sent = 1
+        elif pend.policy == "fail":
+            self.counters.failed_requests += 1
+            log.warning("request %s failed (policy fail): %s", pend.request_id, problem)
+            return _error_chunk(pend.request_id, common_pb2.FINISH_REASON_ERROR, problem, pend.usage)
+        else:
+            pend.offset = pend.sent = await self._recompute(pend, first, problem)
+        return None
+
+    async def _stream(self, pend: _Pending):
+        """The engine's outputs as TokenChunks, never repeating a token the client has."""
+        async for out in self.ae.stream(pend.request_id, coalesce=True):   # one message per catch-up
+            n_client = pend.offset + len(out.token_ids)
+            new = max(n_client - pend.sent, 0)
+            chunk = decode_pb2.TokenChunk(tokens=protoconv.output_tokens(out, new) if new else [])
+            pend.sent = max(pend.sent, n_client)
+            if out.finished:
+                if out.finish_reason == "abort":
+                    yield self._abort_chunk(pend, pend.sent)
+                    return
+                self._finish(pend, chunk, out)
+            if chunk.tokens or out.finished:
+                yield decode_pb2.DecodeResponse(request_id=pend.request_id, tokens=chunk)
+
+    def _finish(self, pend: _Pending, chunk: decode_pb2.TokenChunk, out: RequestOutput) -> None:
+        """The last chunk: finish reason, usage (with energy where measured), metrics, span."""
+        usage, span = pend.usage, pend.span
+        usage.completion_tokens = pend.sent
+        now = time.monotonic()
+        self.metrics.observe_phases(decode_s=now - pend.t_decode)
+        tracing.record_span("pdserve.decode.generate", span, pend.t_decode, now,
+                            tracing.tracing_enabled() and {"completion_tokens": pend.sent})
+        joules = self.meter.pop(pend.request_id)
+        if joules is not None:
+            usage.energy_joules = joules
+            span.set_attribute("energy_joules", joules)
+        chunk.finish_reason = protoconv.FINISH_TO_PROTO[out.finish_reason]
+        chunk.usage.CopyFrom(usage)
+        pend.finished = True
+
+    async def _end(self, pend: _Pending) -> None:
+        """Whatever happened: forget the call and its transfer; unless the stream finished,
+        abort the engine request (its blocks are freed)."""
+        self._pending.pop(pend.request_id, None)
+        self.meter.pop(pend.request_id)
+        if pend.transfer_id:
+            self.receiver.abort(pend.transfer_id, "request ended")   # no-op once final
+        if not pend.finished:
+            await asyncio.shield(self._abort_quietly(pend.request_id))
+
+    async def _recompute(self, pend: _Pending, first, problem: str) -> int:
         """Policy recompute: drop the reservation, compute the prompt here. Returns how many
         client tokens the engine's token list will not contain (1 if `first` is known)."""
         self.counters.fallbacks += 1
         self.metrics.observe_kv_fallback("recompute")
         log.warning("request %s: %s; recomputing the prompt on this decode worker (fallback #%d)",
-                    rid, problem, self.counters.fallbacks)
-        prompt, p = ids, params
+                    pend.request_id, problem, self.counters.fallbacks)
+        prompt, p, params = pend.prompt, pend.params, pend.params
         if first is not None:
-            prompt = ids + [first.token_id]
+            prompt = pend.prompt + [first.token_id]
             p = dataclasses.replace(
                 params, max_tokens=None if params.max_tokens is None else max(params.max_tokens - 1, 1),
                 min_tokens=max(min(params.min_tokens - 1, (params.max_tokens or 2) - 2), 0))
-
-        def cmd():
-            eng = self.ae.engine
-            eng.abort_request(rid)               # frees the reserved blocks; the stream stays
-            eng.add_request(rid, prompt, p)
         try:
-            await self.ae.call(cmd)
+            await self.ae.recompute_locally(pend.request_id, prompt, p)
         except ValueError as e:
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"cannot recompute: {e}") from None
         return 0 if first is None else 1
 
-    def _abort_chunk(self, pend: _Pending, usage, sent: int = 0) -> decode_pb2.DecodeResponse:
-        usage.completion_tokens = sent
+    def _abort_chunk(self, pend: _Pending, sent: int = 0) -> decode_pb2.DecodeResponse:
+        pend.usage.completion_tokens = sent
+        pend.finished = True
         return _error_chunk(pend.request_id, common_pb2.FINISH_REASON_ABORT,
-                            f"aborted: {pend.abort_reason}" if pend.abort_reason else "", usage)
+                            f"aborted: {pend.abort_reason}" if pend.abort_reason else "", pend.usage)
 
     async def _abort_quietly(self, rid: str) -> None:
         try:
@@ -340,43 +383,43 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             pass
 
 
+class DecodeRole(worker_server.WorkerRole):
+    """The decode worker for services.worker_server.serve: no KV connector (the KV comes
+    in); its KV endpoint is a KVReceiver writing into the engine's cache."""
+    name, service_name = "decode", SERVICE
+
+    def kv_address(self, cfg: DecodeWorkerConfig) -> tuple[str, int]:
+        return cfg.kv_host or cfg.host, cfg.kv_port
+
+    async def open_kv(self, cfg: DecodeWorkerConfig, engine, transport, connector) -> KVReceiver:
+        receiver = KVReceiver(engine.kv_cache, worker_server.model_compat(engine), transport,
+                              expiry_s=cfg.kv_expiry_s)
+        log.info("decode KV endpoint %s", await receiver.start())
+        return receiver
+
+    def add_servicer(self, parts: WorkerParts) -> DecodeServicer:
+        servicer = DecodeServicer(parts.cfg, parts.engine, parts.kv, parts.srv, parts.worker_id,
+                                  parts.metrics, parts.meter)
+        decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, parts.srv.server)
+        return servicer
+
+
+ROLE = DecodeRole()
+
+
 async def serve(cfg: DecodeWorkerConfig, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop` is set), then drain and return."""
-    from kvtransfer.ucx import UcxTransport   # imports ucxx; only the serving process needs it
-    engine = await asyncio.to_thread(cfg.build_engine)
-    srv = WorkerServer([SERVICE], cfg.host, cfg.port, cfg.drain_timeout_s)
-    worker_id = cfg.worker_id or f"decode-{cfg.host}:{srv.port}"
-    receiver = KVReceiver(engine.kv_cache, worker_server.model_compat(engine),
-                          UcxTransport(cfg.kv_host or cfg.host, cfg.kv_port), expiry_s=cfg.kv_expiry_s)
-    address = await receiver.start()
-    tel = telemetry.start_role_telemetry("decode", host=cfg.host, metrics_port=cfg.metrics_port or None,
-                                         trace_file=cfg.trace_file, device=cfg.device)
-    energy.instrument_engine_steps(engine, tel.meter)
-    ae = AsyncEngine(engine, name="decode-engine")
-    ae.start()
-    tel.metrics.watch_engine(ae.stats)
-    servicer = DecodeServicer(cfg, ae, receiver, srv, worker_id, tel.metrics, tel.meter)
-    decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, srv.server)
-    log.info("decode worker %s: KV endpoint %s", worker_id, address)
-    try:
-        await srv.run(servicer.warm_up, ready, stop)
-    finally:
-        await ae.shutdown()
-        await receiver.close()
-        tel.close()
-        log.info("decode worker %s stopped", worker_id)
+                stop: asyncio.Event | None = None, transport=None) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop` is set), then drain and return. `transport`:
+    the KV transport (default: UCX on kv_host:kv_port)."""
+    await worker_server.serve(cfg, ROLE, transport=transport, ready=ready, stop=stop)
 
 
 def run(cfg: DecodeWorkerConfig) -> None:
-    import uvloop
-    limit_threads(cfg.num_threads)
-    uvloop.run(serve(cfg))
+    worker_server.run(cfg, ROLE)
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(config_from_argv(DecodeWorkerConfig, argv, "pdserve decode worker"))
-    return 0
+    return worker_server.main(ROLE, DecodeWorkerConfig, argv)
 
 
 if __name__ == "__main__":

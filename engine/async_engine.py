@@ -18,6 +18,9 @@ Rules:
     finished output whose finish_reason is "abort". If a step raises, every request of the
     engine is aborted and every open stream raises `EngineError`.
   * `stats()` never waits for a step: it returns the snapshot taken after the last one.
+  * What never changes after construction (block size, vocabulary size, context length) is
+    read once, before the thread starts, into plain attributes. Services use those and the
+    methods below; `self.engine` is for commands (`call`) only.
 """
 from __future__ import annotations
 
@@ -26,13 +29,20 @@ import concurrent.futures
 import logging
 import threading
 from collections import deque
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 from .llm_engine import LLMEngine
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class RequestTimes(NamedTuple):
+    """A request's engine-side timestamps (time.monotonic())."""
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
 
 
 class EngineError(RuntimeError):
@@ -57,6 +67,10 @@ class AsyncEngine:
         self._unclaimed: dict[str, asyncio.Queue] = {}
         self._stats: EngineStats = engine.stats()
         self.num_steps = 0
+        # construction-time facts, read here so the loop never reads the engine
+        self.block_size: int = engine.kv.block_size
+        self.vocab_size: int = engine.config.model.vocab_size
+        self.max_model_len: int = engine.config.model.max_model_len
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -150,6 +164,27 @@ class AsyncEngine:
                 self._put(q, RequestOutput(request_id, [], [], [], "", True, "abort"))
             return found
         self._unclaimed.pop(request_id, None)      # an unclaimed stream is dropped
+        return await self.call(cmd)
+
+    async def recompute_locally(self, request_id: str, prompt: list[int],
+                                params: SamplingParams | None = None) -> None:
+        """Turn a request that waits for remote KV into a local one: drop its reservation
+        (blocks freed) and add it again with `prompt`, which this engine computes itself.
+        Its stream, opened or not, stays and carries the new request's outputs. Raises
+        ValueError (the reservation is dropped then too)."""
+        def cmd():
+            self.engine.abort_request(request_id)
+            self.engine.add_request(request_id, prompt, params)
+        await self.call(cmd)
+
+    async def request_times(self, request_id: str) -> RequestTimes | None:
+        """The request's arrival, first-scheduled and first-token times; None when the
+        engine does not hold it (a finished prefill-only request is held until release)."""
+        def cmd():
+            req = self.engine.requests.get(request_id)
+            if req is None:
+                return None
+            return RequestTimes(req.arrival_time, req.first_scheduled_time, req.first_token_time)
         return await self.call(cmd)
 
     async def release(self, request_id: str) -> None:

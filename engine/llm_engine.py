@@ -3,7 +3,8 @@
 Serves both halves of the disaggregated split:
   * prefill role: `add_request(..., prefill_only=True)` finishes the request after its first
     sampled token with `finish_reason="prefill_done"` and keeps its blocks (their KV is being
-    shipped) until `release(request_id)`;
+    shipped: the `kv_connector` is called as each layer's KV is written) until
+    `release(request_id)`;
   * decode role: `add_remote_request()` reserves blocks for a prompt whose KV arrives from
     outside (status WAITING_FOR_REMOTE_KV); `remote_kv_done()` hands in the first token that
     the prefill worker sampled and the request joins the running batch.
@@ -13,25 +14,31 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable, Sequence
 
 import torch
 
 from .config import CacheConfig, EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
+from .kv_connector import KVConnector
 from .loader import load_model
 from .outputs import EngineStats, Prefix, RequestOutput
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import Sampler, compute_prompt_logprobs, skip_draws
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler
+from .step_observer import StepObserver
 from .structured import StructuredOutputs
 from .tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_connector: KVConnector | None = None,
+                 step_observers: Sequence[StepObserver] = ()):
+        """`kv_connector`: told as each layer's KV is written (the prefill worker ships it,
+        see kv_connector.py); `step_observers`: told each step's duration and tokens (see
+        step_observer.py). Both are called on the thread that steps the engine."""
         self.config = config
         mc = config.model
         self.dtype = config.torch_dtype
@@ -50,17 +57,21 @@ class LLMEngine:
         self.structured = StructuredOutputs(tok_path if tok_path.exists() else None,
                                             mc.vocab_size, eos)
         self.requests: dict[str, Request] = {}
-        # called as layer_hook(layer_index, scheduler_output) once that layer's KV is written
-        self.layer_hook: Callable[[int, SchedulerOutput], None] | None = None
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.kv_cache, mc.name)
+        self.step_observers = list(step_observers)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, options: EngineOptions | None = None,
-                       **by_name) -> "LLMEngine":
+    def from_model_dir(cls, model_dir: str | Path, options: EngineOptions | None = None, *,
+                       kv_connector: KVConnector | None = None,
+                       step_observers: Sequence[StepObserver] = (), **by_name) -> "LLMEngine":
         """The engine for a model directory, with `options` or EngineOptions given by name
         (`from_model_dir(d, num_blocks=64, kernel_backend="triton")`; defaults: EngineOptions')."""
         if options is not None and by_name:
             raise TypeError("give EngineOptions or options by name, not both")
-        return cls(EngineConfig.build(model_dir, options or EngineOptions.of(**by_name)))
+        return cls(EngineConfig.build(model_dir, options or EngineOptions.of(**by_name)),
+                   kv_connector, step_observers)
 
     def _blocks_for_memory(self, cc: CacheConfig) -> int:
         mc = self.config.model
@@ -161,6 +172,7 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched:
             return []
@@ -168,8 +180,10 @@ class LLMEngine:
         for s in sched.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
-        hook = None if self.layer_hook is None else (lambda i: self.layer_hook(i, sched))
-        mo = self.runner.execute(sched, hook)
+        kvc = self.kv_connector
+        mo = self.runner.execute(sched, None if kvc is None else (lambda i: kvc.save_kv_layer(i, sched)))
+        if kvc is not None:
+            kvc.wait_for_save(sched)
         self.scheduler.update(sched)
         for s in sched.scheduled:
             if s.request.request_id in mo.prompt_logits:
@@ -184,6 +198,11 @@ class LLMEngine:
                 outputs.append(self._append_token(req, sampled.token_ids[i], sampled.logprobs[i], top))
                 if req.is_finished:
                     self._finish(req)
+        if self.step_observers:
+            took = time.perf_counter() - t0
+            tokens = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}
+            for o in self.step_observers:
+                o.on_step(took, tokens)
         return outputs
 
     def _add_prompt_logprobs(self, req: Request, logits, targets, first_pos: int) -> None:

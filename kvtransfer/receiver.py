@@ -7,12 +7,13 @@ Lifecycle of one transfer (one request), keyed by a transfer id the decode worke
           v
      RESERVED --first LAYER msg--> RECEIVING --every (layer, block) arrived--> DONE
           |                            |
-          |  deadline passed (reaper)  |   -> EXPIRED  (on_expired(tid): free the blocks)
-          |  abort(tid)                |   -> ABORTED  (the caller frees the blocks)
-          |  bad block ids / sizes     |   -> FAILED   (on_failed(tid, reason))
+          |  deadline passed (reaper)  |   -> EXPIRED
+          |  abort(tid)                |   -> ABORTED
+          |  bad block ids / sizes     |   -> FAILED
           +----------------------------+
 
-One deadline covers the whole transfer (reservation and arrival). DONE, FAILED, EXPIRED and
+`wait(tid)` returns at the final state; whoever reserved frees the blocks (the receiver
+never owns them). One deadline covers the whole transfer (reservation and arrival). DONE, FAILED, EXPIRED and
 ABORTED are final. After a transfer leaves RESERVED/RECEIVING nothing is ever written into
 its blocks again: LAYER data naming an unknown or finished transfer id is read off the
 wire and dropped (those blocks may belong to another request by now).
@@ -37,7 +38,6 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -96,18 +96,13 @@ class KVReceiver:
     """Receives KV blocks into `kv_cache` [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
 
     def __init__(self, kv_cache: torch.Tensor, compat: CompatKey, transport: Transport,
-                 expiry_s: float = 30.0, *,
-                 on_expired: Callable[[str], None] | None = None,
-                 on_failed: Callable[[str, str], None] | None = None,
-                 reap_interval_s: float = 0.05, keep_finished: int = 10_000):
+                 expiry_s: float = 30.0, *, reap_interval_s: float = 0.05, keep_finished: int = 10_000):
         check_cache_shape(kv_cache)
         CompatKey.from_cache(kv_cache, compat.model).check(compat, "kv_cache", "compat")
         self.kv_cache = kv_cache
         self.compat = compat
         self.transport = transport
         self.expiry_s = expiry_s
-        self.on_expired = on_expired
-        self.on_failed = on_failed
         self.reap_interval_s = reap_interval_s
         self.keep_finished = keep_finished
         self.address: str | None = None
@@ -229,8 +224,6 @@ class KVReceiver:
             self.failed += 1
         log.warning("KV transfer %s failed: %s", t.tid, reason)
         self._signal(t)
-        if self.on_failed is not None:
-            self.on_failed(t.tid, reason)
 
     async def _reap_loop(self) -> None:
         while True:
@@ -250,11 +243,6 @@ class KVReceiver:
         for t in overdue:
             log.warning("KV transfer %s expired: %s", t.tid, t.reason)
             self._signal(t)
-            if self.on_expired is not None:
-                try:
-                    self.on_expired(t.tid)
-                except Exception:  # the worker's bug must not stop the reaper
-                    log.exception("on_expired(%s) raised", t.tid)
         return [t.tid for t in overdue]
 
     async def _serve(self, conn: Connection) -> None:

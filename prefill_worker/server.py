@@ -1,27 +1,24 @@
-"""The prefill worker: gRPC `PrefillWorker` (Prefill, Abort, Stats) + health + reflection.
+"""The prefill worker: gRPC `PrefillWorker` (Prefill, Abort, Stats) + health + reflection;
+its KV goes out through `KVPush` (kv_push.py), the engine's KV connector.
 
-One Prefill call (see protos/pdserve/v1/prefill.proto for the whole lifecycle):
+One Prefill call (see protos/pdserve/v1/prefill.proto for the whole lifecycle), one `_Call`
+object holding its state, in four phases:
 
     validate params, prompt and destination (INVALID_ARGUMENT); compat check against the
     decoder's KvCompat (FAILED_PRECONDITION naming both sides)
-      -> KVSender.open(transfer to destination.kv_endpoint): connect + HELLO handshake
-         (UNAVAILABLE if unreachable, FAILED_PRECONDITION if the decoder rejects us)
-      -> engine.add_request(prefill_only=True)
-      -> engine thread, inside step(): after layer i's KV is written, `_layer_hook` pushes
-         layer i of the blocks the decoder lacks (blocks >= num_cached_tokens // block_size)
-      -> first token sampled; await every send (bounded by kv_send_timeout_s)
-      -> engine.release(): blocks back to the pool -> PrefillResponse
+    open transfer:   KVPush.open(transfer to destination.kv_endpoint): connect + HELLO
+                     handshake (UNAVAILABLE if unreachable, FAILED_PRECONDITION if the
+                     decoder rejects us)
+    compute:         engine.add_request(prefill_only=True); on the engine thread, inside
+                     step(), KVPush.save_kv_layer pushes layer i of the blocks the decoder
+                     lacks (blocks >= num_cached_tokens // block_size) once it is written;
+                     the first token is sampled
+    finish transfer: await every send (bounded by kv_send_timeout_s)
+    respond:         engine.release(): blocks back to the pool -> PrefillResponse
     Any error, Abort(request_id) or the caller's cancel: cancel the transfer, abort the
     engine request (frees its blocks).
 
-Chunked prefill: the hook pushes only in the step that runs a request's FINAL chunk (the one
-that samples). By then the earlier chunks' KV is complete, so layer i of EVERY block is ready
-as soon as the final chunk's layer i is written: the sends still overlap the final chunk's
-compute, and each layer is one message (the earlier chunks' sends do not overlap compute).
-
-The source blocks are only known once the scheduler allocated them (in the step), so the
-transfer is opened with the destination ids as a placeholder and bound to the request's
-real block ids in the hook at the first pushed layer (`TransferHandle.set_source`).
+Chunked prefill and the late binding of source blocks: see kv_push.py.
 """
 from __future__ import annotations
 
@@ -30,27 +27,25 @@ import logging
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from engine.async_engine import AsyncEngine, EngineError
 from engine.kv_cache_manager import cdiv
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer.sender import KVSender, KVTransferTimeout, TransferHandle
+from kvtransfer.sender import KVTransferTimeout, TransferStats
 from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
-from services import energy
+from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services import protoconv, tracing, worker_server
 from services.energy import EnergyMeter
 from services.metrics import Metrics
-from services import telemetry
-from services import tracing
-from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services.worker_server import Draining, WorkerParts, WorkerServer
 
-from services import protoconv, worker_server
 from .config import PrefillWorkerConfig
-from services.cli_args import config_from_argv
-from services.worker_server import Draining, WorkerServer, limit_threads
+from .kv_push import KVPush, Push
 
 log = logging.getLogger(__name__)
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
@@ -63,50 +58,36 @@ class _Status(Exception):
 
 
 @dataclass
-class _Push:
-    """A request's outgoing transfer, shared with the engine thread's layer hook."""
-    handle: TransferHandle
-    first_block: int                  # index in the request's block table of the first block sent
-    bound: bool = False
-    error: Exception | None = None
-    span: object = tracing.INVALID_SPAN   # pdserve.kv.send: one event per pushed layer
+class _Call:
+    """One Prefill call's state (on the loop; the engine thread sees only `push`, via KVPush)."""
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    dest: prefill_pb2.KvDestination
+    num_cached: int                   # prompt tokens the decoder has: their blocks are not sent
+    push: Push | None = None          # the outgoing transfer (None: nothing to send)
+    final: RequestOutput | None = None    # the prefill-only output holding the first token
+    transfer: TransferStats | None = None
+    released: bool = False            # the engine freed its blocks (the call succeeded)
+    t0: float = field(default_factory=time.perf_counter)
+    t_compute: float = 0.0            # first token sampled
+    t_done: float = 0.0               # every layer sent
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, cfg: PrefillWorkerConfig, aengine: AsyncEngine, sender: KVSender,
+    def __init__(self, cfg: PrefillWorkerConfig, aengine: AsyncEngine, kv: KVPush,
                  srv: WorkerServer, worker_id: str, metrics: Metrics | None = None,
                  meter: EnergyMeter | None = None):
-        self.cfg, self.ae, self.sender, self.srv = cfg, aengine, sender, srv
+        self.cfg, self.ae, self.kv, self.srv = cfg, aengine, kv, srv
         self.worker_id = worker_id
         self.metrics = metrics or Metrics("prefill")
         self.meter = meter or EnergyMeter(None)
-        eng = aengine.engine
-        self.compat = sender.compat
-        self.block_size = eng.kv.block_size
-        self.vocab_size = eng.config.model.vocab_size
-        self.max_model_len = eng.config.model.max_model_len
-        self._pushes: dict[str, _Push] = {}          # read by the engine thread (GIL-atomic ops)
+        self.compat = kv.compat
+        self.block_size = aengine.block_size
+        self.vocab_size = aengine.vocab_size
+        self.max_model_len = aengine.max_model_len
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
-        eng.layer_hook = self._layer_hook
-
-    # -------------------------------------------------------------- engine thread
-    def _layer_hook(self, layer: int, sched) -> None:
-        for s in sched.scheduled:
-            push = self._pushes.get(s.request.request_id)
-            if push is None or push.error is not None or not s.samples:
-                continue
-            try:
-                if not push.bound:
-                    n = len(push.handle.dst_block_ids)
-                    push.handle.set_source(s.request.block_ids[push.first_block:push.first_block + n])
-                    push.bound = True
-                self.sender.push_layer_threadsafe(push.handle, layer)
-                if push.span.is_recording():
-                    push.span.add_event("layer", {"layer": layer})
-            except Exception as e:       # reported by the handler; never break the step
-                push.error = e
-                self.sender.cancel(push.handle)
 
     # -------------------------------------------------------------- RPCs
     async def Prefill(self, request, context):
@@ -138,7 +119,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 
     async def Stats(self, request, context):
         st = self.ae.stats()
-        c = self.sender
+        c = self.kv.sender
         return prefill_pb2.PrefillStats(
             worker_id=self.worker_id, num_waiting=st.num_waiting, num_running=st.num_running,
             queued_prefill_tokens=st.queued_prefill_tokens, free_kv_blocks=st.num_free_blocks,
@@ -148,7 +129,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             compat=protoconv.compat_to_proto(self.compat))
 
     # -------------------------------------------------------------- Prefill body
-    def _validate(self, request) -> tuple[SamplingParams, list[int], int]:
+    def _validate(self, request) -> _Call:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if not request.request_id:
             raise _Status(bad, "request_id is required")
@@ -186,102 +167,102 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if len(dest.dst_block_ids) != want:
             raise _Status(bad, f"destination has {len(dest.dst_block_ids)} blocks; a {len(ids)}-token "
                                f"prompt with {cached} cached tokens needs {want} (block size {bs})")
-        return params, ids, cached
+        return _Call(request.request_id, ids, params, dest, cached)
 
     async def _prefill(self, request) -> prefill_pb2.PrefillResponse:
-        params, ids, cached = self._validate(request)
-        rid, dest = request.request_id, request.destination
-        self._tasks[rid] = asyncio.current_task()
-        handle, released = None, False
-        t0 = time.perf_counter()
+        call = self._validate(request)
+        self._tasks[call.request_id] = asyncio.current_task()
         try:
-            if dest.dst_block_ids:
-                t_open = time.time_ns()
-                try:
-                    dst = list(dest.dst_block_ids)
-                    handle = await self.sender.open(dest.transfer_id, dest.kv_endpoint, dst, dst)
-                except IncompatibleKV as e:
-                    raise _Status(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
-                except TransportError as e:
-                    raise _Status(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-                except ValueError as e:
-                    raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-                kv_span = tracing.start_span("pdserve.kv.send", None, tracing.tracing_enabled() and {
-                    "transfer_id": dest.transfer_id, "blocks": len(dest.dst_block_ids)}, t_open)
-                self._pushes[rid] = _Push(handle, cached // self.block_size, span=kv_span)
-            try:
-                await self.ae.add_request(rid, ids, params, prefill_only=True)
-            except ValueError as e:
-                raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            final = None
-            async for out in self.ae.stream(rid):
-                final = out
-            if final is None or final.finish_reason == "abort":
-                raise _Status(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
-            t_compute = time.perf_counter()
-            self._observe_engine_phases(rid)
-            blocks = nbytes = 0
-            push = self._pushes.pop(rid, None)
-            if push is not None:
-                try:
-                    if push.error is not None:
-                        raise _Status(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {push.error}")
-                    try:
-                        st = await self.sender.finish(handle, timeout=self.cfg.kv_send_timeout_s)
-                    except KVTransferTimeout as e:
-                        raise _Status(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
-                    except (TransportError, ValueError) as e:
-                        raise _Status(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-                except _Status as e:
-                    self.metrics.observe_kv_failure()
-                    push.span.set_status(tracing.error_status(e.message))
-                    raise
-                finally:
-                    push.span.end()
-                blocks, nbytes = st.blocks_sent, st.bytes_sent
-                self.metrics.observe_kv_transfer(nbytes, time.perf_counter() - t0)
-                if push.span.is_recording():
-                    push.span.set_attributes({"bytes": nbytes, "blocks_sent": blocks})
-            t_done = time.perf_counter()
-            await self.ae.release(rid)
-            released = True
-            first = protoconv.output_tokens(final, 1)[0]
-            joules = self.meter.pop(rid)          # None without a power reading
-            if joules is not None:
-                tracing.current_span().set_attribute("energy_joules", joules)
-            return prefill_pb2.PrefillResponse(
-                request_id=rid, first_token=first,
-                finish_reason=protoconv.FINISH_TO_PROTO.get(final.finish_reason, 0),
-                prompt_logprobs=protoconv.prompt_logprobs(final),
-                num_prompt_tokens=len(ids), num_cached_tokens=final.num_cached_tokens,
-                blocks_transferred=blocks, bytes_transferred=nbytes,
-                compute_ms=(t_compute - t0) * 1e3, transfer_wait_ms=(t_done - t_compute) * 1e3,
-                energy_joules=joules)
+            await self._open_transfer(call)
+            await self._compute(call)
+            await self._finish_transfer(call)
+            return await self._respond(call)
         except EngineError as e:
             raise _Status(grpc.StatusCode.INTERNAL, str(e)) from None
         finally:
-            stray = self._pushes.pop(rid, None)
-            if stray is not None:
-                stray.span.end()
-            self._tasks.pop(rid, None)
-            self.meter.pop(rid)
-            if not released:
-                if handle is not None:
-                    self.sender.cancel(handle)
-                await asyncio.shield(self._abort_quietly(rid))
+            await self._end(call)
 
-    def _observe_engine_phases(self, rid: str) -> None:
+    async def _open_transfer(self, call: _Call) -> None:
+        """Connect to the decoder and register the transfer before the request can run."""
+        dest = call.dest
+        if not dest.dst_block_ids:
+            return                     # the decoder has the whole prompt cached
+        try:
+            call.push = await self.kv.open(call.request_id, dest.transfer_id, dest.kv_endpoint,
+                                           list(dest.dst_block_ids), call.num_cached // self.block_size)
+        except IncompatibleKV as e:
+            raise _Status(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        except TransportError as e:
+            raise _Status(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        except ValueError as e:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+    async def _compute(self, call: _Call) -> None:
+        """The prompt through the engine (its layers pushed as they are written) up to the
+        first sampled token."""
+        rid = call.request_id
+        try:
+            await self.ae.add_request(rid, call.prompt, call.params, prefill_only=True)
+        except ValueError as e:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        async for out in self.ae.stream(rid):
+            call.final = out
+        if call.final is None or call.final.finish_reason == "abort":
+            raise _Status(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
+        call.t_compute = time.perf_counter()
+        await self._observe_engine_phases(rid)
+
+    async def _finish_transfer(self, call: _Call) -> None:
+        """Wait until every pushed layer was sent (kv_send_timeout_s)."""
+        if call.push is not None:
+            try:
+                call.transfer = await self.kv.finish(call.push, self.cfg.kv_send_timeout_s)
+            except KVTransferTimeout as e:
+                self.metrics.observe_kv_failure()
+                raise _Status(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
+            except (TransportError, ValueError) as e:
+                self.metrics.observe_kv_failure()
+                raise _Status(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            self.metrics.observe_kv_transfer(call.transfer.bytes_sent, time.perf_counter() - call.t0)
+        call.t_done = time.perf_counter()
+
+    async def _respond(self, call: _Call) -> prefill_pb2.PrefillResponse:
+        """Free the blocks (their KV is with the decoder) and answer with the first token."""
+        await self.ae.release(call.request_id)
+        call.released = True
+        final, st = call.final, call.transfer
+        joules = self.meter.pop(call.request_id)          # None without a power reading
+        if joules is not None:
+            tracing.current_span().set_attribute("energy_joules", joules)
+        return prefill_pb2.PrefillResponse(
+            request_id=call.request_id, first_token=protoconv.output_tokens(final, 1)[0],
+            finish_reason=protoconv.FINISH_TO_PROTO.get(final.finish_reason, 0),
+            prompt_logprobs=protoconv.prompt_logprobs(final),
+            num_prompt_tokens=len(call.prompt), num_cached_tokens=final.num_cached_tokens,
+            blocks_transferred=st.blocks_sent if st else 0, bytes_transferred=st.bytes_sent if st else 0,
+            compute_ms=(call.t_compute - call.t0) * 1e3,
+            transfer_wait_ms=(call.t_done - call.t_compute) * 1e3, energy_joules=joules)
+
+    async def _end(self, call: _Call) -> None:
+        """Whatever happened: forget the call; unless it succeeded, cancel the transfer and
+        abort the engine request (its blocks are freed)."""
+        self._tasks.pop(call.request_id, None)
+        self.meter.pop(call.request_id)
+        if call.push is not None:
+            self.kv.end(call.push, cancel=not call.released)
+        if not call.released:
+            await asyncio.shield(self._abort_quietly(call.request_id))
+
+    async def _observe_engine_phases(self, rid: str) -> None:
         """Queue and compute time of a finished prefill-only request, from the engine's own
         timestamps (the request stays in the engine, untouched, until release())."""
-        req = self.ae.engine.requests.get(rid)
-        arrival = getattr(req, "arrival_time", None)
-        scheduled = getattr(req, "first_scheduled_time", None)
-        first = getattr(req, "first_token_time", None)
-        if arrival is None or scheduled is None or first is None:
+        times = await self.ae.request_times(rid)
+        if times is None or times.first_scheduled is None or times.first_token is None:
             return
-        self.metrics.observe_phases(queue_s=scheduled - arrival, prefill_s=first - scheduled)
-        tracing.record_span("pdserve.prefill.queue", None, arrival, scheduled)
-        tracing.record_span("pdserve.prefill.compute", None, scheduled, first)
+        self.metrics.observe_phases(queue_s=times.first_scheduled - times.arrival,
+                                    prefill_s=times.first_token - times.first_scheduled)
+        tracing.record_span("pdserve.prefill.queue", None, times.arrival, times.first_scheduled)
+        tracing.record_span("pdserve.prefill.compute", None, times.first_scheduled, times.first_token)
 
     async def _abort_quietly(self, rid: str) -> None:
         try:
@@ -300,42 +281,43 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         await self.ae.release(rid)
 
 
+class PrefillRole(worker_server.WorkerRole):
+    """The prefill worker for services.worker_server.serve: KVPush is both its engine's KV
+    connector and its KV endpoint."""
+    name, service_name = "prefill", SERVICE
+
+    def kv_address(self, cfg: PrefillWorkerConfig) -> tuple[str, int]:
+        return cfg.host, 0
+
+    def kv_connector(self, cfg: PrefillWorkerConfig, transport) -> KVPush:
+        return KVPush(transport, cfg.kv_connect_timeout_s)
+
+    async def open_kv(self, cfg, engine, transport, connector: KVPush) -> KVPush:
+        return connector                 # bound to the cache by the engine's construction
+
+    def add_servicer(self, parts: WorkerParts) -> PrefillServicer:
+        servicer = PrefillServicer(parts.cfg, parts.engine, parts.kv, parts.srv, parts.worker_id,
+                                   parts.metrics, parts.meter)
+        prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, parts.srv.server)
+        return servicer
+
+
+ROLE = PrefillRole()
+
+
 async def serve(cfg: PrefillWorkerConfig, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop` is set), then drain and return."""
-    from kvtransfer.ucx import UcxTransport   # imports ucxx; only the serving process needs it
-    engine = await asyncio.to_thread(cfg.build_engine)
-    srv = WorkerServer([SERVICE], cfg.host, cfg.port, cfg.drain_timeout_s)
-    worker_id = cfg.worker_id or f"prefill-{cfg.host}:{srv.port}"
-    compat = worker_server.model_compat(engine)
-    sender = KVSender(engine.kv_cache, compat, UcxTransport(cfg.host),
-                      connect_timeout_s=cfg.kv_connect_timeout_s)
-    tel = telemetry.start_role_telemetry("prefill", host=cfg.host, metrics_port=cfg.metrics_port or None,
-                                         trace_file=cfg.trace_file, device=cfg.device)
-    energy.instrument_engine_steps(engine, tel.meter)
-    ae = AsyncEngine(engine, name="prefill-engine")
-    ae.start()
-    tel.metrics.watch_engine(ae.stats)
-    servicer = PrefillServicer(cfg, ae, sender, srv, worker_id, tel.metrics, tel.meter)
-    prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, srv.server)
-    try:
-        await srv.run(servicer.warm_up, ready, stop)
-    finally:
-        await ae.shutdown()
-        await sender.close()
-        tel.close()
-        log.info("prefill worker %s stopped", worker_id)
+                stop: asyncio.Event | None = None, transport=None) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop` is set), then drain and return. `transport`:
+    the KV transport (default: UCX)."""
+    await worker_server.serve(cfg, ROLE, transport=transport, ready=ready, stop=stop)
 
 
 def run(cfg: PrefillWorkerConfig) -> None:
-    import uvloop
-    limit_threads(cfg.num_threads)
-    uvloop.run(serve(cfg))
+    worker_server.run(cfg, ROLE)
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(config_from_argv(PrefillWorkerConfig, argv, "pdserve prefill worker"))
-    return 0
+    return worker_server.main(ROLE, PrefillWorkerConfig, argv)
 
 
 if __name__ == "__main__":

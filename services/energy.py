@@ -1,9 +1,11 @@
 """GPU energy per request, where NVML reports the GPU's power.
 
-`EnergyMeter.step(duration_s, {request_id: num_tokens})` after each engine step: power (W)
-times the step's wall time, split over the step's requests by their share of its tokens;
-`pop(request_id)` -> joules (None where there is no power reading). Only energy spent inside
-steps is counted (idle power is nobody's request).
+An `EnergyMeter` is an engine step observer (engine/step_observer.py): the engine calls
+`on_step(duration_s, {request_id: num_tokens})` after each step that computed tokens; power
+(W) times the step's wall time is split over the step's requests by their share of its
+tokens; `pop(request_id)` -> joules (None where there is no power reading). Only energy spent
+inside steps is counted (idle power is nobody's request). Without a power reading the worker
+does not register the meter with its engine at all (CPU hosts pay nothing).
 """
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def nvml_power_reader(device_index: int = 0) -> PowerReader | None:
 class EnergyMeter:
     """Integrates power over engine steps and attributes it to requests by token share.
 
-    Thread-safe: `step` runs on the engine thread, `pop` on the event loop. Power is read at
+    Thread-safe: `on_step` runs on the engine thread, `pop` on the event loop. Power is read at
     most every `min_interval_s` (an NVML call costs tens of microseconds; its own reading is
     an average over a longer window anyway); in between the last reading is reused.
     """
@@ -58,16 +59,11 @@ class EnergyMeter:
         self._lock = threading.Lock()
         self.total_joules = 0.0
 
-    @classmethod
-    def for_gpu(cls, device_index: int = 0, on_joules: Callable[[float], None] | None = None
-                ) -> "EnergyMeter":
-        return cls(nvml_power_reader(device_index), on_joules)
-
     @property
     def available(self) -> bool:
         return self._read is not None
 
-    def step(self, duration_s: float, tokens: Mapping[str, int]) -> None:
+    def on_step(self, duration_s: float, tokens: Mapping[str, int]) -> None:
         """One engine step of `duration_s` wall seconds that computed tokens[request_id]
         tokens per request."""
         if self._read is None or duration_s <= 0:
@@ -96,38 +92,6 @@ class EnergyMeter:
             return None
         with self._lock:
             return self._joules.pop(request_id, 0.0)
-
-
-def instrument_engine_steps(engine: Any, meter: EnergyMeter) -> bool:
-    """Feed `meter.step` from every `engine.step()` of an engine.llm_engine.LLMEngine
-    (duck-typed: `engine.step()` and `engine.scheduler.schedule()` returning an object whose
-    `.scheduled` items have `.request.request_id` and `.num_new_tokens`). Call it on the
-    thread that owns the engine, before it steps. Does nothing (False) when the meter has no
-    power reading, so CPU hosts pay nothing."""
-    if not meter.available:
-        return False
-    scheduler = engine.scheduler
-    schedule, step = scheduler.schedule, engine.step
-    last: list[Any] = [None]
-
-    def schedule_and_keep(*args, **kwargs):
-        last[0] = out = schedule(*args, **kwargs)
-        return out
-
-    def metered_step(*args, **kwargs):
-        last[0] = None
-        t0 = time.perf_counter()
-        try:
-            return step(*args, **kwargs)       # samples: the GPU work is done when it returns
-        finally:
-            sched = last[0]
-            if sched:
-                meter.step(time.perf_counter() - t0,
-                           {s.request.request_id: s.num_new_tokens for s in sched.scheduled})
-
-    scheduler.schedule = schedule_and_keep
-    engine.step = metered_step
-    return True
 
 
 def gpu_index(device: str) -> int | None:

@@ -14,10 +14,15 @@ log = logging.getLogger(__name__)
 
 class RoleTelemetry:
     """What one server process sets up: tracing, its Metrics (+ /metrics server), and for a
-    worker on a GPU an EnergyMeter fed by its engine's steps. See `start_role_telemetry`."""
+    worker on a GPU an EnergyMeter, a step observer of its engine. See `start_role_telemetry`."""
 
     def __init__(self, metrics: Metrics, meter: EnergyMeter, server: Any, port: int):
         self.metrics, self.meter, self.server, self.port = metrics, meter, server, port
+
+    def step_observers(self) -> list:
+        """What the worker's engine should tell each step: the meter where it has a power
+        reading, else nothing (CPU hosts time no step)."""
+        return [self.meter] if self.meter.available else []
 
     def close(self) -> None:
         if self.server is not None:

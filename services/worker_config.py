@@ -40,12 +40,9 @@ class WorkerConfig:
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
 
-    @property
-    def device(self) -> str:
-        """The engine's device (the servers' telemetry reads it here)."""
-        return self.engine.device
-
-    def build_engine(self):
-        """The LLMEngine this config describes (loads the model: call it off the event loop)."""
+    def build_engine(self, kv_connector=None, step_observers=()):
+        """The LLMEngine this config describes (loads the model: call it off the event loop),
+        with the worker's seams (engine/kv_connector.py, engine/step_observer.py)."""
         from engine.llm_engine import LLMEngine
-        return LLMEngine.from_model_dir(self.model_dir, self.engine)
+        return LLMEngine.from_model_dir(self.model_dir, self.engine, kv_connector=kv_connector,
+                                        step_observers=step_observers)

@@ -1,27 +1,45 @@
-"""What both workers' servers share: a gRPC server with health + reflection, in-flight
-tracking, a SIGTERM drain, and the KV compatibility key as a proto.
+"""The worker server skeleton: what both workers share. A worker supplies a `WorkerRole`
+(its gRPC servicer and its KV endpoint); `serve` does the rest, in this order:
 
-Serving lifecycle:
-
-    start  -> health NOT_SERVING -> warm-up (one tiny request through the engine)
-           -> health SERVING, `ready` set
-    SIGTERM (or `stop` set) -> draining: health NOT_SERVING, new work refused with
-           UNAVAILABLE, in-flight calls get up to drain_timeout_s -> server stopped -> exit
+    KV transport (default UCX, imported lazily; tests pass a LoopbackTransport)
+    telemetry (tracing, metrics, the energy meter)
+    role.kv_connector()            the engine's KV seam, made before the engine (prefill)
+    build the engine               (off the loop) with the connector and the step observers
+    gRPC server bound              (worker id: "<role>-<host>:<port>" unless configured)
+    role.open_kv()                 its KV endpoint (prefill: the connector; decode: a receiver)
+    AsyncEngine thread started; role.add_servicer()
+    WorkerServer.run:
+      start  -> health NOT_SERVING -> warm-up (one tiny request through the engine)
+             -> health SERVING, `ready` set
+      SIGTERM (or `stop` set) -> draining: health NOT_SERVING, new work refused with
+             UNAVAILABLE, in-flight calls get up to drain_timeout_s -> server stopped
+    shutdown: engine thread, KV endpoint (and its transport), telemetry
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
 import os
 import signal
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from engine.async_engine import AsyncEngine
+from engine.kv_connector import KVConnector
+from kvtransfer.transport import Transport
 from kvtransfer.wire import CompatKey
+
+from . import telemetry
+from .cli_args import config_from_argv
+from .energy import EnergyMeter
+from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +142,91 @@ class WorkerServer:
 def model_compat(engine) -> CompatKey:
     """This engine's compatibility key: the model is named by its directory's name."""
     return CompatKey.from_cache(engine.kv_cache, engine.config.model.name)
+
+
+# ----------------------------------------------------------------------------- skeleton
+class KVEndpoint(Protocol):
+    """A worker's end of the KV transfer (prefill: its KVPush; decode: a KVReceiver)."""
+    compat: CompatKey
+
+    async def close(self) -> None:
+        """Stop it and close its transport."""
+
+
+@dataclass
+class WorkerParts:
+    """What `serve` built, handed to the role's servicer."""
+    cfg: Any                     # the role's config (a services.worker_config.WorkerConfig)
+    engine: AsyncEngine
+    kv: Any                      # the role's KVEndpoint, as role.open_kv returned it
+    srv: WorkerServer
+    worker_id: str
+    metrics: Metrics
+    meter: EnergyMeter
+
+
+class WorkerRole(abc.ABC):
+    """What one kind of worker supplies to `serve`; everything else is shared."""
+    name: str = ""               # "prefill" | "decode": worker ids, telemetry, thread names
+    service_name: str = ""       # the gRPC service it serves (full name)
+
+    @abc.abstractmethod
+    def kv_address(self, cfg) -> tuple[str, int]:
+        """(host, port) the default UCX transport binds."""
+
+    def kv_connector(self, cfg, transport: Transport) -> KVConnector | None:
+        """The engine's KV seam, made before the engine (engine/kv_connector.py); none by
+        default."""
+        return None
+
+    @abc.abstractmethod
+    async def open_kv(self, cfg, engine, transport: Transport,
+                      connector: KVConnector | None) -> KVEndpoint:
+        """This worker's KV endpoint, once the engine (an engine.llm_engine.LLMEngine, not
+        stepping yet) and its cache exist."""
+
+    @abc.abstractmethod
+    def add_servicer(self, parts: WorkerParts):
+        """Build the gRPC servicer, add it to parts.srv.server and return it; it has
+        `async warm_up()`."""
+
+
+async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
+                ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    """Serve `role` until SIGTERM/SIGINT (or `stop` is set), then drain and return."""
+    if transport is None:
+        from kvtransfer.ucx import UcxTransport   # imports ucxx; only a serving process needs it
+        transport = UcxTransport(*role.kv_address(cfg))
+    tel = telemetry.start_role_telemetry(role.name, host=cfg.host, metrics_port=cfg.metrics_port or None,
+                                         trace_file=cfg.trace_file, device=cfg.engine.device)
+    ae = kv = None
+    worker_id = cfg.worker_id or role.name
+    try:
+        connector = role.kv_connector(cfg, transport)
+        engine = await asyncio.to_thread(cfg.build_engine, connector, tel.step_observers())
+        srv = WorkerServer([role.service_name], cfg.host, cfg.port, cfg.drain_timeout_s)
+        worker_id = cfg.worker_id or f"{role.name}-{cfg.host}:{srv.port}"
+        kv = await role.open_kv(cfg, engine, transport, connector)
+        ae = AsyncEngine(engine, name=f"{role.name}-engine")
+        ae.start()
+        tel.metrics.watch_engine(ae.stats)
+        servicer = role.add_servicer(WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter))
+        await srv.run(servicer.warm_up, ready, stop)
+    finally:
+        if ae is not None:
+            await ae.shutdown()
+        await (kv.close() if kv is not None else transport.close())
+        tel.close()
+        log.info("%s worker %s stopped", role.name, worker_id)
+
+
+def run(cfg, role: WorkerRole) -> None:
+    import uvloop
+    limit_threads(cfg.num_threads)
+    uvloop.run(serve(cfg, role))
+
+
+def main(role: WorkerRole, config_cls, argv: list[str] | None = None) -> int:
+    """`python -m <role>_worker.server`: the config from the command line, then `run`."""
+    run(config_from_argv(config_cls, argv, f"pdserve {role.name} worker"), role)
+    return 0

@@ -301,9 +301,9 @@ def test_energy_attribution_by_token_share():
     m = metrics.Metrics("decode")
     meter = energy.EnergyMeter(FakePower(200.0, 100.0), on_joules=m.add_energy, min_interval_s=0)
     assert meter.available
-    meter.step(0.5, {"a": 30, "b": 10})          # 100 J: a 75, b 25
-    meter.step(0.2, {"b": 1, "c": 1})            # 20 J: b 10, c 10
-    meter.step(0.1, {})                          # 10 J: nobody's, still counted
+    meter.on_step(0.5, {"a": 30, "b": 10})          # 100 J: a 75, b 25
+    meter.on_step(0.2, {"b": 1, "c": 1})            # 20 J: b 10, c 10
+    meter.on_step(0.1, {})                          # 10 J: nobody's, still counted
     assert meter.pop("a") == pytest.approx(75.0)
     assert meter.pop("b") == pytest.approx(35.0)
     assert meter.pop("b") == 0.0                 # forgotten after pop
@@ -317,18 +317,18 @@ def test_energy_attribution_by_token_share():
 def test_energy_power_read_rate_limited_and_unavailable():
     power = FakePower(100.0)
     meter = energy.EnergyMeter(power, min_interval_s=3600)
-    meter.step(0.1, {"a": 1})
-    meter.step(0.1, {"a": 1})                    # reuses the first reading
+    meter.on_step(0.1, {"a": 1})
+    meter.on_step(0.1, {"a": 1})                    # reuses the first reading
     assert power.calls == 1 and meter.pop("a") == pytest.approx(20.0)
     # No NVML here (or anywhere pynvml fails): absent, not zero.
     m = metrics.Metrics("prefill")
     off = energy.EnergyMeter(None, on_joules=m.add_energy)
-    off.step(1.0, {"a": 5})
+    off.on_step(1.0, {"a": 5})
     assert not off.available and off.pop("a") is None
     assert "pdserve:energy_joules" not in metrics.render_metrics(m.registry).decode()
     # A reader that fails mid-run (None) attributes nothing.
     flaky = energy.EnergyMeter(lambda: None, min_interval_s=0)
-    flaky.step(1.0, {"a": 5})
+    flaky.on_step(1.0, {"a": 5})
     assert flaky.pop("a") == 0.0
 
 
@@ -336,7 +336,7 @@ def test_nvml_reader_absent_without_gpu(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "pynvml", None)       # import fails
     assert energy.nvml_power_reader() is None
-    assert not energy.EnergyMeter.for_gpu().available
+    assert not energy.EnergyMeter(energy.nvml_power_reader()).available
 
 
 def test_watch_engine_refreshes_at_scrape():
@@ -364,26 +364,28 @@ def test_inject_metadata_from_an_explicit_span():
     assert child.parent.span_id == ctx.span_id
 
 
-def test_instrument_engine_steps_attributes_scheduled_tokens():
-    from types import SimpleNamespace as NS
-
-    class Engine:
-        def __init__(self):
-            self.scheduler = NS(schedule=lambda: NS(scheduled=[
-                NS(request=NS(request_id="a"), num_new_tokens=3),
-                NS(request=NS(request_id="b"), num_new_tokens=1)]))
-
-        def step(self):
-            self.scheduler.schedule()
-            return ["out"]
-
-    eng = Engine()
-    assert not energy.instrument_engine_steps(eng, energy.EnergyMeter(None))
+def test_engine_tells_step_observers_scheduled_tokens():
+    """LLMEngine calls on_step(duration, {request_id: tokens}) after each step that computed
+    tokens; attribution follows the tokens (a 3-token prompt vs a 1-token one: 3x)."""
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from engine.tiny_model import ensure_default_model
     meter = energy.EnergyMeter(lambda: 100.0, min_interval_s=0)
-    assert energy.instrument_engine_steps(eng, meter)
-    assert eng.step() == ["out"]
+    seen = []
+
+    class Recorder:
+        def on_step(self, d, t):
+            seen.append((d, dict(t)))
+
+    eng = LLMEngine.from_model_dir(str(ensure_default_model()), num_blocks=8, block_size=8,
+                                   step_observers=[meter, Recorder()])
+    eng.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=1))
+    eng.add_request("b", [4], SamplingParams(temperature=0.0, max_tokens=1))
+    eng.step()
+    assert len(seen) == 1 and seen[0][0] > 0 and seen[0][1] == {"a": 3, "b": 1}
     a, b = meter.pop("a"), meter.pop("b")
     assert a > 0 and a == pytest.approx(3 * b)
+    assert eng.step() == [] and len(seen) == 1          # nothing scheduled: nobody told
     assert energy.gpu_index("cpu") is None and energy.gpu_index("cuda:1") == 1
 
 
@@ -392,6 +394,7 @@ def test_role_telemetry_worker_without_gpu(tmp_path):
                                 trace_file=str(tmp_path / "s.jsonl"))
     try:
         assert t.port > 0 and tracing.tracing_enabled() and not t.meter.available
+        assert t.step_observers() == []          # CPU: the engine times no step
         with urllib.request.urlopen(f"http://127.0.0.1:{t.port}/metrics", timeout=5) as r:
             assert b"pdserve:kv_cache_usage_perc" in r.read()
     finally:
@@ -412,19 +415,18 @@ def test_energy_reaches_usage_summed_by_the_gateway():
 
 
 def test_energy_hook_on_a_real_engine():
-    """The duck-typed step hook still fits engine.LLMEngine: every prompt and generated
-    token of a request is attributed to it."""
+    """The meter as a step observer of engine.LLMEngine: every prompt and generated token
+    of a request is attributed to it."""
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
     from engine.tiny_model import ensure_default_model
-    eng = LLMEngine.from_model_dir(str(ensure_default_model()), num_blocks=32, block_size=8,
-                                   max_num_batched_tokens=8)            # 2 prefill chunks
     watts = 10.0
     meter = energy.EnergyMeter(lambda: watts, min_interval_s=0)
-    assert energy.instrument_engine_steps(eng, meter)
     tokens = {"a": 0, "b": 0}
-    inner = meter.step
-    meter.step = lambda d, t: (inner(d, t), [tokens.__setitem__(k, tokens[k] + v) for k, v in t.items()])
+    inner = meter.on_step
+    meter.on_step = lambda d, t: (inner(d, t), [tokens.__setitem__(k, tokens[k] + v) for k, v in t.items()])
+    eng = LLMEngine.from_model_dir(str(ensure_default_model()), num_blocks=32, block_size=8,
+                                   max_num_batched_tokens=8, step_observers=[meter])   # 2 prefill chunks
     p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     eng.add_request("a", list(range(1, 13)), p)
     eng.add_request("b", list(range(20, 24)), p)

@@ -1,0 +1,270 @@
+"""The whole P/D protocol in ONE process and ONE event loop: a prefill and a decode worker
+(services.worker_server.serve with kvtransfer's LoopbackTransport instead of UCX) and a
+gateway.core.Gateway, talking gRPC on free 127.0.0.1 ports. No UCX, no subprocesses.
+
+The loop runs in a background thread for the module; each test submits one coroutine to it,
+bounded by a deadline. Every wait inside has its own deadline too.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import grpc
+import pytest
+
+from decode_worker import server as decode_server
+from decode_worker.config import DecodeWorkerConfig
+from engine.config import EngineOptions
+from engine.kv_cache_manager import cdiv
+from engine.llm_engine import LLM
+from engine.sampling_params import SamplingParams
+from engine.tiny_model import ensure_default_model
+from gateway.config import GatewayConfig
+from gateway.core import Gateway, GenerateInput
+from kvtransfer.transport import LoopbackTransport
+from pdserve.launcher import free_port
+from prefill_worker import server as prefill_server
+from prefill_worker.config import PrefillWorkerConfig
+from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+BS = 8
+LAYERS = 4                      # the tiny model's
+RPC_S = 20.0                    # deadline of one RPC
+TEST_S = 60.0                   # deadline of one test's coroutine
+
+
+def _prompt(n, seed=0):
+    return [(seed * 7 + i * 13) % 900 + 3 for i in range(n)]
+
+
+def _greedy(max_tokens):
+    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _dest(kv: decode_pb2.KvReady) -> prefill_pb2.KvDestination:
+    return prefill_pb2.KvDestination(decode_worker_id=kv.decode_worker_id, kv_endpoint=kv.kv_endpoint,
+                                     transfer_id=kv.transfer_id, dst_block_ids=kv.block_ids,
+                                     num_cached_tokens=kv.num_cached_tokens, compat=kv.compat)
+
+
+async def _rest(stream) -> list:
+    """The stream's remaining messages (read(): an RPC may not mix read() and iteration);
+    bounded by the RPC's deadline."""
+    msgs = []
+    while (m := await stream.read()) is not grpc.aio.EOF:
+        msgs.append(m)
+    return msgs
+
+
+def _held(stats) -> int:
+    return stats.total_kv_blocks - stats.free_kv_blocks
+
+
+class System:
+    """Both workers and a gateway on one loop (running in a thread of its own)."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="pd-inprocess", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = TEST_S):
+        """Run `coro` on the system's loop, failing after `timeout` seconds."""
+        fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop)
+        return fut.result(timeout + 5)
+
+    async def start(self) -> None:
+        self.stop_event = asyncio.Event()
+        common = dict(model_dir=self.model_dir, drain_timeout_s=5.0)
+        pcfg = PrefillWorkerConfig(port=free_port(), **common, engine=EngineOptions.of(
+            block_size=BS, num_blocks=64, max_num_batched_tokens=16))              # chunked
+        dcfg = DecodeWorkerConfig(port=free_port(), kv_expiry_s=10, **common,
+                                  engine=EngineOptions.of(block_size=BS, num_blocks=64))
+        ready = [asyncio.Event(), asyncio.Event()]
+        self.tasks = [
+            asyncio.create_task(prefill_server.serve(pcfg, ready[0], self.stop_event, LoopbackTransport())),
+            asyncio.create_task(decode_server.serve(dcfg, ready[1], self.stop_event, LoopbackTransport()))]
+        both = asyncio.ensure_future(asyncio.gather(ready[0].wait(), ready[1].wait()))
+        await asyncio.wait([both, *self.tasks], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        both.cancel()
+        for t in self.tasks:
+            if t.done():                  # a worker that returned before it was ready failed
+                t.result()
+                raise RuntimeError("a worker stopped before it was ready")
+        assert all(r.is_set() for r in ready), "workers not ready within 60 s"
+        self.pre_ch = grpc.aio.insecure_channel(f"127.0.0.1:{pcfg.port}")
+        self.dec_ch = grpc.aio.insecure_channel(f"127.0.0.1:{dcfg.port}")
+        self.pre = prefill_pb2_grpc.PrefillWorkerStub(self.pre_ch)
+        self.dec = decode_pb2_grpc.DecodeWorkerStub(self.dec_ch)
+        self.gateway = Gateway(GatewayConfig(model=self.model_dir, prefill=f"127.0.0.1:{pcfg.port}",
+                                             decode=f"127.0.0.1:{dcfg.port}", health_interval_s=0.5))
+        await self.gateway.start()
+
+    async def stop(self) -> None:
+        await self.gateway.stop()
+        await self.pre_ch.close()
+        await self.dec_ch.close()
+        self.stop_event.set()
+        await asyncio.wait_for(asyncio.gather(*self.tasks), 30)
+
+    async def held(self) -> tuple[int, int]:
+        """KV blocks held on (prefill, decode) now."""
+        p = await self.pre.Stats(common_pb2.StatsRequest(), timeout=RPC_S)
+        d = await self.dec.Stats(common_pb2.StatsRequest(), timeout=RPC_S)
+        return _held(p), _held(d)
+
+    async def wait_all_free(self, within: float = 5.0) -> None:
+        """Every KV block back in both pools (freeing is a command on each engine thread)."""
+        async def poll():
+            while await self.held() != (0, 0):
+                await asyncio.sleep(0.02)
+        try:
+            await asyncio.wait_for(poll(), within)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"blocks still held after {within}s (prefill, decode): "
+                                 f"{await self.held()}") from None
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return str(ensure_default_model())
+
+
+@pytest.fixture(scope="module")
+def system(model_dir):
+    s = System(model_dir)
+    try:
+        s.run(s.start(), 90)
+        yield s
+        s.run(s.stop(), 45)
+    finally:
+        s.loop.call_soon_threadsafe(s.loop.stop)
+        s.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """Greedy reference tokens from the offline engine on the same model."""
+    llm = LLM(model_dir, block_size=BS, num_blocks=64)
+
+    def ref(prompt, n):
+        return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
+    return ref
+
+
+def test_each_step_of_one_request(system, offline):
+    """reserve (blocks held) -> KvReady -> Prefill -> first token -> stream to the end, greedy
+    tokens equal to the offline engine's; then every block is free on both workers."""
+    prompt, n = _prompt(21, 1), 8
+    ref = offline(prompt, n)
+
+    async def main():
+        assert await system.held() == (0, 0)
+        rid = "steps-" + uuid.uuid4().hex
+        stream = system.dec.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
+                                                            sampling=_greedy(n)), timeout=RPC_S)
+        first_msg = await asyncio.wait_for(stream.read(), RPC_S)
+        assert first_msg.WhichOneof("msg") == "kv_ready"
+        kv = first_msg.kv_ready
+        assert kv.kv_endpoint.startswith("loopback://") and kv.num_cached_tokens == 0
+        assert len(kv.block_ids) == cdiv(len(prompt), BS) and kv.compat.block_size == BS
+        assert await system.held() == (0, len(kv.block_ids))          # reserved, nothing computed
+        resp = await system.pre.Prefill(prefill_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=_greedy(n), destination=_dest(kv)),
+            timeout=RPC_S)
+        assert resp.first_token.token_id == ref.token_ids[0]
+        assert resp.blocks_transferred == len(kv.block_ids) * LAYERS
+        assert (await system.held())[0] == 0                          # prefill released its blocks
+        assert (await system.dec.SubmitFirstToken(decode_pb2.SubmitFirstTokenRequest(
+            request_id=rid, first_token=resp.first_token), timeout=RPC_S)).accepted
+        tokens, last = [resp.first_token.token_id], None
+        for msg in await _rest(stream):
+            tokens += [t.token_id for t in msg.tokens.tokens]
+            last = msg.tokens
+        assert tokens == ref.token_ids
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == n
+        await system.wait_all_free()
+    system.run(main())
+
+
+def test_gateway_streams_the_offline_engines_tokens(system, offline):
+    prompts = [_prompt(30, 2), _prompt(5, 3)]
+    refs = [offline(p, 10) for p in prompts]
+
+    async def one(prompt):
+        inp = GenerateInput("gw-" + uuid.uuid4().hex, prompt,
+                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+        tokens, last = [], None
+        async for ev in system.gateway.generate(inp):
+            tokens += ev.token_ids
+            last = ev
+        return tokens, last
+
+    async def main():
+        for (tokens, last), ref in zip(await asyncio.gather(*map(one, prompts)), refs):
+            assert tokens == ref.token_ids
+            assert last.finish_reason == "length" and last.usage.completion_tokens == 10
+        await system.wait_all_free()
+    system.run(main())
+
+
+def test_abort_mid_stream_frees_every_block(system):
+    prompt, n = _prompt(30, 4), 400
+
+    async def main():
+        rid = "abort-" + uuid.uuid4().hex
+        stream = system.dec.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
+                                                            sampling=_greedy(n)), timeout=RPC_S)
+        kv = (await asyncio.wait_for(stream.read(), RPC_S)).kv_ready
+        resp = await system.pre.Prefill(prefill_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=_greedy(n), destination=_dest(kv)),
+            timeout=RPC_S)
+        assert (await system.dec.SubmitFirstToken(decode_pb2.SubmitFirstTokenRequest(
+            request_id=rid, first_token=resp.first_token), timeout=RPC_S)).accepted
+        assert (await asyncio.wait_for(stream.read(), RPC_S)).tokens.tokens        # streaming
+        assert (await system.held())[1] > 0
+        assert (await system.dec.Abort(common_pb2.AbortRequest(request_id=rid, reason="test"),
+                                       timeout=RPC_S)).found
+        rest = await _rest(stream)
+        assert rest[-1].tokens.finish_reason == common_pb2.FINISH_REASON_ABORT
+        assert rest[-1].tokens.error == "aborted: test"
+        await system.wait_all_free()
+    system.run(main())
+
+
+def test_reservation_expiry_frees_the_blocks(system):
+    async def main():
+        before = (await system.dec.Stats(common_pb2.StatsRequest(), timeout=RPC_S)).transfers.expirations
+        stream = system.dec.Decode(decode_pb2.DecodeRequest(
+            request_id="expire-" + uuid.uuid4().hex, prompt_token_ids=_prompt(20, 5), sampling=_greedy(4),
+            kv_timeout_ms=300, kv_failure_policy=decode_pb2.KV_FAILURE_POLICY_FAIL), timeout=RPC_S)
+        kv = (await asyncio.wait_for(stream.read(), RPC_S)).kv_ready
+        assert await system.held() == (0, len(kv.block_ids)) != (0, 0)
+        msgs = await _rest(stream)                              # nobody prefills
+        assert msgs[-1].tokens.finish_reason == common_pb2.FINISH_REASON_ERROR
+        assert "expired" in msgs[-1].tokens.error
+        after = await system.dec.Stats(common_pb2.StatsRequest(), timeout=RPC_S)
+        assert after.transfers.expirations == before + 1
+        await system.wait_all_free()
+    system.run(main())
+
+
+def test_recompute_fallback_matches_the_offline_engine(system, offline):
+    prompt, n = _prompt(19, 6), 6
+    ref = offline(prompt, n)
+
+    async def main():
+        stream = system.dec.Decode(decode_pb2.DecodeRequest(
+            request_id="recompute-" + uuid.uuid4().hex, prompt_token_ids=prompt, sampling=_greedy(n),
+            kv_timeout_ms=300, kv_failure_policy=decode_pb2.KV_FAILURE_POLICY_RECOMPUTE), timeout=RPC_S)
+        assert (await asyncio.wait_for(stream.read(), RPC_S)).kv_ready.block_ids
+        msgs = await _rest(stream)
+        tokens = [t.token_id for m in msgs for t in m.tokens.tokens]
+        assert tokens == ref.token_ids                                # first token unknown: all local
+        assert msgs[-1].tokens.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        await system.wait_all_free()
+    system.run(main())
