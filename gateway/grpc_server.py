@@ -215,7 +215,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
 
 
 def _grpc_server(gw: Gateway):
-    """The grpc.aio server with Generation, health (NOT_SERVING until set) and reflection."""
+    """The grpc.aio server with Generation, health (serve() sets its statuses) and reflection."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
     health_servicer = health.aio.HealthServicer()
