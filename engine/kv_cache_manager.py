@@ -21,7 +21,8 @@ def hash_block_tokens(parent: bytes, tokens) -> bytes:
 
 
 def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """Chained hashes of every full block of `token_ids` (the gateway uses these for affinity)."""
+    """Chained hashes of every full block of `token_ids`, as this cache keys them. (The
+    gateway's prefix affinity, gateway/registry.py, hashes prompts its own way.)"""
     out, parent = [], b""
     for i in range(len(token_ids) // block_size):
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])

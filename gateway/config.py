@@ -72,10 +72,17 @@ class GatewayConfig:
         return self.served_model_name or model_dir.name
 
     def context_length(self, model_dir: Path) -> int:
-        if self.max_model_len:
-            return self.max_model_len
-        try:
-            cfg = json.loads((model_dir / "config.json").read_text())
-        except (OSError, ValueError):
-            return 0
-        return int(cfg.get("max_position_embeddings") or 0)
+        """max_model_len, else config.json's max_position_embeddings (0: unknown)."""
+        return self.max_model_len or int(_model_config(model_dir).get("max_position_embeddings") or 0)
+
+    def vocab_size(self, model_dir: Path) -> int:
+        """config.json's vocab_size: prompt ids must be below it (0: unknown). The tokenizer's
+        own count may be smaller (models pad their embedding table)."""
+        return int(_model_config(model_dir).get("vocab_size") or 0)
+
+
+def _model_config(model_dir: Path) -> dict:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}

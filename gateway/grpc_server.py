@@ -14,7 +14,6 @@ import logging
 import signal
 import time
 import uuid
-from dataclasses import replace
 from functools import lru_cache
 from typing import AsyncIterator
 
@@ -26,9 +25,13 @@ from services import metrics
 from services import tracing
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-from .config import GatewayConfig
-from .core import Gateway, GatewayError, GenerateEvent, GenerateInput, Usage, merge_streams
 from services.protoconv import FINISH_TO_PROTO, sampling_from_proto
+
+from .choices import fan_out, merge_streams
+from .config import GatewayConfig
+from .core import Gateway
+from .prompt import chat_prompt_ids
+from .request import GatewayError, GenerateEvent, GenerateInput, Usage
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except GatewayError as e:
             await context.abort(e.code, e.message)
 
-    async def _generate(self, request, trace_parent=None) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    def _inputs(self, request, trace_parent) -> tuple[str, list[int], list[GenerateInput]]:
+        """(request id, prompt ids, one GenerateInput per choice)."""
         self._check_model(request.model)
         ids = self._prompt_ids(request)
         try:
@@ -58,18 +62,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
+        return rid, ids, fan_out(rid, [ids], params, params.n, trace_parent)
+
+    async def _generate(self, request, trace_parent=None) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        rid, ids, inputs = self._inputs(request, trace_parent)
         opts = request.stream_options
         # Unset stream options: streaming, the proto's reading of an empty message is "false",
         # but a client that sent no options at all surely wants the stream.
         stream = opts.stream or not request.HasField("stream_options")
-        n = params.n
-        inputs = []
-        for i in range(n):
-            p = params if n == 1 else replace(params, n=1, seed=None if params.seed is None
-                                                else params.seed + i)
-            inputs.append(GenerateInput(rid if n == 1 else f"{rid}-{i}", ids, p,
-                                        trace_parent=trace_parent))
-        usage = [Usage(len(ids), 0, 0) for _ in range(n)]
+        usage = [Usage(len(ids), 0, 0) for _ in inputs]
         pending: dict[int, generation_pb2.GenerateResponse] = {}
         async for index, ev in merge_streams([self.gw.generate(x) for x in inputs]):
             usage[index].completion_tokens += len(ev.token_ids)
@@ -126,15 +127,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                            "GenerateRequest needs a prompt: text, token_ids or chat")
 
     def _chat_ids(self, chat) -> list[int]:
-        tok = self.gw.tokenizer
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-        try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=chat.add_generation_prompt)
-        except Exception as e:  # template errors (raise_exception), no template
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {e}") from None
-        # Templates that begin with the BOS token already contain it.
-        has_bos = tok.bos_token is not None and text.startswith(tok.bos_token)
-        return tok.encode(text, add_special_tokens=not has_bos)
+        return chat_prompt_ids(self.gw.tokenizer, messages, chat.add_generation_prompt)
 
     # -- Tokenize, ListModels -----------------------------------------------------------------
     async def Tokenize(self, request, context):
@@ -187,13 +181,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
     if cfg.metrics_port:
         metrics_server, _ = metrics.start_metrics_server(gw.metrics.registry, cfg.host, cfg.metrics_port)
     await gw.start()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
-         health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    server, health_servicer = _grpc_server(gw)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
     await server.start()
     http = None
@@ -224,6 +212,18 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
             metrics_server.shutdown()
             metrics_server.server_close()
         tracing.shutdown_tracing()
+
+
+def _grpc_server(gw: Gateway):
+    """The grpc.aio server with Generation, health (serve() sets its statuses) and reflection."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+         health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return server, health_servicer
 
 
 def run(cfg: GatewayConfig) -> int:

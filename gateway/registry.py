@@ -40,17 +40,10 @@ class Worker:
         self.stub = stub_cls(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False
-        self.probed = False          # at least one probe finished
         self.stats = None            # last PrefillStats / DecodeStats
         self.in_flight = 0           # requests this gateway has on it now
-        self.requests_total = 0      # requests this gateway sent it
-        self.failures = 0
+        self.requests_total = 0      # requests this gateway sent it (breaks load ties)
         self.last_error = ""
-
-    @property
-    def worker_id(self) -> str:
-        return (self.stats.worker_id if self.stats is not None and self.stats.worker_id
-                else self.address)
 
     def load_key(self):
         s = self.stats
@@ -62,7 +55,6 @@ class Worker:
         if self.healthy:
             log.warning("%s worker %s marked unhealthy: %s", self.kind, self.address, error)
         self.healthy = False
-        self.failures += 1
         self.last_error = error
 
     async def close(self) -> None:
@@ -127,7 +119,7 @@ class WorkerPool:
         except Exception as e:  # never let one bad worker stop the loop
             healthy = False
             w.last_error = f"{type(e).__name__}: {e}"
-        w.healthy, w.probed = healthy, True
+        w.healthy = healthy
         if healthy and not was:
             log.info("%s worker %s is healthy", self.kind, w.address)
         elif was and not healthy:
@@ -173,7 +165,8 @@ class WorkerPool:
 
 
 class PrefixAffinity:
-    """Bounded LRU: hash of a prompt's first k full blocks -> the worker that served it."""
+    """Bounded LRU: hash of a prompt's first k full blocks -> the worker the gateway last sent
+    it to (a guess at whose prefix cache holds it; the workers' caches are never queried)."""
 
     def __init__(self, capacity: int = 100_000, max_blocks: int = 64):
         self.capacity = capacity
@@ -181,7 +174,9 @@ class PrefixAffinity:
         self._map: OrderedDict[bytes, str] = OrderedDict()
 
     def block_hashes(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
-        """Chained hashes of the full blocks (as the engine's prefix cache chains them)."""
+        """Chained hashes of the first (at most max_blocks) full blocks. The gateway's own
+        keys for this map: not the engine's prefix-cache hashes (engine/kv_cache_manager.py
+        hashes the ids' bytes, this their text), and nothing compares the two."""
         out, h = [], b""
         n = min(len(token_ids) // block_size, self.max_blocks)
         for i in range(n):

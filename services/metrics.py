@@ -318,24 +318,3 @@ def start_metrics_server(registry: CollectorRegistry, host: str = "0.0.0.0",
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server, server.server_address[1]
-
-
-class _MetricsASGI:
-    # A class instance, not a function: Starlette's add_route() then mounts it as a raw ASGI
-    # app on the exact path (no /metrics -> /metrics/ redirect as with Mount).
-    def __init__(self, registry: CollectorRegistry):
-        self.registry = registry
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return
-        body = render_metrics(self.registry)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", CONTENT_TYPE_PLAIN_0_0_4.encode()),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-
-def metrics_asgi_app(registry: CollectorRegistry):
-    """An ASGI app serving the registry; on FastAPI: `app.add_route("/metrics", it)`."""
-    return _MetricsASGI(registry)

@@ -1,4 +1,4 @@
-"""OpenAI-compatible REST shim served by the gateway process (see app.py).
+"""OpenAI-compatible REST shim served by the gateway process (see app.py for its layout).
 
 `start_http(gw, host, port, api_key)` runs uvicorn inside the gateway's own event loop
 (uvloop), beside the gRPC server; `await server.stop()` shuts it down.
@@ -9,7 +9,8 @@ import asyncio
 import contextlib
 import logging
 
-from .app import OpenAIError, create_app
+from .app import create_app
+from .errors import OpenAIError
 
 __all__ = ["HttpServer", "OpenAIError", "create_app", "start_http"]
 

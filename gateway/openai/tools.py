@@ -81,3 +81,37 @@ def may_be_call(text: str) -> bool:
     (then the stream holds the content back until the end)."""
     t = text.lstrip()
     return t == "" or t.startswith(("{", "[")) or "<tool_call>".startswith(t[:11]) or t.startswith("<tool_call>")
+
+
+class CallBuffer:
+    """One streamed choice's content, held back while it may still be a tool call.
+
+    With tools in play, content that starts like a call (`may_be_call`) is held until it
+    either stops looking like one (then released as content, and nothing is held again) or
+    the choice finishes (then `calls()` parses it). A forced tool_choice holds from the start
+    and never releases early.
+    """
+
+    def __init__(self, tools: list[Tool], parse: bool, forced: bool):
+        self.tools, self.parse, self.forced = tools, parse, forced
+        self.holding = forced
+        self._sent_text = False
+
+    def update(self, text: str, delta: str, finished: bool) -> bool:
+        """The choice's text so far and its newest delta; True when the held content must be
+        sent now as content (all of `text`): it is not a call after all."""
+        if self.parse and not self.holding and not self._sent_text and may_be_call(text):
+            self.holding = True
+        if self.holding and not finished and delta and not may_be_call(text) and not self.forced:
+            self.holding = False
+            self._sent_text = True
+            return True
+        return False
+
+    def sent(self, delta: str) -> None:
+        """`delta` went out as content."""
+        self._sent_text = self._sent_text or bool(delta)
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """At the end: the held text as tool calls (None: not holding, or not calls)."""
+        return parse_calls(text, self.tools) if self.holding else None

@@ -191,7 +191,8 @@ def test_decode_worker_killed_mid_stream(system_2p2d, llm, model_dir):
     decoder and completes (greedy tokens unchanged); a gateway with migration off gives its
     caller UNAVAILABLE quickly; new requests keep working on the remaining decoder."""
     from gateway.config import GatewayConfig
-    from gateway.core import Gateway, GatewayError, GenerateInput
+    from gateway.core import Gateway
+    from gateway.request import GatewayError, GenerateInput
 
     prompt, n_tokens = prompts(llm, 6)[5], 300
     want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n_tokens,

@@ -175,22 +175,6 @@ def test_metrics_http_server_plain_text_even_for_openmetrics_accept():
         server.server_close()
 
 
-def test_metrics_asgi_app_on_fastapi_exact_path():
-    fastapi = pytest.importorskip("fastapi")
-    import httpx
-    m = metrics.Metrics("gateway")
-    m.observe_finished(0.1, 3, 2, "stop")
-    app = fastapi.FastAPI()
-    app.add_route("/metrics", metrics.metrics_asgi_app(m.registry))
-
-    async def get():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.get("/metrics")
-    r = asyncio.run(get())
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    assert value(scrape(r.text), "pdserve:prompt_tokens_total", role="gateway") == 3
-
-
 # ----------------------------------------------------------------------------- tracing
 def test_tracing_off_is_a_noop(monkeypatch):
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
@@ -403,14 +387,14 @@ def test_role_telemetry_worker_without_gpu(tmp_path):
 
 
 def test_energy_reaches_usage_summed_by_the_gateway():
-    from gateway.core import _Output
+    from gateway.request import RequestState
     from protos.pdserve.v1 import common_pb2, prefill_pb2
     acc = SimpleNamespace(energy_joules=None)
-    _Output.add_energy(acc, prefill_pb2.PrefillResponse())          # no power reading there
-    _Output.add_energy(acc, common_pb2.Usage(energy_joules=None))
+    RequestState.add_energy(acc, prefill_pb2.PrefillResponse())     # no power reading there
+    RequestState.add_energy(acc, common_pb2.Usage(energy_joules=None))
     assert acc.energy_joules is None                               # absent, not zero
-    _Output.add_energy(acc, prefill_pb2.PrefillResponse(energy_joules=2.5))
-    _Output.add_energy(acc, common_pb2.Usage(energy_joules=1.0))
+    RequestState.add_energy(acc, prefill_pb2.PrefillResponse(energy_joules=2.5))
+    RequestState.add_energy(acc, common_pb2.Usage(energy_joules=1.0))
     assert acc.energy_joules == pytest.approx(3.5)
 
 

@@ -1,0 +1,62 @@
+"""Prompts as both fronts take them: chat messages -> token ids, and the one prompt check.
+
+`check_prompt` is what the gateway verifies before any worker sees a prompt (the gRPC API
+through `Gateway.generate()`, the OpenAI shim before it fans out); workers keep their own
+checks. A failure is a `PromptError`: a GatewayError (INVALID_ARGUMENT) whose `kind` lets
+the OpenAI shim word it the way OpenAI clients expect (gateway/openai/errors.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from engine.tokenizer import Tokenizer
+
+from .request import GatewayError
+
+
+class PromptError(GatewayError):
+    """kind: "empty" | "negative" | "vocab" | "too_long" | "no_room" | "template"."""
+
+    def __init__(self, kind: str, message: str, num_tokens: int = 0, context_length: int = 0,
+                 max_tokens: int | None = None):
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
+        self.kind, self.num_tokens = kind, num_tokens
+        self.context_length, self.max_tokens = context_length, max_tokens
+
+
+def check_prompt(ids: list[int], context_length: int, vocab_size: int = 0,
+                 max_tokens: int | None = None) -> None:
+    """Raise PromptError unless `ids` is a prompt the model can continue: not empty, ids in
+    [0, vocab_size) (0: unknown, not checked), shorter than the context length (0: unknown),
+    and with `max_tokens` (when given) room for that many more."""
+    n, L = len(ids), context_length
+    if not ids:
+        raise PromptError("empty", "the prompt is empty")
+    if any(t < 0 for t in ids):
+        raise PromptError("negative", "the prompt has negative token ids")
+    outside = [t for t in ids if t >= vocab_size] if vocab_size else []
+    if outside:
+        raise PromptError("vocab", f"prompt has token ids outside the vocabulary "
+                                   f"[0, {vocab_size}): {outside[:5]}")
+    if L and n >= L:
+        raise PromptError("too_long", f"the prompt has {n} tokens: the context length is {L}, "
+                          f"so at most {L - 1} prompt tokens leave room for one generated token",
+                          n, L)
+    if L and max_tokens is not None and n + max_tokens > L:
+        raise PromptError("no_room", f"the prompt has {n} tokens and max_tokens asks for "
+                          f"{max_tokens} more: the context length is {L}", n, L, max_tokens)
+
+
+def chat_prompt_ids(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, **template_kwargs: Any) -> list[int]:
+    """Render `messages` (and `tools`) with the model's chat template and encode them."""
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                       tools=tools, **template_kwargs)
+    except Exception as e:  # template errors (raise_exception), no template
+        raise PromptError("template", f"chat template: {e}") from None
+    # Templates that begin with the BOS token already contain it.
+    has_bos = tok.bos_token is not None and text.startswith(tok.bos_token)
+    return tok.encode(text, add_special_tokens=not has_bos)

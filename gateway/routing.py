@@ -1,0 +1,56 @@
+"""Which workers serve a segment: a decode worker, then a prefill worker that can fill it.
+
+    decode:   least loaded healthy worker, or the prefix-affine one (the worker that
+              recently served the prompt's first blocks) unless it is `slack` requests busier
+    prefill:  the same, among workers whose KV layout (KvCompat) matches the decode worker's
+              reservation; none matching while some are healthy -> FAILED_PRECONDITION
+
+Affinity is the gateway's own bookkeeping (registry.PrefixAffinity): prompt block hashes ->
+the worker it sent them to; a worker's actual prefix cache is not consulted.
+"""
+from __future__ import annotations
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from protos.pdserve.v1 import decode_pb2
+
+from .registry import PrefixAffinity, Worker, WorkerPool
+from .request import GatewayError
+
+
+class Router:
+    def __init__(self, prefill: WorkerPool, decode: WorkerPool, slack: int):
+        self.prefill, self.decode, self.slack = prefill, decode, slack
+        self._affinity = {"prefill": PrefixAffinity(), "decode": PrefixAffinity()}
+
+    def hashes(self, pool: WorkerPool, prompt: list[int], block_size: int = 0) -> list[bytes]:
+        """The prompt's block hashes for `pool`'s affinity (its workers' block size)."""
+        return self._affinity[pool.kind].block_hashes(prompt, block_size or pool.block_size())
+
+    def pick_decode(self, tried: set[str], hashes: list[bytes]) -> Worker | None:
+        return self.decode.pick(tried, self._affinity["decode"], hashes, self.slack)
+
+    def pick_prefill(self, kv: decode_pb2.KvReady, exclude: list[str],
+                     hashes: list[bytes]) -> Worker:
+        """A prefill worker for the reservation `kv`; raises GatewayError when none fits."""
+        w = self.prefill.pick(exclude, self._affinity["prefill"], hashes, self.slack,
+                              compat=kv.compat)
+        if w is not None:
+            return w
+        if self.prefill.pick(exclude) is not None:       # healthy, but none can fill this KV
+            raise GatewayError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"no prefill worker's KV layout matches decode worker "
+                               f"{kv.decode_worker_id or kv.kv_endpoint}: "
+                               f"{MessageToDict(kv.compat)}")
+        raise no_worker(self.prefill)
+
+    def served(self, w: Worker, hashes: list[bytes]) -> None:
+        """`w` took a prompt with these block hashes: prefer it for the same prefix."""
+        self._affinity[w.kind].record(hashes, w.address)
+
+
+def no_worker(pool: WorkerPool) -> GatewayError:
+    known = ", ".join(f"{w.address} ({w.last_error or 'not ready'})"
+                      for w in pool.workers.values()) or "none discovered"
+    return GatewayError(grpc.StatusCode.UNAVAILABLE, f"no healthy {pool.kind} worker (known: {known})")

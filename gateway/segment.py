@@ -1,0 +1,337 @@
+"""One request as segments on (decode, prefill) pairs, and its migration.
+
+    segment = pick D --Decode(prompt)--> KvReady        (D refuses: the next D)
+              pick P --Prefill(dest=KvReady)--> first token
+                  P fails (UNAVAILABLE, ...): WARNING, counted; abort D, retry once on
+                  another P with a fresh reservation ("#r1")
+              first token -> client | SubmitFirstToken -> D  (or Abort D if it finished)
+              D's TokenChunks -> OutputProcessor -> events; a stop string matched here:
+                  the segment ends, cleanup aborts D
+    D's stream breaks (UNAVAILABLE, EOF) -> _DecodeLost -> migrate: a new segment ("#m1")
+        whose prompt is prompt + tokens so far, on another pair (WARNING, counted); no
+        migration (off, structured output, deadline passed): UNAVAILABLE
+
+Every RPC carries the request's remaining deadline. A segment's cleanup() cancels its open
+calls and sends Abort to both workers in the background (each Abort its own short deadline).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
+from services.metrics import Metrics
+from services.protoconv import FINISH_FROM_PROTO, logprob_from_proto, sampling_to_proto
+
+from .config import GatewayConfig
+from .registry import Worker
+from .request import GatewayError, GenerateEvent, RequestState
+from .routing import Router, no_worker
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 2.0
+_SUBMIT_TIMEOUT_S = 10.0
+# Codes a gateway passes through from a worker as they are; anything else becomes INTERNAL.
+_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE,
+                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                 grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION}
+# A Prefill that failed with one of these is retried once on another prefill worker.
+_PREFILL_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
+_DECODE_REFUSALS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class _DecodeLost(Exception):
+    """The decode worker's stream broke mid-request (the worker died or went away)."""
+
+    def __init__(self, worker: Worker, detail: str):
+        super().__init__(detail)
+        self.worker = worker
+
+
+@dataclass
+class Segment:
+    """One pass through a (decode, prefill) pair; owns its calls until cleanup()."""
+    rid: str
+    decode: Worker | None = None
+    decode_call: object = None
+    prefill: Worker | None = None
+    prefill_call: object = None
+    submit_task: asyncio.Task | None = None
+    decode_done: bool = False          # the decode worker finished the request itself
+    metadata: object = None            # gRPC metadata for the workers (trace context)
+
+
+class Segments:
+    """Runs requests as segments over the pools of `router`."""
+
+    def __init__(self, router: Router, cfg: GatewayConfig, metrics: Metrics):
+        self.router, self.cfg, self.metrics = router, cfg, metrics
+        self._background: set[asyncio.Task] = set()
+
+    async def run(self, req: RequestState) -> AsyncIterator[GenerateEvent]:
+        """The request's events, segment after segment until it finishes."""
+        for n in itertools.count():
+            rid = req.inp.request_id if n == 0 else f"{req.inp.request_id}#m{n}"
+            seg = Segment(rid, metadata=req.metadata)
+            try:
+                async for ev in self._segment(req, seg, first=n == 0):
+                    yield ev
+                return
+            except _DecodeLost as e:
+                self._migrate_or_raise(req, e)
+            finally:
+                self.cleanup(seg)
+
+    async def drain(self) -> None:
+        """Wait (bounded) for the background Aborts."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=ABORT_TIMEOUT_S + 1)
+
+    def _migrate_or_raise(self, req: RequestState, e: _DecodeLost) -> None:
+        req.lost.add(e.worker.address)
+        n = len(req.out.token_ids)
+        # A grammar's state cannot be rebuilt from a new prompt: no migration.
+        structured = getattr(req.inp.params, "structured", None) is not None
+        if (not self.cfg.migrate_on_decode_failure or structured
+                or asyncio.get_running_loop().time() >= req.deadline):
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, (
+                f"decode worker {e.worker.address} failed mid-stream after {n} token(s): {e}")
+            ) from None
+        self.metrics.observe_kv_fallback("migrate")
+        log.warning("request %s: decode worker %s failed after %d token(s) (%s); migrating: "
+                    "re-prefilling prompt + tokens so far on another pair",
+                    req.inp.request_id, e.worker.address, n, e)
+
+    # -- one segment -----------------------------------------------------------------------
+    async def _segment(self, req: RequestState, seg: Segment, first: bool
+                       ) -> AsyncIterator[GenerateEvent]:
+        out = req.out
+        prompt = out.prompt_token_ids + out.token_ids
+        params = out.remaining_params()
+        kv, resp = await self._prefill_with_retry(seg, prompt, params, req)
+        if first:
+            req.cached_tokens = max(kv.num_cached_tokens, resp.num_cached_tokens)
+        req.add_energy(resp)
+        ev = _add(req, [resp.first_token], FINISH_FROM_PROTO.get(resp.finish_reason))
+        if ev is not None and first and params.prompt_logprobs is not None:
+            ev.prompt_logprobs = [logprob_from_proto(t) if i else (None, None)
+                                  for i, t in enumerate(resp.prompt_logprobs)]
+        if out.finished:
+            yield req.final(ev)
+            return
+        seg.submit_task = asyncio.create_task(self._submit_first(seg, resp.first_token, req.deadline))
+        seg.submit_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if ev is not None:
+            yield ev
+        await seg.submit_task
+        async for ev in self._relay(req, seg):
+            yield req.final(ev) if out.finished else ev
+
+    async def _prefill_with_retry(self, seg: Segment, prompt: list[int], params,
+                                  req: RequestState):
+        """Open Decode (KvReady), then Prefill; a failed Prefill is retried once on another
+        prefill worker, with a fresh decode reservation. Returns (KvReady, PrefillResponse)."""
+        failed_prefill: list[str] = []
+        for attempt in range(2):
+            if attempt:
+                self.cleanup(seg)
+                seg.__init__(f"{seg.rid}#r{attempt}", metadata=seg.metadata)
+            kv = await self._open_decode(seg, prompt, params, req)
+            try:
+                return kv, await self._prefill(seg, prompt, params, kv, req.deadline, failed_prefill)
+            except grpc.aio.AioRpcError as e:
+                w = seg.prefill
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    w.mark_failed(e.details() or "UNAVAILABLE")
+                failed_prefill.append(w.address)
+                if not (e.code() in _PREFILL_RETRY and attempt == 0
+                        and self.router.prefill.healthy(failed_prefill)):
+                    raise rpc_error(f"prefill worker {w.address}", e) from None
+                self.metrics.observe_kv_fallback("retry")
+                log.warning("request %s: Prefill on %s failed (%s: %s); retrying once on another "
+                            "prefill worker", seg.rid, w.address, e.code().name, e.details())
+        raise AssertionError("unreachable")
+
+    # -- the decode half -------------------------------------------------------------------
+    async def _open_decode(self, seg: Segment, prompt: list[int], params,
+                           req: RequestState) -> decode_pb2.KvReady:
+        """Pick a decode worker, open its stream and read KvReady; a refusing or unreachable
+        worker is skipped for the next one."""
+        tried = set(req.lost)
+        hashes = self.router.hashes(self.router.decode, prompt)
+        last_error = None
+        while True:
+            w = self.router.pick_decode(tried, hashes)
+            if w is None:
+                raise last_error if last_error is not None else no_worker(self.router.decode)
+            tried.add(w.address)
+            kv = await self._reserve(seg, w, prompt, params, req.deadline)
+            if isinstance(kv, GatewayError):
+                last_error = kv
+                continue
+            self.router.served(w, hashes)
+            return kv
+
+    async def _reserve(self, seg: Segment, w: Worker, prompt: list[int], params,
+                       deadline: float) -> decode_pb2.KvReady | GatewayError:
+        """Open `w`'s Decode stream and read its KvReady; the error when `w` refused
+        (UNAVAILABLE, RESOURCE_EXHAUSTED: another worker may take it)."""
+        req = decode_pb2.DecodeRequest(request_id=seg.rid, prompt_token_ids=prompt,
+                                       sampling=sampling_to_proto(params),
+                                       kv_timeout_ms=self.cfg.kv_timeout_ms)
+        seg.decode_call = w.stub.Decode(req, timeout=_remaining(deadline), metadata=seg.metadata)
+        seg.decode = w
+        w.in_flight += 1
+        w.requests_total += 1
+        try:
+            msg = await seg.decode_call.read()
+        except grpc.aio.AioRpcError as e:
+            self._release(seg)
+            if e.code() not in _DECODE_REFUSALS:
+                raise rpc_error(f"decode worker {w.address}", e) from None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                w.mark_failed(e.details() or "UNAVAILABLE")
+            log.warning("request %s: decode worker %s refused (%s: %s); trying another",
+                        seg.rid, w.address, e.code().name, e.details())
+            return rpc_error(f"decode worker {w.address}", e)
+        if msg is grpc.aio.EOF or not msg.HasField("kv_ready"):
+            self._release(seg)
+            raise GatewayError(grpc.StatusCode.INTERNAL,
+                               f"decode worker {w.address} did not start with KvReady")
+        return msg.kv_ready
+
+    async def _submit_first(self, seg: Segment, first: common_pb2.TokenLogprob, deadline: float):
+        w = seg.decode
+        try:
+            r = await w.stub.SubmitFirstToken(
+                decode_pb2.SubmitFirstTokenRequest(request_id=seg.rid, first_token=first),
+                timeout=min(_SUBMIT_TIMEOUT_S, _remaining(deadline)))
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                w.mark_failed(e.details() or "UNAVAILABLE")
+                raise _DecodeLost(w, f"SubmitFirstToken: {e.details()}") from None
+            raise rpc_error(f"decode worker {w.address} (SubmitFirstToken)", e) from None
+        if not r.accepted:
+            raise GatewayError(grpc.StatusCode.INTERNAL,
+                               f"decode worker {w.address} did not accept the first token of "
+                               f"{seg.rid} (reservation expired or aborted)")
+
+    async def _relay(self, req: RequestState, seg: Segment) -> AsyncIterator[GenerateEvent]:
+        """The decode worker's TokenChunks as events, until the request finishes."""
+        w = seg.decode
+        while True:
+            chunk = await self._next_chunk(seg)
+            if chunk is None:
+                continue
+            fin = FINISH_FROM_PROTO.get(chunk.finish_reason)
+            if fin == "error":
+                seg.decode_done = True
+                raise GatewayError(grpc.StatusCode.INTERNAL,
+                                   f"decode worker {w.address}: {chunk.error or 'failed'}")
+            if fin is not None:
+                seg.decode_done = True
+            if chunk.HasField("usage"):
+                req.add_energy(chunk.usage)
+            ev = _add(req, chunk.tokens, fin)
+            if ev is not None:
+                yield ev
+            if req.out.finished:
+                return
+
+    async def _next_chunk(self, seg: Segment) -> decode_pb2.TokenChunk | None:
+        """The next message of the decode stream when it is a TokenChunk (else None);
+        a broken stream raises _DecodeLost."""
+        w = seg.decode
+        try:
+            msg = await seg.decode_call.read()
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                w.mark_failed(e.details() or "UNAVAILABLE")
+                raise _DecodeLost(w, f"{e.code().name}: {e.details()}") from None
+            raise rpc_error(f"decode worker {w.address}", e) from None
+        if msg is grpc.aio.EOF:
+            raise _DecodeLost(w, "the stream ended without a finish reason")
+        return msg.tokens if msg.HasField("tokens") else None
+
+    # -- the prefill half ------------------------------------------------------------------
+    async def _prefill(self, seg: Segment, prompt: list[int], params, kv: decode_pb2.KvReady,
+                       deadline: float, exclude: list[str]) -> prefill_pb2.PrefillResponse:
+        hashes = self.router.hashes(self.router.prefill, prompt, kv.compat.block_size)
+        w = self.router.pick_prefill(kv, exclude, hashes)
+        dest = prefill_pb2.KvDestination(
+            decode_worker_id=kv.decode_worker_id, kv_endpoint=kv.kv_endpoint,
+            transfer_id=kv.transfer_id, dst_block_ids=kv.block_ids,
+            num_cached_tokens=kv.num_cached_tokens, compat=kv.compat)
+        req = prefill_pb2.PrefillRequest(request_id=seg.rid, prompt_token_ids=prompt,
+                                         sampling=sampling_to_proto(params), destination=dest)
+        seg.prefill_call = w.stub.Prefill(req, timeout=_remaining(deadline), metadata=seg.metadata)
+        seg.prefill = w
+        w.in_flight += 1
+        w.requests_total += 1
+        resp = await seg.prefill_call
+        seg.prefill_call = None
+        w.in_flight -= 1
+        seg.prefill = None
+        self.router.served(w, hashes)
+        return resp
+
+    # -- cleanup ---------------------------------------------------------------------------
+    def cleanup(self, seg: Segment) -> None:
+        """Cancel what is still open and Abort it on the workers (in the background)."""
+        if seg.submit_task is not None and not seg.submit_task.done():
+            seg.submit_task.cancel()
+        if seg.prefill is not None:
+            seg.prefill_call.cancel()
+            self._spawn(self._abort(seg.prefill, seg.rid))
+            seg.prefill.in_flight -= 1
+            seg.prefill = None
+        if seg.decode is not None:
+            seg.decode_call.cancel()
+            if not seg.decode_done:
+                self._spawn(self._abort(seg.decode, seg.rid))
+            self._release(seg)
+
+    def _release(self, seg: Segment) -> None:
+        """The decode worker no longer holds this segment (refused or finished)."""
+        if seg.decode is not None:
+            seg.decode.in_flight -= 1
+            seg.decode = None
+        seg.decode_call = None
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, w: Worker, rid: str) -> None:
+        try:
+            await w.stub.Abort(common_pb2.AbortRequest(request_id=rid, reason="gateway"),
+                               timeout=ABORT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.info("Abort(%s) on %s %s: %s", rid, w.kind, w.address, e.code().name)
+
+
+def _add(req: RequestState, tokens, finish_reason: str | None) -> GenerateEvent | None:
+    """Worker tokens (TokenLogprob protos) through the request's output processor."""
+    d = req.out.add([t.token_id for t in tokens], [logprob_from_proto(t) for t in tokens],
+                    finish_reason)
+    return None if d is None else GenerateEvent.of(d)
+
+
+def rpc_error(where: str, e: grpc.aio.AioRpcError) -> GatewayError:
+    code = e.code() if e.code() in _PASS_THROUGH else grpc.StatusCode.INTERNAL
+    return GatewayError(code, f"{where}: {e.code().name}: {e.details()}")
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - asyncio.get_running_loop().time()
+    if left <= 0:
+        raise asyncio.TimeoutError
+    return left
