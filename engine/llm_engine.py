@@ -13,6 +13,7 @@ Not thread-safe: call it from one thread (the async wrapper owns that thread).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -30,7 +31,8 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .step_observer import StepObserver
 from .structured import StructuredOutputs
-from .tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
+from .output_processor import OutputProcessor
+from .tokenizer import Tokenizer
 
 
 class LLMEngine:
@@ -114,8 +116,6 @@ class LLMEngine:
                       arrival_time=time.monotonic())
         if params.structured is not None:
             self.structured.add(request_id, params.structured)   # ValueError on a bad spec
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return req
 
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -212,6 +212,9 @@ class LLMEngine:
         req.prompt_logprobs.extend(zip(lps, tops))
 
     def _append_token(self, req: Request, token: int, logprob: float, top) -> RequestOutput:
+        """Record a sampled token and apply the token-level finish rules: a stop token (once
+        min_tokens are out), a complete grammar, max_tokens or the context length. Text and
+        stop strings are the OutputProcessor's (the gateway's, or `LLM`'s offline)."""
         p = req.sampling_params
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
@@ -222,26 +225,14 @@ class LLMEngine:
         stop_token = (token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids))
         if stop_token and n >= p.min_tokens:
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif req.detokenizer is not None:
-            delta = req.detokenizer.add(token)
-            req.text = req.detokenizer.text
-            if p.stop and n >= p.min_tokens:
-                at = find_stop(req.text, p.stop, len(delta))
-                if at is not None:
-                    s = next(s for s in p.stop if req.text.startswith(s, at))
-                    req.text = req.text[:at + (len(s) if p.include_stop_str_in_output else 0)]
-                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
-        if not req.is_finished and self.structured.advance(req.request_id, req.output_token_ids):
+        elif self.structured.advance(req.request_id, req.output_token_ids):
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None   # grammar complete
-        if not req.is_finished and (n >= req.max_tokens or req.num_tokens >= self.config.model.max_model_len):
+        elif n >= req.max_tokens or req.num_tokens >= self.config.model.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
-        if req.prefill_only and not req.is_finished:
+        elif req.prefill_only:
             req.status = RequestStatus.FINISHED_PREFILL
-        text = req.text
-        if not req.is_finished and p.stop:
-            text = text[:len(text) - partial_stop_len(text, p.stop)]
         return RequestOutput(
-            req.request_id, req.prompt_token_ids, Prefix(req.output_token_ids), [token], text,
+            req.request_id, req.prompt_token_ids, Prefix(req.output_token_ids), [token], "",
             req.is_finished, req.finish_reason, req.stop_reason, Prefix(req.output_logprobs),
             Prefix(req.output_top_logprobs),
             req.prompt_logprobs if p.prompt_logprobs is not None else None,
@@ -267,7 +258,10 @@ class LLMEngine:
 
 
 class LLM:
-    """Offline API: `LLM(model_dir).generate(prompts, params)`."""
+    """Offline API: `LLM(model_dir).generate(prompts, params)`.
+
+    The engine finishes requests on token criteria; text, stop strings and their finish
+    reasons come from one `OutputProcessor` per request, the same one the gateway runs."""
 
     def __init__(self, model_dir: str | Path, **engine_kwargs):
         self.engine = LLMEngine.from_model_dir(model_dir, **engine_kwargs)
@@ -287,19 +281,51 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = []
+        procs = self._add_all(prompts, params)
+        texts = dict.fromkeys(procs, "")
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(procs):
+            for out in self.engine.step():
+                done = self._process(procs[out.request_id], texts, out)
+                if done is not None:
+                    final[out.request_id] = done
+        return [final[rid] for rid in procs]
+
+    def _add_all(self, prompts, params) -> dict[str, OutputProcessor | None]:
+        """Admit every prompt (all or none); request id -> its processor (None: no tokenizer,
+        token ids only)."""
+        procs: dict[str, OutputProcessor | None] = {}
         try:
             for p, sp in zip(prompts, params):
-                ids.append(f"offline-{self._counter}")
+                rid = f"offline-{self._counter}"
                 self._counter += 1
-                self.engine.add_request(ids[-1], p, sp)
+                req = self.engine.add_request(rid, p, sp)
+                procs[rid] = None if self.tokenizer is None else OutputProcessor(
+                    self.tokenizer, req.prompt_token_ids, req.sampling_params,
+                    self.engine.config.model.max_model_len)
         except ValueError:
-            for rid in ids[:-1]:
+            for rid in procs:
                 self.engine.abort_request(rid)
             raise
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+        return procs
+
+    def _process(self, proc: OutputProcessor | None, texts: dict[str, str],
+                 out: RequestOutput) -> RequestOutput | None:
+        """The request's final output once it is finished, by the engine or by a stop string
+        the processor found (the engine request is then aborted); else None."""
+        rid = out.request_id
+        if proc is None:
+            return out if out.finished else None
+        delta = proc.add(out.new_token_ids, None, out.finish_reason if out.finished else None)
+        if delta is not None:
+            texts[rid] += delta.text
+        if not proc.finished:
+            return None
+        if not out.finished:                    # a stop string: the engine would go on
+            self.engine.abort_request(rid)
+        n = len(proc.token_ids)
+        by_text = isinstance(proc.stop_reason, str)
+        return replace(out, token_ids=list(proc.token_ids), text=texts[rid], finished=True,
+                       finish_reason=proc.finish_reason if by_text or not out.finished else out.finish_reason,
+                       stop_reason=proc.stop_reason if by_text or not out.finished else out.stop_reason,
+                       logprobs=list(out.logprobs)[:n], top_logprobs=list(out.top_logprobs)[:n])

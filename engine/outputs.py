@@ -41,7 +41,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]                       # all generated tokens so far
     new_token_ids: list[int]                   # generated in this step
-    text: str                                  # stable text so far (a partial stop string held back)
+    text: str                                  # `LLM`'s final text (OutputProcessor); "" from the engine
     finished: bool
     finish_reason: str | None = None           # stop | length | abort | prefill_done
     stop_reason: int | str | None = None       # the stop token id or stop string that matched

@@ -49,10 +49,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
-    text: str = ""
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
-    detokenizer: object = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

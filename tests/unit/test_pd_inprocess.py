@@ -22,7 +22,8 @@ from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import ensure_default_model
 from gateway.config import GatewayConfig
-from gateway.core import Gateway, GenerateInput
+from gateway.core import Gateway
+from gateway.request import GenerateInput
 from kvtransfer.transport import LoopbackTransport
 from pdserve.launcher import free_port
 from prefill_worker import server as prefill_server

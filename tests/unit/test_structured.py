@@ -48,6 +48,11 @@ def quote_ids(engine):
     return [tok.token_to_id(s) for s in ('"', '"}', "}")]
 
 
+def text_of(engine, out) -> str:
+    """What a client reads: the engine returns token ids; text is the output processor's."""
+    return engine.tokenizer.decode(list(out.token_ids))
+
+
 def run(engine, prompts, params):
     ids = [f"r{i}-{id(params)}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
@@ -83,9 +88,9 @@ def test_json_schema_output_validates(engine, temperature):
     spec = StructuredOutput(json_schema=SCHEMA)
     params = SamplingParams(temperature=temperature, seed=3, max_tokens=200, structured=spec)
     for out in run(engine, PROMPTS, params):
-        assert out.finish_reason == "stop", out.text
+        assert out.finish_reason == "stop", text_of(engine, out)
         assert out.stop_reason is None
-        value = json.loads(out.text)
+        value = json.loads(text_of(engine, out))
         jsonschema.validate(value, SCHEMA)
         assert_grammar_accepts(engine, spec, out.token_ids)
     assert_no_blocks_held(engine)
@@ -103,7 +108,7 @@ def test_json_object_output_parses(engine, quote_ids, temperature):
     for out in outs:
         assert_grammar_accepts(engine, spec, out.token_ids, complete=out.finish_reason == "stop")
         if out.finish_reason == "stop":
-            assert isinstance(json.loads(out.text), dict)
+            assert isinstance(json.loads(text_of(engine, out)), dict)
     assert sum(o.finish_reason == "stop" for o in outs) >= 1
     assert_no_blocks_held(engine)
 
@@ -119,12 +124,12 @@ def test_schema_given_as_string_and_regex_and_lark(engine):
     out, = run(engine, PROMPTS[:1], SamplingParams(
         temperature=0, max_tokens=50, structured=StructuredOutput(regex=r"(yes|no), [0-9]{3}")))
     assert out.finish_reason == "stop"
-    assert out.text[:3] in ("yes", "no,") and out.text[-3:].isdigit()
+    assert text_of(engine, out)[:3] in ("yes", "no,") and text_of(engine, out)[-3:].isdigit()
     out, = run(engine, PROMPTS[:1], SamplingParams(
         temperature=1.0, seed=1, max_tokens=50,
         structured=StructuredOutput(grammar='start: "a" ("b" | "c") ("b" | "c") "d"\n')))
     assert out.finish_reason == "stop"
-    assert out.text.startswith("a") and out.text.endswith("d")
+    assert text_of(engine, out).startswith("a") and text_of(engine, out).endswith("d")
     assert assert_no_blocks_held(engine) is None
 
 
@@ -219,7 +224,7 @@ def test_split_prefill_decode_follows_one_grammar(model_dir):
         assert first.finish_reason == "prefill_done"
         assert len(pre.structured) == 0                 # done with its grammar already
         assert final.token_ids == r.token_ids
-        jsonschema.validate(json.loads(final.text), SCHEMA)
+        jsonschema.validate(json.loads(text_of(dec, final)), SCHEMA)
     assert_no_blocks_held(pre)
     assert_no_blocks_held(dec)
 
