@@ -48,19 +48,13 @@ from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services import protoconv, tracing, worker_server
 from services.energy import EnergyMeter
 from services.metrics import Metrics
-from services.worker_server import Draining, WorkerParts, WorkerServer
+from services.worker_server import Draining, RpcStatus, WorkerParts, WorkerServer
 
 from .config import DecodeWorkerConfig
 
 log = logging.getLogger(__name__)
 SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 _POLICIES = {decode_pb2.KV_FAILURE_POLICY_FAIL: "fail", decode_pb2.KV_FAILURE_POLICY_RECOMPUTE: "recompute"}
-
-
-class _Status(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 class _Aborted(Exception):
@@ -131,7 +125,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         except Draining as e:
             span.set_status(tracing.error_status(str(e)))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except _Status as e:
+        except RpcStatus as e:
             span.set_status(tracing.error_status(e.message))
             await context.abort(e.code, e.message)
         finally:
@@ -177,15 +171,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def _validate(self, request, span) -> _Pending:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if not request.request_id:
-            raise _Status(bad, "request_id is required")
+            raise RpcStatus(bad, "request_id is required")
         if request.request_id in self._pending:
-            raise _Status(bad, f"request id {request.request_id!r} is already in flight")
+            raise RpcStatus(bad, f"request id {request.request_id!r} is already in flight")
         try:
             params = protoconv.worker_sampling_from_proto(request.sampling)
         except (ValueError, TypeError) as e:
-            raise _Status(bad, str(e)) from None
+            raise RpcStatus(bad, str(e)) from None
         if request.kv_timeout_ms < 0:
-            raise _Status(bad, f"kv_timeout_ms must be >= 0, got {request.kv_timeout_ms}")
+            raise RpcStatus(bad, f"kv_timeout_ms must be >= 0, got {request.kv_timeout_ms}")
         timeout = request.kv_timeout_ms / 1000 if request.kv_timeout_ms else self.cfg.kv_expiry_s
         policy = _POLICIES.get(request.kv_failure_policy, self.cfg.kv_failure_policy)
         ids = list(request.prompt_token_ids)
@@ -213,7 +207,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             async for msg in self._stream(pend):
                 yield msg
         except EngineError as e:
-            raise _Status(grpc.StatusCode.INTERNAL, str(e)) from None
+            raise RpcStatus(grpc.StatusCode.INTERNAL, str(e)) from None
         finally:
             await self._end(pend)
 
@@ -223,10 +217,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         try:
             res = await self.ae.add_remote_request(pend.request_id, pend.prompt, pend.params)
         except ValueError as e:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if res is None:
             st = self.ae.stats()
-            raise _Status(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise RpcStatus(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"not enough free KV blocks for a {len(pend.prompt)}-token prompt "
                           f"({st.num_free_blocks} of {st.num_total_blocks} free)")
         block_ids, n_cached = res
@@ -358,7 +352,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         try:
             await self.ae.recompute_locally(pend.request_id, prompt, p)
         except ValueError as e:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"cannot recompute: {e}") from None
+            raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, f"cannot recompute: {e}") from None
         return 0 if first is None else 1
 
     def _abort_chunk(self, pend: _Pending, sent: int = 0) -> decode_pb2.DecodeResponse:
@@ -405,17 +399,6 @@ class DecodeRole(worker_server.WorkerRole):
 
 
 ROLE = DecodeRole()
-
-
-async def serve(cfg: DecodeWorkerConfig, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None, transport=None) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop` is set), then drain and return. `transport`:
-    the KV transport (default: UCX on kv_host:kv_port)."""
-    await worker_server.serve(cfg, ROLE, transport=transport, ready=ready, stop=stop)
-
-
-def run(cfg: DecodeWorkerConfig) -> None:
-    worker_server.run(cfg, ROLE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,13 +34,15 @@ def _run_gateway(cfg: GatewayConfig) -> int:
 
 
 def _run_prefill(cfg: PrefillWorkerConfig) -> int:
-    from prefill_worker import server
-    return server.run(cfg) or 0
+    from prefill_worker.server import ROLE
+    from services.worker_server import run
+    return run(cfg, ROLE) or 0
 
 
 def _run_decode(cfg: DecodeWorkerConfig) -> int:
-    from decode_worker import server
-    return server.run(cfg) or 0
+    from decode_worker.server import ROLE
+    from services.worker_server import run
+    return run(cfg, ROLE) or 0
 
 
 ROLES = {  # subcommand -> (help, config class, runner)

@@ -42,19 +42,13 @@ from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services import protoconv, tracing, worker_server
 from services.energy import EnergyMeter
 from services.metrics import Metrics
-from services.worker_server import Draining, WorkerParts, WorkerServer
+from services.worker_server import Draining, RpcStatus, WorkerParts, WorkerServer
 
 from .config import PrefillWorkerConfig
 from .kv_push import KVPush, Push
 
 log = logging.getLogger(__name__)
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
-
-
-class _Status(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 @dataclass
@@ -100,7 +94,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                 return await self._prefill(request)
         except Draining as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except _Status as e:
+        except RpcStatus as e:
             await context.abort(e.code, e.message)
         except asyncio.CancelledError:
             if rid in self._aborted:
@@ -132,40 +126,40 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def _validate(self, request) -> _Call:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if not request.request_id:
-            raise _Status(bad, "request_id is required")
+            raise RpcStatus(bad, "request_id is required")
         if request.request_id in self._tasks:
-            raise _Status(bad, f"request id {request.request_id!r} is already in flight")
+            raise RpcStatus(bad, f"request id {request.request_id!r} is already in flight")
         try:
             params = protoconv.worker_sampling_from_proto(request.sampling)
         except (ValueError, TypeError) as e:
-            raise _Status(bad, str(e)) from None
+            raise RpcStatus(bad, str(e)) from None
         ids = list(request.prompt_token_ids)
         L, V = self.max_model_len, self.vocab_size
         if not ids:
-            raise _Status(bad, "prompt_token_ids is empty")
+            raise RpcStatus(bad, "prompt_token_ids is empty")
         if len(ids) >= L:
-            raise _Status(bad, f"prompt has {len(ids)} tokens: the context length is {L}, so at most "
+            raise RpcStatus(bad, f"prompt has {len(ids)} tokens: the context length is {L}, so at most "
                                f"{L - 1} prompt tokens leave room for one generated token")
         outside = [t for t in ids if not 0 <= t < V]
         if outside:
-            raise _Status(bad, f"prompt has token ids outside the vocabulary [0, {V}): {outside[:5]}")
+            raise RpcStatus(bad, f"prompt has token ids outside the vocabulary [0, {V}): {outside[:5]}")
         dest = request.destination
         if not dest.kv_endpoint or not dest.transfer_id:
-            raise _Status(bad, "destination.kv_endpoint and destination.transfer_id are required "
+            raise RpcStatus(bad, "destination.kv_endpoint and destination.transfer_id are required "
                                "(copy them from the decode worker's KvReady)")
         theirs = protoconv.compat_from_proto(dest.compat)
         try:
             self.compat.check(theirs, f"prefill[{self.worker_id}]",
                               f"decode[{dest.decode_worker_id or dest.kv_endpoint}]")
         except IncompatibleKV as e:
-            raise _Status(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+            raise RpcStatus(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         bs, cached = self.block_size, dest.num_cached_tokens
         if cached < 0 or cached % bs or cached > len(ids):
-            raise _Status(bad, f"destination.num_cached_tokens={cached} must be a multiple of the "
+            raise RpcStatus(bad, f"destination.num_cached_tokens={cached} must be a multiple of the "
                                f"block size {bs} within the prompt ({len(ids)} tokens)")
         want = cdiv(len(ids), bs) - cached // bs
         if len(dest.dst_block_ids) != want:
-            raise _Status(bad, f"destination has {len(dest.dst_block_ids)} blocks; a {len(ids)}-token "
+            raise RpcStatus(bad, f"destination has {len(dest.dst_block_ids)} blocks; a {len(ids)}-token "
                                f"prompt with {cached} cached tokens needs {want} (block size {bs})")
         return _Call(request.request_id, ids, params, dest, cached)
 
@@ -178,7 +172,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             await self._finish_transfer(call)
             return await self._respond(call)
         except EngineError as e:
-            raise _Status(grpc.StatusCode.INTERNAL, str(e)) from None
+            raise RpcStatus(grpc.StatusCode.INTERNAL, str(e)) from None
         finally:
             await self._end(call)
 
@@ -191,11 +185,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             call.push = await self.kv.open(call.request_id, dest.transfer_id, dest.kv_endpoint,
                                            list(dest.dst_block_ids), call.num_cached // self.block_size)
         except IncompatibleKV as e:
-            raise _Status(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+            raise RpcStatus(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         except TransportError as e:
-            raise _Status(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            raise RpcStatus(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except ValueError as e:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     async def _compute(self, call: _Call) -> None:
         """The prompt through the engine (its layers pushed as they are written) up to the
@@ -204,11 +198,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         try:
             await self.ae.add_request(rid, call.prompt, call.params, prefill_only=True)
         except ValueError as e:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         async for out in self.ae.stream(rid):
             call.final = out
         if call.final is None or call.final.finish_reason == "abort":
-            raise _Status(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
+            raise RpcStatus(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
         call.t_compute = time.perf_counter()
         await self._observe_engine_phases(rid)
 
@@ -219,10 +213,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                 call.transfer = await self.kv.finish(call.push, self.cfg.kv_send_timeout_s)
             except KVTransferTimeout as e:
                 self.metrics.observe_kv_failure()
-                raise _Status(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
+                raise RpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
             except (TransportError, ValueError) as e:
                 self.metrics.observe_kv_failure()
-                raise _Status(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+                raise RpcStatus(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             self.metrics.observe_kv_transfer(call.transfer.bytes_sent, time.perf_counter() - call.t0)
         call.t_done = time.perf_counter()
 
@@ -303,17 +297,6 @@ class PrefillRole(worker_server.WorkerRole):
 
 
 ROLE = PrefillRole()
-
-
-async def serve(cfg: PrefillWorkerConfig, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None, transport=None) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop` is set), then drain and return. `transport`:
-    the KV transport (default: UCX)."""
-    await worker_server.serve(cfg, ROLE, transport=transport, ready=ready, stop=stop)
-
-
-def run(cfg: PrefillWorkerConfig) -> None:
-    worker_server.run(cfg, ROLE)
 
 
 def main(argv: list[str] | None = None) -> int:

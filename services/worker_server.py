@@ -55,6 +55,14 @@ class Draining(Exception):
     """New work is refused: the worker is shutting down."""
 
 
+class RpcStatus(Exception):
+    """Ends an RPC with this gRPC status code and message (the servicer aborts the call)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 class WorkerServer:
     """grpc.aio server + health + reflection + in-flight counting + drain."""
 

@@ -14,8 +14,8 @@ import uuid
 import grpc
 import pytest
 
-from decode_worker import server as decode_server
 from decode_worker.config import DecodeWorkerConfig
+from decode_worker.server import ROLE as DECODE
 from engine.config import EngineOptions
 from engine.kv_cache_manager import cdiv
 from engine.llm_engine import LLM
@@ -26,9 +26,10 @@ from gateway.core import Gateway
 from gateway.request import GenerateInput
 from kvtransfer.transport import LoopbackTransport
 from pdserve.launcher import free_port
-from prefill_worker import server as prefill_server
 from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.server import ROLE as PREFILL
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.worker_server import serve
 
 BS = 8
 LAYERS = 4                      # the tiny model's
@@ -86,8 +87,10 @@ class System:
                                   engine=EngineOptions.of(block_size=BS, num_blocks=64))
         ready = [asyncio.Event(), asyncio.Event()]
         self.tasks = [
-            asyncio.create_task(prefill_server.serve(pcfg, ready[0], self.stop_event, LoopbackTransport())),
-            asyncio.create_task(decode_server.serve(dcfg, ready[1], self.stop_event, LoopbackTransport()))]
+            asyncio.create_task(serve(pcfg, PREFILL, transport=LoopbackTransport(), ready=ready[0],
+                                      stop=self.stop_event)),
+            asyncio.create_task(serve(dcfg, DECODE, transport=LoopbackTransport(), ready=ready[1],
+                                      stop=self.stop_event))]
         both = asyncio.ensure_future(asyncio.gather(ready[0].wait(), ready[1].wait()))
         await asyncio.wait([both, *self.tasks], timeout=60, return_when=asyncio.FIRST_COMPLETED)
         both.cancel()
