@@ -63,48 +63,54 @@ class Metrics:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.role = role
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        r = self.registry
         self._stats_source: Callable[[], Any] | None = None
         # Registered first, so a scrape refreshes the engine gauges before reading them.
-        r.register(_BeforeScrape(self._refresh))
-
-        def counter(name, doc, *labels):
-            return Counter(PREFIX + name, doc, ("role", *labels), registry=r)
-
-        def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, ("role",), registry=r).labels(role)
-
-        def histogram(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, ("role",), buckets=buckets, registry=r).labels(role)
-
+        self.registry.register(_BeforeScrape(self._refresh))
         # Every role.
-        self.num_requests_running = gauge(
+        self.num_requests_running = self._gauge(
             "num_requests_running",
             "Requests in the engine's running batch (gateway: requests in flight)")
-        self._kv_fallbacks = counter(
+        self._kv_fallbacks = self._counter(
             "kv_transfer_fallbacks",
             "KV transfers replaced by a fallback (recompute, retry on another worker, migrate)",
             "kind")
         self._energy: Any = None          # created on the first joule: absent, not zero
         self._lock = threading.Lock()
-
         if role == "gateway":
-            self.ttft = histogram("time_to_first_token_seconds",
-                                  "Time to first token, as the gateway sees it", TTFT_BUCKETS)
-            self.itl = histogram("inter_token_latency_seconds",
-                                 "Time between consecutive output tokens", ITL_BUCKETS)
-            self.e2e = histogram("e2e_request_latency_seconds",
-                                 "End-to-end request latency", REQUEST_BUCKETS)
-            self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests").labels(role)
-            self.generation_tokens = counter(
-                "generation_tokens", "Generated tokens of finished requests").labels(role)
-            self.request_success = counter(
-                "request_success", "Finished requests, by finish reason", "finished_reason")
-            self.request_errors = counter(
-                "request_errors", "Requests that failed, by gRPC status code name", "code")
-            return
+            self._gateway_metrics()
+        else:
+            self._worker_metrics()
 
-        # Workers.
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(PREFIX + name, doc, ("role", *labels), registry=self.registry)
+
+    def _gauge(self, name: str, doc: str):
+        return Gauge(PREFIX + name, doc, ("role",), registry=self.registry).labels(self.role)
+
+    def _histogram(self, name: str, doc: str, buckets):
+        return Histogram(PREFIX + name, doc, ("role",), buckets=buckets,
+                         registry=self.registry).labels(self.role)
+
+    def _gateway_metrics(self) -> None:
+        """Request-level, as the client sees it."""
+        role, counter, histogram = self.role, self._counter, self._histogram
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Time to first token, as the gateway sees it", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between consecutive output tokens", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "End-to-end request latency", REQUEST_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests").labels(role)
+        self.generation_tokens = counter(
+            "generation_tokens", "Generated tokens of finished requests").labels(role)
+        self.request_success = counter(
+            "request_success", "Finished requests, by finish reason", "finished_reason")
+        self.request_errors = counter(
+            "request_errors", "Requests that failed, by gRPC status code name", "code")
+
+    def _worker_metrics(self) -> None:
+        """Engine-level: queues, cache, phases, KV transfers."""
+        role, counter, gauge, histogram = self.role, self._counter, self._gauge, self._histogram
         self.num_requests_waiting = gauge("num_requests_waiting",
                                           "Requests waiting to be scheduled (incl. remote KV)")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
