@@ -367,15 +367,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         except EngineError:
             pass
 
-    async def warm_up(self) -> None:
-        """One tiny local request through the engine so the first real one has no cold start."""
-        rid = f"warmup-{uuid.uuid4().hex[:8]}"
-        n = max(1, min(self.block_size - 3, 8))
-        await self.ae.add_request(rid, list(range(1, n + 1)),
-                                  SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-        async for _ in self.ae.stream(rid):
-            pass
-
 
 class DecodeRole(worker_server.WorkerRole):
     """The decode worker for services.worker_server.serve: no KV connector (the KV comes

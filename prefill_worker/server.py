@@ -26,7 +26,6 @@ import asyncio
 import logging
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -264,21 +263,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         except EngineError:
             pass
 
-    async def warm_up(self) -> None:
-        """One tiny request through the engine so the first real one has no cold start."""
-        rid = f"warmup-{uuid.uuid4().hex[:8]}"
-        n = max(1, min(self.block_size - 1, 8))
-        await self.ae.add_request(rid, list(range(1, n + 1)),
-                                  SamplingParams(temperature=0.0, max_tokens=1), True)
-        async for _ in self.ae.stream(rid):
-            pass
-        await self.ae.release(rid)
-
 
 class PrefillRole(worker_server.WorkerRole):
     """The prefill worker for services.worker_server.serve: KVPush is both its engine's KV
     connector and its KV endpoint."""
-    name, service_name = "prefill", SERVICE
+    name, service_name, prefill_only = "prefill", SERVICE, True
 
     def kv_address(self, cfg: PrefillWorkerConfig) -> tuple[str, int]:
         return cfg.host, 0

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import signal
+import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.async_engine import AsyncEngine
 from engine.kv_connector import KVConnector
+from engine.sampling_params import SamplingParams
 from kvtransfer.transport import Transport
 from kvtransfer.wire import CompatKey
 
@@ -177,6 +179,7 @@ class WorkerRole(abc.ABC):
     """What one kind of worker supplies to `serve`; everything else is shared."""
     name: str = ""               # "prefill" | "decode": worker ids, telemetry, thread names
     service_name: str = ""       # the gRPC service it serves (full name)
+    prefill_only: bool = False   # its requests stop after the first token (see warm_up)
 
     @abc.abstractmethod
     def kv_address(self, cfg) -> tuple[str, int]:
@@ -195,8 +198,7 @@ class WorkerRole(abc.ABC):
 
     @abc.abstractmethod
     def add_servicer(self, parts: WorkerParts):
-        """Build the gRPC servicer, add it to parts.srv.server and return it; it has
-        `async warm_up()`."""
+        """Build the gRPC servicer, add it to parts.srv.server and return it."""
 
 
 async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
@@ -218,14 +220,27 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         ae = AsyncEngine(engine, name=f"{role.name}-engine")
         ae.start()
         tel.metrics.watch_engine(ae.stats)
-        servicer = role.add_servicer(WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter))
-        await srv.run(servicer.warm_up, ready, stop)
+        role.add_servicer(WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter))
+        await srv.run(lambda: warm_up(ae, role.prefill_only), ready, stop)
     finally:
         if ae is not None:
             await ae.shutdown()
         await (kv.close() if kv is not None else transport.close())
         tel.close()
         log.info("%s worker %s stopped", role.name, worker_id)
+
+
+async def warm_up(ae: AsyncEngine, prefill_only: bool) -> None:
+    """One tiny request through the engine, so the first real one has no cold start (a
+    prefill worker's is prefill-only, then released, as its real ones are)."""
+    rid = f"warmup-{uuid.uuid4().hex[:8]}"
+    n = max(1, min(ae.block_size - 3, 8))
+    params = SamplingParams(temperature=0.0, max_tokens=1 if prefill_only else 2, ignore_eos=True)
+    await ae.add_request(rid, list(range(1, n + 1)), params, prefill_only)
+    async for _ in ae.stream(rid):
+        pass
+    if prefill_only:
+        await ae.release(rid)
 
 
 def run(cfg, role: WorkerRole) -> None:
