@@ -31,7 +31,7 @@ import threading
 from collections import deque
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
-from .llm_engine import LLMEngine
+from .llm_engine import LLMEngine, check_prompt_ids
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -196,6 +196,11 @@ class AsyncEngine:
                 self._put(q, _END)
         self._unclaimed.pop(request_id, None)
         await self.call(cmd)
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """ValueError unless the engine would take this prompt (vocabulary, context length);
+        a pure check on the loop, before a worker commits anything to the request."""
+        check_prompt_ids(prompt_token_ids, self.vocab_size, self.max_model_len)
 
     def stats(self) -> EngineStats:
         """The snapshot published after the last step or command batch (never blocks)."""

@@ -35,6 +35,21 @@ from .output_processor import OutputProcessor
 from .tokenizer import Tokenizer
 
 
+def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """ValueError unless `ids` is a prompt this model can continue: not empty, every id in
+    the vocabulary, room for one generated token. (The gateway checks first, in its own
+    words for each front: gateway/prompt.py.)"""
+    if not ids:
+        raise ValueError("prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens: the context length is {max_model_len}, "
+                         f"so at most {max_model_len - 1} prompt tokens leave room for one "
+                         "generated token")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_connector: KVConnector | None = None,
                  step_observers: Sequence[StepObserver] = ()):
@@ -98,15 +113,8 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty")
-        V, L = self.config.model.vocab_size, self.config.model.max_model_len
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {V}): {bad[:5]}")
-        if len(ids) >= L:
-            raise ValueError(f"prompt has {len(ids)} tokens: the context length is {L}, so at "
-                             f"most {L - 1} prompt tokens leave room for one generated token")
+        L = self.config.model.max_model_len
+        check_prompt_ids(ids, self.config.model.vocab_size, L)
         max_tokens = min(params.max_tokens or L, L - len(ids))
         # a prefill-only request computes the prompt and samples one token, nothing more
         need = cdiv(len(ids) + (1 if prefill_only else max_tokens), self.kv.block_size)

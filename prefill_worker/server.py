@@ -77,8 +77,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self.meter = meter or EnergyMeter(None)
         self.compat = kv.compat
         self.block_size = aengine.block_size
-        self.vocab_size = aengine.vocab_size
-        self.max_model_len = aengine.max_model_len
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
 
@@ -133,15 +131,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         except (ValueError, TypeError) as e:
             raise RpcStatus(bad, str(e)) from None
         ids = list(request.prompt_token_ids)
-        L, V = self.max_model_len, self.vocab_size
-        if not ids:
-            raise RpcStatus(bad, "prompt_token_ids is empty")
-        if len(ids) >= L:
-            raise RpcStatus(bad, f"prompt has {len(ids)} tokens: the context length is {L}, so at most "
-                               f"{L - 1} prompt tokens leave room for one generated token")
-        outside = [t for t in ids if not 0 <= t < V]
-        if outside:
-            raise RpcStatus(bad, f"prompt has token ids outside the vocabulary [0, {V}): {outside[:5]}")
+        try:
+            self.ae.check_prompt(ids)
+        except ValueError as e:
+            raise RpcStatus(bad, str(e)) from None
         dest = request.destination
         if not dest.kv_endpoint or not dest.transfer_id:
             raise RpcStatus(bad, "destination.kv_endpoint and destination.transfer_id are required "
