@@ -117,3 +117,16 @@ def test_the_table_is_not_vacuous():
         or any(d.startswith("services.") for d in graph["prefill_worker.server"])
     assert any(d == "engine.tokenizer" for m, ds in graph.items() if m.startswith("gateway") for d in ds)
     assert any(d.startswith("engine.") for d in graph["decode_worker.server"])
+
+
+def test_every_package_ships():
+    """Each package of the table is a regular package that the wheel and the image carry:
+    a namespace package (no __init__.py) works from a checkout but is left out of both."""
+    import tomllib
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]["include"]
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    for pkg in PACKAGES:
+        assert (ROOT / pkg / "__init__.py").is_file(), f"{pkg}/ has no __init__.py"
+        assert f"{pkg}*" in include, f"pyproject.toml's packages do not include {pkg}"
+        assert f"COPY {pkg} ./{pkg}" in dockerfile, f"deploy/Dockerfile does not copy {pkg}/"
