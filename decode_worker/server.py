@@ -89,7 +89,6 @@ class _Pending:
 @dataclass
 class Counters:
     token_expirations: int = 0        # KV arrived but SubmitFirstToken did not, in time
-    failed_requests: int = 0          # streams ended with FINISH_REASON_ERROR
     fallbacks: int = 0                # prompts recomputed here (policy recompute)
 
 
@@ -288,7 +287,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                                          [(t.token_id, t.logprob) for t in first.top_logprobs] or None)
             pend.sent = 1
         elif pend.policy == "fail":
-            self.counters.failed_requests += 1
             log.warning("request %s failed (policy fail): %s", pend.request_id, problem)
             return _error_chunk(pend.request_id, common_pb2.FINISH_REASON_ERROR, problem, pend.usage)
         else:

@@ -106,7 +106,6 @@ class LoopbackConnection(Connection):
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._other: LoopbackConnection | None = None
         self._closed = False
-        self.sent_messages = 0  # for tests: how many messages this end sent
 
     @property
     def closed(self) -> bool:
@@ -116,7 +115,6 @@ class LoopbackConnection(Connection):
         if self._closed or self._other is None or self._other._closed:
             raise ConnectionClosed(f"loopback connection to {self.peer} is closed")
         data = bytes(memoryview(as_buffer(buffer)).cast("B"))  # a copy, like the wire
-        self.sent_messages += 1
         self._other._inbox.put_nowait(data)
 
     async def recv(self, nbytes: int | None = None, *, into: Any = None) -> Any:
