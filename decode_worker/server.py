@@ -40,15 +40,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.async_engine import AsyncEngine, EngineError
+from engine.async_engine import EngineError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.receiver import KVReceiver, TransferState
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services import protoconv, tracing, worker_server
-from services.energy import EnergyMeter
-from services.metrics import Metrics
-from services.worker_server import Draining, RpcStatus, WorkerParts, WorkerServer
+from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .config import DecodeWorkerConfig
 
@@ -98,15 +96,12 @@ def _error_chunk(rid: str, reason, message: str, usage: common_pb2.Usage) -> dec
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, cfg: DecodeWorkerConfig, aengine: AsyncEngine, receiver: KVReceiver,
-                 srv: WorkerServer, worker_id: str, metrics: Metrics | None = None,
-                 meter: EnergyMeter | None = None):
-        self.cfg, self.ae, self.receiver, self.srv = cfg, aengine, receiver, srv
-        self.worker_id = worker_id
-        self.metrics = metrics or Metrics("decode")
-        self.meter = meter or EnergyMeter(None)
-        self.compat = receiver.compat
-        self.block_size = aengine.block_size
+    def __init__(self, parts: WorkerParts):
+        self.cfg: DecodeWorkerConfig = parts.cfg
+        self.ae, self.receiver, self.srv = parts.engine, parts.kv, parts.srv
+        self.worker_id, self.metrics, self.meter = parts.worker_id, parts.metrics, parts.meter
+        self.compat = self.receiver.compat
+        self.block_size = self.ae.block_size
         self._pending: dict[str, _Pending] = {}
         self.counters = Counters()
 
@@ -380,12 +375,8 @@ class DecodeRole(worker_server.WorkerRole):
         log.info("decode KV endpoint %s", await receiver.start())
         return receiver
 
-    def add_servicer(self, parts: WorkerParts) -> DecodeServicer:
-        servicer = DecodeServicer(parts.cfg, parts.engine, parts.kv, parts.srv, parts.worker_id,
-                                  parts.metrics, parts.meter)
-        decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, parts.srv.server)
-        return servicer
-
+    servicer_class = DecodeServicer
+    add_to_server = staticmethod(decode_pb2_grpc.add_DecodeWorkerServicer_to_server)
 
 ROLE = DecodeRole()
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.async_engine import AsyncEngine, EngineError
+from engine.async_engine import EngineError
 from engine.kv_cache_manager import cdiv
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -39,9 +39,7 @@ from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services import protoconv, tracing, worker_server
-from services.energy import EnergyMeter
-from services.metrics import Metrics
-from services.worker_server import Draining, RpcStatus, WorkerParts, WorkerServer
+from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .config import PrefillWorkerConfig
 from .kv_push import KVPush, Push
@@ -68,15 +66,12 @@ class _Call:
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, cfg: PrefillWorkerConfig, aengine: AsyncEngine, kv: KVPush,
-                 srv: WorkerServer, worker_id: str, metrics: Metrics | None = None,
-                 meter: EnergyMeter | None = None):
-        self.cfg, self.ae, self.kv, self.srv = cfg, aengine, kv, srv
-        self.worker_id = worker_id
-        self.metrics = metrics or Metrics("prefill")
-        self.meter = meter or EnergyMeter(None)
-        self.compat = kv.compat
-        self.block_size = aengine.block_size
+    def __init__(self, parts: WorkerParts):
+        self.cfg: PrefillWorkerConfig = parts.cfg
+        self.ae, self.kv, self.srv = parts.engine, parts.kv, parts.srv
+        self.worker_id, self.metrics, self.meter = parts.worker_id, parts.metrics, parts.meter
+        self.compat = self.kv.compat
+        self.block_size = self.ae.block_size
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
 
@@ -271,12 +266,8 @@ class PrefillRole(worker_server.WorkerRole):
     async def open_kv(self, cfg, engine, transport, connector: KVPush) -> KVPush:
         return connector                 # bound to the cache by the engine's construction
 
-    def add_servicer(self, parts: WorkerParts) -> PrefillServicer:
-        servicer = PrefillServicer(parts.cfg, parts.engine, parts.kv, parts.srv, parts.worker_id,
-                                   parts.metrics, parts.meter)
-        prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, parts.srv.server)
-        return servicer
-
+    servicer_class = PrefillServicer
+    add_to_server = staticmethod(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server)
 
 ROLE = PrefillRole()
 

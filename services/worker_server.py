@@ -7,7 +7,7 @@
     build the engine               (off the loop) with the connector and the step observers
     gRPC server bound              (worker id: "<role>-<host>:<port>" unless configured)
     role.open_kv()                 its KV endpoint (prefill: the connector; decode: a receiver)
-    AsyncEngine thread started; role.add_servicer()
+    AsyncEngine thread started; role.servicer_class(parts) added to the server
     WorkerServer.run:
       start  -> health NOT_SERVING -> warm-up (one tiny request through the engine)
              -> health SERVING, `ready` set
@@ -25,7 +25,7 @@ import os
 import signal
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -196,9 +196,8 @@ class WorkerRole(abc.ABC):
         """This worker's KV endpoint, once the engine (an engine.llm_engine.LLMEngine, not
         stepping yet) and its cache exist."""
 
-    @abc.abstractmethod
-    def add_servicer(self, parts: WorkerParts):
-        """Build the gRPC servicer, add it to parts.srv.server and return it."""
+    servicer_class: type         # the gRPC servicer, built from the WorkerParts
+    add_to_server: Callable      # the generated add_<Service>Servicer_to_server (a staticmethod)
 
 
 async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
@@ -220,7 +219,8 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         ae = AsyncEngine(engine, name=f"{role.name}-engine")
         ae.start()
         tel.metrics.watch_engine(ae.stats)
-        role.add_servicer(WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter))
+        parts = WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter)
+        role.add_to_server(role.servicer_class(parts), srv.server)
         await srv.run(lambda: warm_up(ae, role.prefill_only), ready, stop)
     finally:
         if ae is not None:
