@@ -7,13 +7,12 @@ server module (which may import torch) is imported only when that role runs.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from decode_worker.config import DecodeWorkerConfig
 from gateway.config import GatewayConfig
 from prefill_worker.config import PrefillWorkerConfig
-from services.cli_args import config_from_args, dataclass_args
+from services.cli_args import add_role_args, config_from_args, dataclass_args, role_config
 
 from . import launcher
 
@@ -52,16 +51,6 @@ ROLES = {  # subcommand -> (help, config class, runner)
 }
 
 
-def _run_role(args, cls, runner) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = config_from_args(cls, args)
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"pdserve: bad configuration: {e}")
-    return runner(cfg)
-
-
 def _run_up(args) -> int:
     try:
         cfg = config_from_args(launcher.UpConfig, args)
@@ -79,9 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_make_tiny_model)
     for role, (help_, cls, runner) in ROLES.items():
         r = sub.add_parser(role, help=help_)
-        dataclass_args(r, cls)
-        r.add_argument("--log-level", default="INFO")
-        r.set_defaults(func=lambda args, cls=cls, runner=runner: _run_role(args, cls, runner))
+        add_role_args(r, cls)
+        r.set_defaults(func=lambda args, cls=cls, runner=runner: runner(role_config(cls, args)))
     up = sub.add_parser("up", help="run gateway + N prefill + M decode workers locally")
     dataclass_args(up, launcher.UpConfig)
     up.set_defaults(func=_run_up)

@@ -88,13 +88,26 @@ def config_argv(config) -> list[str]:
     return argv
 
 
-def config_from_argv(cls, argv: list[str] | None, description: str):
-    """Build a worker's config from the command line (`python -m prefill_worker.server`);
-    the options are the ones `pdserve prefill|decode` has."""
-    p = argparse.ArgumentParser(description=description)
-    dataclass_args(p, cls)
-    p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
+def add_role_args(parser: argparse.ArgumentParser, cls) -> None:
+    """A server role's options: its config's, and --log-level."""
+    dataclass_args(parser, cls)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def role_config(cls, args: argparse.Namespace):
+    """Set up logging and build the role's config from options parsed by `add_role_args`;
+    a bad value exits with a one-line message naming it."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return config_from_args(cls, args)
+    try:
+        return config_from_args(cls, args)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"pdserve: bad configuration: {e}")
+
+
+def config_from_argv(cls, argv: list[str] | None, description: str):
+    """A worker's config from the command line (`python -m prefill_worker.server`): the
+    options `pdserve prefill|decode` has."""
+    p = argparse.ArgumentParser(description=description)
+    add_role_args(p, cls)
+    return role_config(cls, p.parse_args(argv))
