@@ -25,9 +25,9 @@ def _make_tiny_model(args) -> int:
 
 
 def _run_gateway(cfg: GatewayConfig) -> int:
-    if not cfg.model:                       # the embedded default is the launcher's to make
-        from engine.tiny_model import ensure_default_model
-        cfg.model = str(ensure_default_model())
+    if not cfg.model:                       # the default model, as `pdserve up` resolves it
+        from .default_model import resolve_default_model
+        cfg.model = str(resolve_default_model())
     from gateway import grpc_server
     return grpc_server.run(cfg) or 0
 
