@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .model import CausalLM
+from .moe import expert_target, stack_experts
 from .kernels.rope import build_cos_sin_cache
 
 # checkpoint name -> (our parameter, shard index within a fused parameter, or None)
@@ -35,9 +36,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _target(name: str) -> tuple[str, int | None]:
-    """HF name -> (our name, shard). model.layers.0.self_attn.q_proj.weight -> qkv_proj."""
+def _target(name: str) -> tuple[str, int | tuple[int, int] | None]:
+    """HF name -> (our name, shard). model.layers.0.self_attn.q_proj.weight -> qkv_proj;
+    one MoE expert's weight -> its stacked parameter, shard (expert, part)."""
     name = name.removeprefix("model.")
+    if (expert := expert_target(name)) is not None:
+        return expert
     parts = name.split(".")
     for i, p in enumerate(parts):
         if p in _FUSED:
@@ -69,6 +73,9 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
                 else:
                     shards.setdefault(name, {})[shard] = t
     for name, parts in shards.items():
+        if ".experts." in name:
+            tensors[name] = stack_experts(name, parts, config.moe.num_experts)
+            continue
         n = 3 if "qkv" in name else 2
         if len(parts) != n:
             raise ValueError(f"checkpoint has {len(parts)} of {n} parts of {name!r}")
