@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .model import CausalLM
-from .moe import expert_target, stack_experts
 from .kernels.rope import build_cos_sin_cache
+from .moe import expert_target, stack_experts
 
 # checkpoint name -> (our parameter, shard index within a fused parameter, or None)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -95,7 +95,7 @@ def silu_and_mul(x, *, out=None, backend: str = "auto"):
     return _into(out, reference.silu_and_mul(x))
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, *, backend: str = "auto"):
+def fused_moe(x, w13, w2, topk_weights, topk_ids, *, tiles=None, backend: str = "auto"):
     if use_triton(x, backend):
-        return _triton_op("moe", "fused_moe")(x, w13, w2, topk_weights, topk_ids)
+        return _triton_op("moe", "fused_moe")(x, w13, w2, topk_weights, topk_ids, tiles=tiles)
     return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)

@@ -97,13 +97,16 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def _config(rows_per_expert: float, n: int, k: int) -> dict:
-    """Tile sizes by the average rows an expert gets (decode: a few; prefill: many)."""
-    if rows_per_expert <= 16:
+    """Tile sizes by the average rows an expert gets (decode: a few; prefill: many). BLOCK_N
+    counts gate columns: GEMM 1's programs read 2 * BLOCK_N weight rows (gate and up)."""
+    if rows_per_expert <= 8:
         bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+    elif rows_per_expert <= 16:
+        bm, bn, bk, warps, stages = 32, 64, 128, 4, 3
     elif rows_per_expert <= 64:
-        bm, bn, bk, warps, stages = 64, 64, 64, 4, 3
+        bm, bn, bk, warps, stages = 64, 128, 64, 8, 4
     else:
-        bm, bn, bk, warps, stages = 64, 128, 64, 8, 3
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
     # small test shapes: no tile wider than the matrix (the interpreter pays for every lane)
     bn = min(bn, max(16, triton.next_power_of_2(n)))
     bk = min(bk, max(16, triton.next_power_of_2(k)))
@@ -111,10 +114,11 @@ def _config(rows_per_expert: float, n: int, k: int) -> dict:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, block_m: int | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, tiles: dict | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] = cat(gate, up) per expert; w2 [E, H, I]; topk_weights [T, k]
     (any float dtype, applied in fp32); topk_ids [T, k] int -> [T, H] in x.dtype.
-    `block_m` overrides the row tile (16, 32, 64, ...) chosen from the load."""
+    `tiles` overrides entries of the launch config chosen from the load (BLOCK_M / BLOCK_N /
+    BLOCK_K / num_warps / num_stages, for both GEMMs): tests and the benchmark's sweep."""
     check_tensor("x", x, 2, FLOAT_DTYPES)
     t, h = x.shape
     check_tensor("w13", w13, 3, (x.dtype,), x.device)
@@ -133,8 +137,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if m == 0:
         return out
     cfg1, cfg2 = _config(m / e, i, h), _config(m / e, h, i)
-    if block_m is not None:
-        cfg1["BLOCK_M"] = cfg2["BLOCK_M"] = block_m
+    cfg1.update(tiles or {})
+    cfg2.update(tiles or {})
     bm = cfg1["BLOCK_M"]
     sorted_ids, block_expert = align_by_expert(topk_ids, e, bm)
     weights = topk_weights.reshape(-1).float().contiguous()
