@@ -98,7 +98,7 @@ def run_cpu():
         for t in (1, 16, 64, 256):
             try:
                 x = torch.randn(t, h, generator=gen)
-                iters = 50 if t <= 16 else 10
+                iters = 100 if t <= 16 else 30
                 a = cpu_timed(lambda: loop(x, wg, w13, w2, k), iters)
                 b = cpu_timed(lambda: dense(x, wg, w13, w2, k), iters)
                 c = cpu_timed(lambda: blk(x[None]), iters)
