@@ -15,7 +15,8 @@ it, and experts no token chose cost nothing. The SiLU-and-mul is fused into GEMM
 epilogue (it computes the gate and the up tile together), the routing weight into GEMM 2's;
 the k-way sum is one torch reduction.
 
-Graph-safe: the alignment is device-side tensor ops of shapes fixed by T (no host sync), and
+One token (decode at batch 1) skips the alignment: its k rows go to k distinct experts, so
+each row is a block of its own. Graph-safe: the alignment is device-side tensor ops of shapes fixed by T (no host sync), and
 the grid is sized for the worst case (every expert's run padded), spare blocks exit at once.
 """
 from __future__ import annotations
@@ -31,15 +32,19 @@ from ._checks import FLOAT_DTYPES, check_shape, check_tensor, dot_precision, upc
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topw_ptr,
                      num_rows, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_om,
                      A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, WEIGHTED: tl.constexpr,
-                     PREC: tl.constexpr, UPCAST: tl.constexpr,
+                     ROW_PER_BLOCK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # grid (row blocks, column blocks); row blocks vary fastest, so the programs that share
     # one expert's weight tile run together and the tile is read from DRAM about once.
+    # ROW_PER_BLOCK (one token): block m is row m alone and block_expert is topk_ids itself.
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e < 0:
         return
-    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if ROW_PER_BLOCK:
+        rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
+    else:
+        rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < num_rows
     a_rows = (rows // A_ROW_DIV).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,8 +144,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     cfg1, cfg2 = _config(m / e, i, h), _config(m / e, h, i)
     cfg1.update(tiles or {})
     cfg2.update(tiles or {})
-    bm = cfg1["BLOCK_M"]
-    sorted_ids, block_expert = align_by_expert(topk_ids, e, bm)
+    one_token = t == 1      # k rows, k distinct experts: no sorting (decode at batch 1)
+    if one_token:
+        sorted_ids = block_expert = topk_ids.reshape(-1)
+    else:
+        sorted_ids, block_expert = align_by_expert(topk_ids, e, cfg1["BLOCK_M"])
     weights = topk_weights.reshape(-1).float().contiguous()
     inter = torch.empty(m, i, dtype=x.dtype, device=x.device)
     y = torch.empty(m, h, dtype=x.dtype, device=x.device)
@@ -149,9 +157,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _moe_gemm_kernel[(nblk, triton.cdiv(i, cfg1["BLOCK_N"]))](
         x, w13, inter, sorted_ids, block_expert, weights, m, i, h,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
-        A_ROW_DIV=k, SILU_MUL=True, WEIGHTED=False, PREC=prec, UPCAST=upcast, **cfg1)
+        A_ROW_DIV=k, SILU_MUL=True, WEIGHTED=False, ROW_PER_BLOCK=one_token, PREC=prec,
+        UPCAST=upcast, **cfg1)
     _moe_gemm_kernel[(nblk, triton.cdiv(h, cfg2["BLOCK_N"]))](
         inter, w2, y, sorted_ids, block_expert, weights, m, h, i,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
-        A_ROW_DIV=1, SILU_MUL=False, WEIGHTED=True, PREC=prec, UPCAST=upcast, **cfg2)
+        A_ROW_DIV=1, SILU_MUL=False, WEIGHTED=True, ROW_PER_BLOCK=one_token, PREC=prec,
+        UPCAST=upcast, **cfg2)
     return torch.sum(y.view(t, k, h), dim=1, out=out)
