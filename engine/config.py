@@ -139,10 +139,10 @@ class ModelConfig:
             qk_norm=kind in ("qwen3", "qwen3_moe"),
             max_model_len=min(max_model_len or limit, limit),
             bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, name=d.name,
-            moe=_moe_config(kind, c, path),
         )
         if cfg.num_heads % cfg.num_kv_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads")
+        cfg.moe = _moe_config(kind, c, path)
         return cfg
 
 

@@ -36,11 +36,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _target(name: str) -> tuple[str, int | tuple[int, int] | None]:
-    """HF name -> (our name, shard). model.layers.0.self_attn.q_proj.weight -> qkv_proj;
-    one MoE expert's weight -> its stacked parameter, shard (expert, part)."""
+def _target(name: str) -> tuple[str, int | None]:
+    """HF name -> (our name, shard). model.layers.0.self_attn.q_proj.weight -> qkv_proj."""
     name = name.removeprefix("model.")
-    if (expert := expert_target(name)) is not None:
+    if (expert := expert_target(name)) is not None:     # an MoE expert's: shard (expert, part)
         return expert
     parts = name.split(".")
     for i, p in enumerate(parts):
