@@ -23,7 +23,7 @@ from . import reference
 from .rope import build_cos_sin_cache
 
 __all__ = ["use_triton", "write_kv_cache", "paged_prefill_attention", "paged_decode_attention",
-           "rms_norm", "rotary_embedding", "silu_and_mul", "fused_moe", "build_cos_sin_cache"]
+           "rms_norm", "rotary_embedding", "silu_and_mul", "build_cos_sin_cache"]
 
 
 def use_triton(t: torch.Tensor, backend: str = "auto") -> bool:
@@ -95,7 +95,12 @@ def silu_and_mul(x, *, out=None, backend: str = "auto"):
     return _into(out, reference.silu_and_mul(x))
 
 
+__all__ += ["fused_moe"]
+
+
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, tiles=None, backend: str = "auto"):
+    """The experts of an MoE block (moe.py; the reference loops over the experts). `tiles`:
+    launch-config overrides for the Triton path."""
     if use_triton(x, backend):
         return _triton_op("moe", "fused_moe")(x, w13, w2, topk_weights, topk_ids, tiles=tiles)
     return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
