@@ -16,7 +16,9 @@ epilogue (it computes the gate and the up tile together), the routing weight int
 the k-way sum is one torch reduction.
 
 One token (decode at batch 1) skips the alignment: its k rows go to k distinct experts, so
-each row is a block of its own. Graph-safe: the alignment is device-side tensor ops of shapes fixed by T (no host sync), and
+each row is a block of its own.
+
+Graph-safe: the alignment is device-side tensor ops of shapes fixed by T (no host sync), and
 the grid is sized for the worst case (every expert's run padded), spare blocks exit at once.
 """
 from __future__ import annotations
