@@ -212,7 +212,8 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
     worker_id = cfg.worker_id or role.name
     try:
         connector = role.kv_connector(cfg, transport)
-        engine = await asyncio.to_thread(cfg.build_engine, connector, tel.step_observers())
+        engine = await asyncio.to_thread(cfg.build_engine, connector, tel.step_observers(),
+                                         False if role.prefill_only else None)
         srv = WorkerServer([role.service_name], cfg.host, cfg.port, cfg.drain_timeout_s)
         worker_id = cfg.worker_id or f"{role.name}-{cfg.host}:{srv.port}"
         kv = await role.open_kv(cfg, engine, transport, connector)
