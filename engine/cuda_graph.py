@@ -100,6 +100,18 @@ class DecodeGraphs:
             meta: AttentionMetadata) -> torch.Tensor:
         """Logits [n, V] of a decode-only batch of n <= max_batch rows (a view of the static
         buffer: valid until the next run)."""
+        n, b, c = self.stage(input_ids, positions, meta)
+        self.replays[b, c] = self.replays.get((b, c), 0) + 1
+        if (b, c) in self.graphs:
+            self.graphs[b, c].replay()
+        else:
+            self._forward(b, c)
+        return self.logits[:n]
+
+    def stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata) -> tuple[int, int, int]:
+        """Copy a batch into the static buffers, padding rows after it; -> (rows, batch
+        bucket, context bucket)."""
         n, b = input_ids.shape[0], self.bucket(input_ids.shape[0])
         c = self.context_bucket(meta.max_context_len)
         w = meta.block_tables.shape[1]
@@ -115,9 +127,4 @@ class DecodeGraphs:
         self.block_tables[:n, :w].copy_(meta.block_tables)
         self.context_lens[:n].copy_(meta.context_lens)
         self.context_lens[n:b].zero_()
-        self.replays[b, c] = self.replays.get((b, c), 0) + 1
-        if (b, c) in self.graphs:
-            self.graphs[b, c].replay()
-        else:
-            self._forward(b, c)
-        return self.logits[:n]
+        return n, b, c
