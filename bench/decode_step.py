@@ -18,6 +18,7 @@ engine's own calls (the graph launch and the sampler's launches are not in it).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -132,7 +133,9 @@ def add_batch(eng, batch, ctx, max_tokens, vocab, tag) -> list[str]:
 
 
 def measure(eng, clock, batch, ctx, steps, vocab, device) -> dict:
-    rids = add_batch(eng, batch, ctx, steps + 8, vocab, f"b{batch}c{ctx}")
+    """Median wall time and host side of `steps` steps of `batch` requests whose contexts
+    end at `ctx` (prompts of ctx - steps - 8 tokens)."""
+    rids = add_batch(eng, batch, ctx - steps - 8, steps + 8, vocab, f"b{batch}c{ctx}")
     for _ in range(3):
         eng.step()
     sync(device)
@@ -155,8 +158,10 @@ def energy_run(eng, meter, handle, batch, ctx, seconds, vocab, step_s) -> dict:
     NVML's energy counter read just before and after."""
     import pynvml
     n = max(20, int(seconds / step_s))
-    rids = add_batch(eng, batch, ctx, n + 8, vocab, f"e{batch}")
-    eng.step()
+    warm = max(5, int(1.0 / step_s))      # NVML's power reading averages over ~1 s: load it first
+    rids = add_batch(eng, batch, ctx, n + warm + 8, vocab, f"e{batch}")
+    for _ in range(warm):
+        eng.step()
     torch.cuda.synchronize()
     before = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)       # mJ
     t = time.perf_counter()
@@ -261,42 +266,9 @@ def main() -> int:
         print(f"batch {b} ctx {c}: step {r['step'] * 1e3:.2f} ms, host {r['host'] * 1e3:.3f} ms, "
               f"floor {floor * 1e3:.2f} ms", flush=True)
 
-    energy = []
-    if device == "cuda":
-        try:
-            import pynvml
-
-            from services.energy import EnergyMeter, gpu_index, nvml_power_reader
-            idx = gpu_index(device)
-            meter = EnergyMeter(nvml_power_reader(idx))
-            handle = pynvml.nvmlDeviceGetHandleByIndex(idx)
-            if not meter.available:
-                raise RuntimeError("NVML gives no power reading here")
-            step_of = {(b, c): s for b, c, s, _, _ in rows}
-            for b in (1, 256):
-                energy.append(energy_run(eng, meter, handle, b, 1024, 2.5, shape["vocab_size"],
-                                         step_of.get((b, 1024), 0.02)))
-        except Exception as e:                               # a missing NVML must not hide the rest
-            print(f"energy not measured: {type(e).__name__}: {e}", flush=True)
-    del eng, g, clock
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-    hf = None
-    if not a.no_hf:
-        try:
-            hf = hf_decode_step(shape, 1024 if not a.smoke else 64, dtype, device)
-            print(f"transformers eager batch 1: {hf * 1e3:.2f} ms", flush=True)
-        except Exception as e:                               # the baseline must not hide ours
-            print(f"transformers baseline failed: {type(e).__name__}: {e}", flush=True)
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    peer = run_peer(a.peer, a.smoke, 75)
-
     name = "CPU smoke, tiny shape" if a.smoke else f"{torch.cuda.get_device_name()}, Llama-3.1-8B shape"
-    print(f"\n{name}, {dtype}, weights {weight_bytes / 1e9:.2f} GB, copy "
-          f"{copy_bw / 1e12:.2f} TB/s (same run); engine.step() median of {a.steps}, greedy, "
-          f"sampled on the device\n")
+    print(f"\n{name}, {dtype}, weights {weight_bytes / 1e9:.2f} GB, copy {copy_bw / 1e12:.2f} TB/s "
+          f"(same run); engine.step() median of {a.steps}, greedy, sampled on the device\n")
     print("| batch | context | pdserve engine.step() | out tok/s | host side (sched+prep+output) "
           "| floor (weights+KV / copy BW) | share of floor |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -305,22 +277,55 @@ def main() -> int:
               f"| {floor * 1e3:.2f} ms | {floor / step:.0%} |")
     for b, c in skipped:
         print(f"| {b} | {c} | not run: KV {b * c * kv_per_token / 1e9:.0f} GB does not fit | | | | |")
-    if hf is not None:
-        ours = next((s for b, c, s, _, _ in rows if b == 1 and c == min(cc for _, cc in configs)), None)
-        vs = f" = {hf / ours:.1f}x pdserve's step" if ours else ""
-        print(f"\ntransformers eager, batch 1, context {1024 if not a.smoke else 64}: "
-              f"{hf * 1e3:.2f} ms per step{vs}")
+    print(flush=True)
+
+    if device == "cuda":
+        try:
+            print_energy(eng, rows, shape["vocab_size"])
+        except Exception as e:                               # a missing NVML must not hide the rest
+            print(f"energy not measured: {type(e).__name__}: {e}", flush=True)
+    del eng, g, clock
+    gc.collect()                                             # the wrappers make cycles
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    if not a.no_hf:
+        ctx = 1024 if not a.smoke else 64
+        try:
+            hf = hf_decode_step(shape, ctx, dtype, device)
+            ours = next((s for b, c, s, _, _ in rows if b == 1 and c == min(cc for _, cc in configs)), None)
+            vs = f" = {hf / ours:.1f}x pdserve's step" if ours else ""
+            print(f"\ntransformers eager, batch 1, context {ctx}: {hf * 1e3:.2f} ms per step{vs}", flush=True)
+        except Exception as e:                               # the baseline must not hide ours
+            print(f"transformers baseline failed: {type(e).__name__}: {e}", flush=True)
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     print("\nplain-torch CUDA-graph peer (anchors script, its own process, same run):")
-    for ln in peer:
-        print(ln)
-    if energy:
-        print("\n| batch | context | steps' wall time | output tokens | NVML energy | sum of per-request "
-              "energy_joules | meter / NVML | J per output token (NVML) |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-        for e in energy:
-            print(f"| {e['batch']} | {e['ctx']} | {e['seconds']:.2f} s | {e['tokens']} | {e['nvml']:.1f} J "
-                  f"| {e['meter']:.1f} J | {e['meter'] / e['nvml']:.3f} | {e['nvml'] / e['tokens']:.4f} |")
+    for ln in run_peer(a.peer, a.smoke, 75):
+        print(ln, flush=True)
     return 0
+
+
+def print_energy(eng, rows, vocab) -> None:
+    import pynvml
+
+    from services.energy import EnergyMeter, gpu_index, nvml_power_reader
+    idx = gpu_index("cuda")
+    meter = EnergyMeter(nvml_power_reader(idx))
+    if not meter.available:
+        raise RuntimeError("NVML gives no power reading here")
+    handle = pynvml.nvmlDeviceGetHandleByIndex(idx)
+    step_of = {(b, c): s for b, c, s, _, _ in rows}
+    energy = [energy_run(eng, meter, handle, b, 1024, 2.5, vocab, step_of.get((b, 1024), 0.02))
+              for b in (1, 256)]
+    print("| batch | context | steps' wall time | output tokens | NVML energy | sum of per-request "
+          "energy_joules | meter / NVML | J per output token (NVML) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for e in energy:
+        print(f"| {e['batch']} | {e['ctx']} | {e['seconds']:.2f} s | {e['tokens']} | {e['nvml']:.1f} J "
+              f"| {e['meter']:.1f} J | {e['meter'] / e['nvml']:.3f} | {e['nvml'] / e['tokens']:.4f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

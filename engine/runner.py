@@ -14,6 +14,7 @@ predict the next token. Prompt logprobs use the logits at every prompt row.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -52,23 +53,25 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Plain Python lists, then one tensor each: per-request tensor ops cost more than
-        the arithmetic at decode batch sizes."""
+        the arithmetic at decode batch sizes. The block table (batch x width ids, the largest)
+        goes through array('i'): torch.tensor converts a list element by element."""
         bs = self.block_size
         ids, pos, slots, ctx, cu, tables = [], [], [], [], [0], []
         width = max(len(s.request.block_ids) for s in out.scheduled)
         for s in out.scheduled:
             r, end = s.request, s.start + s.num_new_tokens
             blocks = r.block_ids
-            ids.extend(r.all_token_ids[s.start:end])
+            ids.extend(r.token_ids(s.start, end))
             pos.extend(range(s.start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(s.start, end))
-            tables.append(blocks + [0] * (width - len(blocks)))
+            tables.extend(blocks)                       # one flat list: one tensor, no nesting
+            tables.extend([0] * (width - len(blocks)))
             ctx.append(end)
             cu.append(cu[-1] + s.num_new_tokens)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            block_tables=torch.frombuffer(array("i", tables), dtype=torch.int32).view(-1, width).to(dev),
             context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             max_q_len=max(s.num_new_tokens for s in out.scheduled), max_context_len=max(ctx))

@@ -86,10 +86,11 @@ def _paged_decode_attention_kernel(
 
 
 @triton.jit
-def _paged_decode_reduce_kernel(part_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, D, HQ,
-                                PARTITION: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
+def _paged_decode_reduce_kernel(part_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, D, HQ, S,
+                                PARTITION: tl.constexpr, BLOCK_S: tl.constexpr,
                                 BLOCK_D: tl.constexpr):
     # grid (B, H_q). part: [B, H_q, S, BLOCK_D] fp32, ml: [B, H_q, S, 2] fp32 (contiguous).
+    # S is a runtime value (one compiled kernel per BLOCK_S, not per split count).
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
@@ -172,8 +173,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), *cs, part.stride(0), part.stride(1), part.stride(2), bs, g, d,
         SPLIT=True, **common)
     _paged_decode_reduce_kernel[(b, hq)](
-        part, ml, context_lens, out, out.stride(0), out.stride(1), d, hq,
-        PARTITION=partition_size, S=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
+        part, ml, context_lens, out, out.stride(0), out.stride(1), d, hq, splits,
+        PARTITION=partition_size, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
     return out
 
 
