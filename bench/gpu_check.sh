@@ -11,7 +11,8 @@
 # The whole output (stdout and stderr of every step) goes to the terminal and to one raw log,
 # committed beside bench/RESULTS.md (its tables are copied from that log, never retyped).
 # PDSERVE_TORCH_PEER: path of the plain-torch CUDA-graph peer decode_step runs beside
-# pdserve (default ../shared/anchors/gpu_torch_graph_decode.py; skipped if missing).
+# pdserve (default: shared/anchors/ or ../shared/anchors/gpu_torch_graph_decode.py; the
+# peer's row says so when it is found nowhere).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -19,7 +20,10 @@ LOG=${LOG:-bench/logs/2026-11-30-gpu_check.log}
 mkdir -p "$(dirname "$LOG")"
 exec > >(tee -a "$LOG") 2>&1
 SECTIONS=${*:-env kernels decode decode_step prefill quant moe}
-PEER=${PDSERVE_TORCH_PEER:-../shared/anchors/gpu_torch_graph_decode.py}
+PEER=${PDSERVE_TORCH_PEER:-}
+for p in shared/anchors/gpu_torch_graph_decode.py ../shared/anchors/gpu_torch_graph_decode.py; do
+    [ -z "$PEER" ] && [ -e "$p" ] && PEER=$p
+done
 
 # step SECONDS NAME FILE COMMAND...: run COMMAND under a timeout unless FILE is missing
 step() {
