@@ -67,7 +67,7 @@ for s in $SECTIONS; do
         tests tests/kernels/test_cuda_graphs.py 90
         tests tests/kernels/test_engine_triton.py 60
         tests tests/kernels/test_device_sampler.py 45
-        tests tests/unit/test_decode_graphs.py 30
+        tests tests/unit/test_decode_graphs.py 45
         ;;
     decode_step)
         step 150 "bench/decode_step.py" bench/decode_step.py python3 bench/decode_step.py --peer "$PEER"
