@@ -253,6 +253,8 @@ def main() -> int:
             max_model_len=max_len, num_blocks=num_blocks, max_num_seqs=max(b for b, _ in configs),
             enable_prefix_caching=False, decode_graphs=True)
         build_s = time.perf_counter() - t
+    gc.collect()
+    gc.freeze()                                            # as the workers do once built
     g = eng.runner.graphs
     weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
     print(f"engine built in {build_s:.1f} s ({len(g.graphs)} graphs: batch buckets {g.buckets}, "
@@ -285,6 +287,7 @@ def main() -> int:
         except Exception as e:                               # a missing NVML must not hide the rest
             print(f"energy not measured: {type(e).__name__}: {e}", flush=True)
     del eng, g, clock
+    gc.unfreeze()
     gc.collect()                                             # the wrappers make cycles
     if device == "cuda":
         torch.cuda.empty_cache()
