@@ -244,7 +244,7 @@ class DeviceSampler:
                  allowed: torch.Tensor | None = None) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         params = [r.sampling_params for r in rows]
-        dev, (B, V) = logits.device, logits.shape
+        dev, B = logits.device, logits.shape[0]
         raw = logits.float()
         lse = torch.logsumexp(raw, dim=-1)
         x = self._process(raw, rows, params, allowed)

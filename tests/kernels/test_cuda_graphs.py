@@ -8,7 +8,6 @@ logprobs close; every KV block comes back."""
 import random
 
 import pytest
-import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.cuda_graph import context_buckets
