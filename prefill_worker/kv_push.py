@@ -60,9 +60,10 @@ class Push:
 
 
 class KVPush(KVConnector):
-    def __init__(self, transport: Transport, connect_timeout_s: float = 5.0):
+    def __init__(self, transport: Transport, connect_timeout_s: float = 5.0, staging: str = "host"):
         self.transport = transport
         self.connect_timeout_s = connect_timeout_s
+        self.staging = staging                   # kvtransfer/staging.py
         self.sender: KVSender | None = None      # made in register_kv_caches
         self._pushes: dict[str, Push] = {}       # loop writes, engine thread reads (GIL-atomic)
 
@@ -73,7 +74,7 @@ class KVPush(KVConnector):
     # -------------------------------------------------------------- engine thread
     def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
         self.sender = KVSender(kv_cache, CompatKey.from_cache(kv_cache, model_name), self.transport,
-                               connect_timeout_s=self.connect_timeout_s)
+                               connect_timeout_s=self.connect_timeout_s, staging=self.staging)
 
     def save_kv_layer(self, layer: int, scheduler_output: SchedulerOutput) -> None:
         last = self.sender.compat.num_layers - 1

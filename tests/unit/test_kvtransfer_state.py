@@ -265,3 +265,21 @@ def test_set_source_binds_chunks_but_never_moves_pushed_blocks():
         h.set_source([7], start=1)
     h.set_source([9], start=2)                 # the next chunk's block
     assert h._src_index.tolist() == [3, 4, 9]
+
+
+def test_staging_mismatch_is_refused_at_the_handshake():
+    async def main():
+        rx, tx, addr, src, dst = await pair()
+        tx.staging = "device"          # what a sender staging in GPU memory says in its HELLO
+        with pytest.raises(IncompatibleKV, match="staging: decode='host' prefill='device'"):
+            await tx.open("s", addr, [0], [0])
+        assert rx.rejected_connections == 1
+        await tx.close(); await rx.close()
+    run(main())
+
+
+def test_device_staging_needs_a_cuda_cache():
+    with pytest.raises(ValueError, match="CUDA"):
+        KVReceiver(cache(), key(cache()), LoopbackTransport(), staging="device")
+    with pytest.raises(ValueError, match="one of"):
+        KVSender(cache(), key(cache()), LoopbackTransport(), staging="gpu")
