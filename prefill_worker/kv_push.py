@@ -29,6 +29,12 @@ The source blocks are only known once the scheduler allocated them (in the step)
 transfer is opened with the destination ids as a placeholder and bound to the request's real
 block ids chunk by chunk (`TransferHandle.set_source`).
 
+On CUDA, save_kv_layer only queues the gather (on the sender's side stream, after an
+event on the compute stream) and returns: the engine thread never waits for it. The
+inherited wait_for_save does not wait either: no later step rewrites a block a queued gather
+reads (a prompt position is written once, and the request's blocks are freed only after
+`finish`, once every send, and so every gather, completed).
+
 A push that fails on the engine thread never breaks the step: the error is kept on the
 `Push`, its sends are cancelled, and `finish` raises it.
 """
