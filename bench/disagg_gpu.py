@@ -395,7 +395,6 @@ def perftest(size: int, device: bool, timeout: float = 20) -> float | None:
 # ----------------------------------------------------------------------------- 3, 4, 5
 def engine_sections(args, ceiling: float | None) -> None:
     import torch
-    from kvtransfer.ucx import UcxTransport
     from kvtransfer.wire import block_bytes
     from prefill_worker.kv_push import KVPush
 
@@ -425,6 +424,7 @@ def engine_sections(args, ceiling: float | None) -> None:
         sys.stdout.flush()
 
         async def disagg_all():
+            from kvtransfer.ucx import UcxTransport      # ucxx: the colocated tables need none
             await dec.start()
             pushes = {}
             for m in modes:
