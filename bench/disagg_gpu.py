@@ -282,7 +282,7 @@ class Decoder:
         self.proc.start()
         self.addrs = None
 
-    async def call(self, msg, timeout: float = 30):
+    async def call(self, msg, timeout: float = 15):
         self.pipe.send(msg)
         if not await asyncio.to_thread(self.pipe.poll, timeout):
             raise TimeoutError(f"receiver process did not answer {msg[0]!r} within {timeout} s")
@@ -298,7 +298,7 @@ class Decoder:
             self.pipe.send(("stop",))
         except OSError:
             pass
-        self.proc.join(10)
+        self.proc.join(3)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)
@@ -432,24 +432,25 @@ def engine_sections(args, ceiling: float | None) -> None:
                 pushes[m].register_kv_caches(engine.kv_cache, engine.config.model.name)
             res, bw = {}, {}
             try:
-                for m in modes:
+                for m in modes:                  # host first: device staging is the riskier one
+                    broken = False               # a failed mode is not retried (each try can hang)
                     engine.kv_connector = pushes[m]
                     for S in sizes:
-                        if left(args.budget_s) < 8:
-                            print(f"[disaggregated {m} {S}] skipped: budget spent")
+                        if left(args.budget_s) < 8 or broken:
+                            print(f"[disaggregated {m} {S}] skipped: {'failed before' if broken else 'budget spent'}")
                             continue
                         try:
                             res[m, S] = await asyncio.wait_for(
-                                disaggregated(engine, pushes[m], dec, m, S, args.runs, 200), 30)
+                                disaggregated(engine, pushes[m], dec, m, S, args.runs, 200), 15)
                         except Exception as e:
+                            broken = True
                             print(f"[disaggregated {m} {S}] FAILED: {type(e).__name__}: {e}", flush=True)
                     engine.kv_connector = None
-                    S = max(sizes)
-                    if left(args.budget_s) < 6:
+                    if left(args.budget_s) < 6 or broken:
                         continue
                     try:
-                        bw[m] = await asyncio.wait_for(handover_bandwidth(engine, pushes[m], dec, m, S,
-                                                                          args.runs), 20)
+                        bw[m] = await asyncio.wait_for(handover_bandwidth(engine, pushes[m], dec, m,
+                                                                          max(sizes), args.runs), 10)
                     except Exception as e:
                         print(f"[bandwidth {m}] FAILED: {type(e).__name__}: {e}", flush=True)
             finally:
