@@ -512,7 +512,7 @@ def main() -> int:
     if args.device == "cuda":
         ceiling = section("ceiling", args.budget_s, 3, matmul_ceiling)
         section("attention", args.budget_s, 25, attention, ceiling)
-    section("engine", args.budget_s, 30, engine_sections, args, ceiling)
+    section("engine", args.budget_s, 20, engine_sections, args, ceiling)
     print(f"\ntotal {time.monotonic() - T_START:.1f} s", flush=True)
     return 0
 
