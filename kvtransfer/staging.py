@@ -44,10 +44,9 @@ class StagingPool:
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of exactly `nbytes`, not in use by anyone else."""
         with self._lock:
-            fits = [b for b in self._free if nbytes <= b.numel() <= 2 * nbytes + _ROUND]
-            if fits:
-                buf = min(fits, key=torch.Tensor.numel)
-                self._free.remove(buf)
+            fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes + _ROUND]
+            if fits:   # by position: list.remove would compare tensors element-wise
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
                 self._kept -= buf.numel()
             else:
                 size = max(-(-nbytes // _ROUND), 1) * _ROUND
