@@ -28,6 +28,7 @@ class ModelOutput:
     logits: torch.Tensor                          # [num_sampling, V] fp32
     sample_rows: list                             # ScheduledRequest per logits row
     prompt_logits: dict                           # request_id -> ([n, V] logits, [n] target ids, first_pos)
+    spec_logits: dict                             # request_id -> [k + 1, V] fp32 (speculating requests)
 
 
 class ModelRunner:
@@ -58,7 +59,8 @@ class ModelRunner:
         for s in out.scheduled:
             r, end = s.request, s.start + s.num_new_tokens
             blocks = r.block_ids
-            ids.extend(r.all_token_ids[s.start:end])
+            ids.extend(r.all_token_ids[s.start:end - len(s.spec_token_ids)])
+            ids.extend(s.spec_token_ids)
             pos.extend(range(s.start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(s.start, end))
             tables.append(blocks + [0] * (width - len(blocks)))
@@ -81,11 +83,20 @@ class ModelRunner:
                 and len(out.scheduled) <= self.graphs.max_batch):
             # every decode row samples; no prompt logprobs in a decode step
             return ModelOutput(self.graphs.run(input_ids, positions, meta).cpu(),
-                               list(out.scheduled), {})
+                               list(out.scheduled), {}, {})
         hidden = self.model(input_ids, positions, meta, layer_hook)
         cu = meta.cu_seqlens_q.tolist()
-        rows = [b for b, s in enumerate(out.scheduled) if s.samples]
+        rows = [b for b, s in enumerate(out.scheduled) if s.samples and not s.spec_token_ids]
         logits = self.model.compute_logits(hidden[[cu[b + 1] - 1 for b in rows]])
+        spec_logits = {}
+        spec = [(b, s) for b, s in enumerate(out.scheduled) if s.spec_token_ids]
+        if spec:
+            # the last known token's row and every proposed token's row
+            at = [r for b, s in spec for r in range(cu[b + 1] - len(s.spec_token_ids) - 1, cu[b + 1])]
+            lg, off = self.model.compute_logits(hidden[at]).cpu(), 0
+            for b, s in spec:
+                n = len(s.spec_token_ids) + 1
+                spec_logits[s.request.request_id], off = lg[off:off + n], off + n
         prompt_logits = {}
         for b, s in enumerate(out.scheduled):
             r = s.request
@@ -96,4 +107,4 @@ class ModelRunner:
             h = hidden[cu[b]:cu[b] + n]
             targets = torch.tensor(r.prompt_token_ids[s.start + 1:s.start + 1 + n])
             prompt_logits[r.request_id] = (self.model.compute_logits(h).cpu(), targets, s.start + 1)
-        return ModelOutput(logits.cpu(), [out.scheduled[b] for b in rows], prompt_logits)
+        return ModelOutput(logits.cpu(), [out.scheduled[b] for b in rows], prompt_logits, spec_logits)
