@@ -248,6 +248,8 @@ class LLMEngine:
                     or r.num_computed_tokens != r.num_tokens - 1):
                 continue
             state = self._spec_state.setdefault(r.request_id, SpecState(sc.k))
+            if not state.ready():
+                continue
             # k + 1 tokens may come out: stay within max_tokens and the context
             k = min(state.k, r.max_tokens - len(r.output_token_ids) - 1, L - r.num_tokens - 1)
             if k > 0:

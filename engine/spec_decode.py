@@ -33,7 +33,7 @@ class SpeculativeConfig:
     method: str                         # "ngram" | "draft"
     k: int = 4                          # tokens proposed per step (most)
     n: int = 3                          # ngram: longest suffix matched
-    min_n: int = 1                      # ngram: shortest suffix matched
+    min_n: int = 2                      # ngram: shortest suffix matched
     draft_model: str = ""               # draft: model directory (the target's tokenizer)
     disable_batch_size: int = 32        # no speculation when this many requests run
 
@@ -99,9 +99,14 @@ def ngram_propose(tokens: list[int], k: int, n: int, min_n: int = 1) -> list[int
 
 @dataclass
 class SpecState:
-    """A request's adaptive proposal length."""
+    """A request's adaptive speculation: its proposal length k follows recent acceptance, and
+    while acceptance stays very poor the request stops proposing for a while (`wait` steps,
+    doubling each time it is still poor when it tries again), so a text that does not repeat
+    itself costs almost nothing."""
     k: int
     accepted_ema: float = 1.0
+    backoff: int = 0
+    wait: int = 0
 
     def update(self, proposed: int, accepted: int, k_max: int) -> None:
         if proposed == 0:
@@ -111,6 +116,18 @@ class SpecState:
             self.k = min(k_max, self.k + 1)
         elif self.accepted_ema < 0.5:
             self.k = max(1, min(self.k - 1, accepted + 1))
+        if self.accepted_ema < 0.2:
+            self.backoff = min(max(2 * self.backoff, 2), 64)
+            self.wait = self.backoff
+        else:
+            self.backoff = 0
+
+    def ready(self) -> bool:
+        """Whether to propose this step (counts a waiting step down)."""
+        if self.wait > 0:
+            self.wait -= 1
+            return False
+        return True
 
 
 @dataclass

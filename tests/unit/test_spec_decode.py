@@ -117,14 +117,21 @@ def test_speculative_config_parses_and_rejects():
             SpeculativeConfig.parse(bad)
 
 
-def test_adaptive_k_shrinks_on_rejections_and_grows_back():
+def test_adaptive_k_shrinks_backs_off_and_grows_back():
     s = SpecState(k=4)
-    for _ in range(6):
+    waits = []
+    for _ in range(8):
         s.update(proposed=s.k, accepted=0, k_max=4)
+        waits.append(s.wait)
+        skipped = 0
+        while not s.ready():
+            skipped += 1
+        assert skipped == waits[-1]
     assert s.k == 1
+    assert waits == [0, 0, 0, 0, 2, 4, 8, 16]    # poor acceptance: ever longer pauses
     for _ in range(6):
         s.update(proposed=s.k, accepted=s.k, k_max=4)
-    assert s.k == 4
+    assert s.k == 4 and s.wait == 0 and s.ready()
 
 
 # ----------------------------------------------------------------------------- greedy: unchanged
