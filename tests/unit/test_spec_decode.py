@@ -171,6 +171,24 @@ def test_greedy_unchanged_with_a_draft_model(model_dir, other_draft, which):
         assert st.num_accepted_tokens < 0.5 * st.num_draft_tokens
 
 
+def test_logprobs_of_every_emitted_token_match(model_dir):
+    """Each token of an accepted run reports its own position's logprob and top-k, as
+    without speculation (the logits of k+1 positions computed in one forward)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    prompts = _prompts()
+    ref = _run(_engine(model_dir), prompts, params)
+    spec = _engine(model_dir, f"draft:{model_dir},k=4")
+    got = _run(spec, prompts, params)
+    assert spec.spec_stats.num_accepted_tokens > 20
+    for rid, r in ref.items():
+        g = got[rid]
+        assert list(g.token_ids) == list(r.token_ids)
+        assert list(g.logprobs) == pytest.approx(list(r.logprobs), abs=1e-4)
+        for tg, tr in zip(g.top_logprobs, r.top_logprobs):
+            assert [t for t, _ in tg] == [t for t, _ in tr]
+            assert [v for _, v in tg] == pytest.approx([v for _, v in tr], abs=1e-4)
+
+
 def test_stop_strings_and_stop_tokens_with_speculation(model_dir):
     prompts = _prompts()[:3]
     plain = LLM(model_dir, block_size=BS, num_blocks=200)
