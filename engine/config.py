@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from .spec_decode import SpeculativeConfig
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -212,9 +214,13 @@ class EngineOptions:
         "help": "context length; unset: the model's (capped by it in any case)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: str = field(default="", metadata={
+        "help": "speculative decoding: ngram:n=3,k=4 | draft:MODEL_DIR,k=4 (also min_n=, "
+                "disable_batch_size=); empty: off"})
 
     def __post_init__(self):
         check_kernel_backend(self.kernel_backend)
+        SpeculativeConfig.parse(self.speculative)     # ValueError now, not at engine start
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}: expected one of {DTYPES}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -241,13 +247,15 @@ class EngineConfig:
     device: str
     dtype: str
     kernel_backend: str
+    speculative: SpeculativeConfig | None
 
     @classmethod
     def build(cls, model_dir: str | Path, options: EngineOptions) -> "EngineConfig":
         """Read the model's config.json and apply the options (ValueError on bad input)."""
         return cls(model=ModelConfig.from_dir(model_dir, options.max_model_len),
                    cache=options.cache, scheduler=options.scheduler, device=options.device,
-                   dtype=options.dtype, kernel_backend=options.kernel_backend)
+                   dtype=options.dtype, kernel_backend=options.kernel_backend,
+                   speculative=SpeculativeConfig.parse(options.speculative))
 
     @property
     def torch_dtype(self):

@@ -108,6 +108,17 @@ class KVCacheManager:
             self.pool.cache(blocks[i], hashes[i])
         self.num_hashed[req.request_id] = n_full
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the request's blocks past its first `num_tokens` tokens (rejected speculative
+        tokens' slots). Those blocks were never cached: only computed tokens are hashed."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks and len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(reversed(extra))
+            req.block_ids = [b.block_id for b in blocks]
+
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
         self.num_hashed.pop(req.request_id, None)

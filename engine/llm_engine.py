@@ -28,7 +28,8 @@ from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import DeviceSampler, Sampler, compute_prompt_logprobs, skip_draws
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledRequest, Scheduler
+from .spec_decode import DraftProposer, SpecState, SpecStats, ngram_propose
 from .step_observer import StepObserver
 from .structured import StructuredOutputs
 from .output_processor import OutputProcessor
@@ -73,6 +74,8 @@ class LLMEngine:
                                   config.scheduler.max_num_seqs, decode_graphs)
         # off the CPU, logits stay on the device and only the sampled ids come back
         self.sampler = Sampler(eos) if config.device == "cpu" else DeviceSampler(eos)
+        # speculative verification runs per position on the host (spec logits are copied back)
+        self.verifier = self.sampler if isinstance(self.sampler, Sampler) else Sampler(eos)
         # grammars for SamplingParams.structured; the llguidance tokenizer is built on first use
         self.structured = StructuredOutputs(self.tokenizer.to_json() if self.tokenizer else None,
                                             mc.vocab_size, eos)
@@ -81,6 +84,19 @@ class LLMEngine:
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache, mc.name)
         self.step_observers = list(step_observers)
+        self.spec_stats = SpecStats()
+        self._spec_state: dict[str, SpecState] = {}
+        self.draft = None
+        sc = config.speculative
+        if sc is not None and sc.method == "draft":
+            draft = LLMEngine.from_model_dir(sc.draft_model, EngineOptions(
+                device=config.device, dtype=config.dtype, kernel_backend=config.kernel_backend,
+                max_model_len=mc.max_model_len, cache=replace(cc, num_blocks=None),
+                scheduler=config.scheduler))
+            if draft.config.model.vocab_size != mc.vocab_size:
+                raise ValueError(f"draft model {sc.draft_model}: vocabulary of "
+                                 f"{draft.config.model.vocab_size}, the target's is {mc.vocab_size}")
+            self.draft = DraftProposer(draft)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, options: EngineOptions | None = None, *,
@@ -166,6 +182,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
         self.structured.remove(request_id)
+        self._spec_state.pop(request_id, None)
         if req is None:
             return False
         if not req.is_finished or req.prefill_only:
@@ -185,6 +202,8 @@ class LLMEngine:
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.config.speculative is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if not sched:
             return []
@@ -210,12 +229,73 @@ class LLMEngine:
                 outputs.append(self._append_token(req, sampled.token_ids[i], sampled.logprobs[i], top))
                 if req.is_finished:
                     self._finish(req)
+        for s in sched.scheduled:
+            if s.spec_token_ids:
+                outputs.append(self._verify(s, mo.spec_logits[s.request.request_id]))
         if self.step_observers:
             took = time.perf_counter() - t0
             tokens = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}
             for o in self.step_observers:
                 o.on_step(took, tokens)
         return outputs
+
+    # -- speculative decoding (engine/spec_decode.py) --------------------------------------
+    def _propose(self) -> None:
+        """Proposals for the running requests that are decoding, unless the batch is large
+        enough that decode is compute-bound (then nobody speculates this step)."""
+        sc, running = self.config.speculative, self.scheduler.running
+        for r in running:
+            r.spec_token_ids = []
+        if len(running) >= sc.disable_batch_size:
+            return
+        L, wants = self.config.model.max_model_len, []
+        for r in running:
+            if (r.prefill_only or not r.sampling_params.speculative
+                    or r.num_computed_tokens != r.num_tokens - 1):
+                continue
+            state = self._spec_state.setdefault(r.request_id, SpecState(sc.k))
+            if not state.ready():
+                continue
+            # k + 1 tokens may come out: stay within max_tokens and the context
+            k = min(state.k, r.max_tokens - len(r.output_token_ids) - 1, L - r.num_tokens - 1)
+            if k > 0:
+                wants.append((r, k))
+        if self.draft is not None:
+            got = self.draft.propose([(r.request_id, r.all_token_ids, k) for r, k in wants])
+            for r, k in wants:
+                r.spec_token_ids = got.get(r.request_id, [])[:k]
+        else:
+            for r, k in wants:
+                r.spec_token_ids = ngram_propose(r.all_token_ids, k, sc.n, sc.min_n)
+
+    def _verify(self, s: ScheduledRequest, logits: torch.Tensor) -> RequestOutput:
+        """Emit the accepted prefix of the proposal plus one corrected (or bonus) token, each
+        through the usual per-token rules; keep the KV of the accepted tokens only."""
+        req, drafts = s.request, s.spec_token_ids
+        new, accepted, out = [], 0, None
+        for i in range(len(drafts) + 1):
+            draft = drafts[i] if i < len(drafts) else None
+            allowed = self.structured.token_mask([req.request_id], logits.shape[1])
+            sampled, ok = self.verifier.verify(logits[i:i + 1], req, allowed, draft)
+            top = sampled.top_logprobs[0] if sampled.top_logprobs else None
+            out = self._append_token(req, sampled.token_ids[0], sampled.logprobs[0], top)
+            new.append(sampled.token_ids[0])
+            accepted += ok
+            if req.is_finished or not ok:
+                break
+        self.spec_stats.record(len(drafts), accepted, len(new))
+        state = self._spec_state.get(req.request_id)
+        if state is not None:
+            state.update(len(drafts), accepted, self.config.speculative.k)
+        if req.is_finished:
+            self._finish(req)
+        else:
+            # the last known token and the accepted drafts have their KV in the cache
+            req.num_computed_tokens = s.start + 1 + accepted
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            self.kv.trim(req, req.num_computed_tokens)
+        out.new_token_ids = new
+        return out
 
     def _add_prompt_logprobs(self, req: Request, logits, targets, first_pos: int) -> None:
         if not req.prompt_logprobs:
@@ -253,6 +333,7 @@ class LLMEngine:
     def _finish(self, req: Request) -> None:
         """Leave the scheduler; free blocks, except a prefill-only request's (see release())."""
         self.structured.remove(req.request_id)
+        self._spec_state.pop(req.request_id, None)
         if req.prefill_only:
             self.scheduler.running.remove(req)
         else:
@@ -266,7 +347,11 @@ class LLMEngine:
             num_waiting_for_remote_kv=len(s.remote), num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.num_blocks, num_held_blocks=self.kv.num_held_blocks(),
             queued_prefill_tokens=s.queued_prefill_tokens, num_preemptions=s.num_preemptions,
-            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits)
+            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_num_emitted_tokens=self.spec_stats.num_emitted_tokens)
 
 
 class LLM:

@@ -48,6 +48,7 @@ class Request:
     num_cached_tokens: int = -1          # prefix-cache hit at first admission (-1: not yet)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)   # proposed for the next step
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None

@@ -29,6 +29,7 @@ class ModelOutput:
     logits: torch.Tensor                          # [num_sampling, V] fp32, on the model's device
     sample_rows: list                             # ScheduledRequest per logits row
     prompt_logits: dict                           # request_id -> ([n, V] logits, [n] target ids, first_pos)
+    spec_logits: dict                             # request_id -> [k + 1, V] fp32 (speculating requests)
 
 
 class ModelRunner:
@@ -61,7 +62,8 @@ class ModelRunner:
         for s in out.scheduled:
             r, end = s.request, s.start + s.num_new_tokens
             blocks = r.block_ids
-            ids.extend(r.token_ids(s.start, end))
+            ids.extend(r.token_ids(s.start, end - len(s.spec_token_ids)))
+            ids.extend(s.spec_token_ids)
             pos.extend(range(s.start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(s.start, end))
             tables.extend(blocks)                       # one flat list: one tensor, no nesting
@@ -84,11 +86,20 @@ class ModelRunner:
         if (self.graphs is not None and meta.decode_only and layer_hook is None
                 and len(out.scheduled) <= self.graphs.max_batch):
             # every decode row samples; no prompt logprobs in a decode step
-            return ModelOutput(self.graphs.run(input_ids, positions, meta), list(out.scheduled), {})
+            return ModelOutput(self.graphs.run(input_ids, positions, meta), list(out.scheduled), {}, {})
         hidden = self.model(input_ids, positions, meta, layer_hook)
         cu = meta.cu_seqlens_q.tolist()
-        rows = [b for b, s in enumerate(out.scheduled) if s.samples]
+        rows = [b for b, s in enumerate(out.scheduled) if s.samples and not s.spec_token_ids]
         logits = self.model.compute_logits(hidden[[cu[b + 1] - 1 for b in rows]])
+        spec_logits = {}
+        spec = [(b, s) for b, s in enumerate(out.scheduled) if s.spec_token_ids]
+        if spec:
+            # the last known token's row and every proposed token's row
+            at = [r for b, s in spec for r in range(cu[b + 1] - len(s.spec_token_ids) - 1, cu[b + 1])]
+            lg, off = self.model.compute_logits(hidden[at]).cpu(), 0
+            for b, s in spec:
+                n = len(s.spec_token_ids) + 1
+                spec_logits[s.request.request_id], off = lg[off:off + n], off + n
         prompt_logits = {}
         for b, s in enumerate(out.scheduled):
             r = s.request
@@ -99,4 +110,4 @@ class ModelRunner:
             h = hidden[cu[b]:cu[b] + n]
             targets = torch.tensor(r.prompt_token_ids[s.start + 1:s.start + 1 + n])
             prompt_logits[r.request_id] = (self.model.compute_logits(h).cpu(), targets, s.start + 1)
-        return ModelOutput(logits, [out.scheduled[b] for b in rows], prompt_logits)
+        return ModelOutput(logits, [out.scheduled[b] for b in rows], prompt_logits, spec_logits)

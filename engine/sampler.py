@@ -50,17 +50,48 @@ class Sampler:
         output_token_ids and generator (torch.Generator | None). allowed: bool [B, V] or None,
         tokens a grammar permits (raw logprobs are reported before it, like the others)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        raw_logprobs, x = self._process(logits, rows, allowed)
+        token_ids = sample(x, rows)
+        return _gather_logprobs(raw_logprobs, token_ids, [r.sampling_params for r in rows])
+
+    def verify(self, logits: torch.Tensor, row, allowed: torch.Tensor | None,
+               draft: int | None) -> tuple[SamplerOutput, bool]:
+        """One speculative position (engine/spec_decode.py): logits [1, V] for `row` in its
+        current state; `draft` the token a point-mass proposer put there (None: the bonus
+        position). Greedy rows take the argmax, which accepts the draft iff they agree. Sampled
+        rows accept the draft with probability p(draft) and otherwise draw from p with the
+        draft removed, so the emitted token is distributed exactly as p (p: the processed
+        distribution `sample` draws from). Returns the token (with its raw logprobs) and
+        whether it is the accepted draft."""
+        raw_logprobs, x = self._process(logits, [row], allowed)
+        p = row.sampling_params
+        if p.greedy:
+            token = int(x[0].argmax())
+        else:
+            probs = processed_probs(x, [p])[0]
+            token = None
+            if draft is not None:
+                u = torch.rand((), generator=row.generator) if row.generator is not None else torch.rand(())
+                if float(u) < float(probs[draft]):
+                    token = draft
+                else:
+                    probs = probs.clone()
+                    probs[draft] = 0.0       # the exponential race needs no renormalising
+            if token is None:
+                token = int((probs / _exponential_noise((1, x.shape[1]), [row])[0].to(x.device)).argmax())
+        return _gather_logprobs(raw_logprobs, [token], [p]), draft is not None and token == draft
+
+    def _process(self, logits: torch.Tensor, rows: Sequence, allowed: torch.Tensor | None):
+        """(raw logprobs, processed logits): every logits processor, in vLLM's order."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        params = [r.sampling_params for r in rows]
         x = logits.clone()
-        apply_logit_bias(x, params)
+        apply_logit_bias(x, [r.sampling_params for r in rows])
         apply_min_tokens(x, rows, self.eos_token_ids)
         apply_penalties(x, rows)
         if allowed is not None:
             apply_allowed_mask(x, logits, allowed)
-        token_ids = sample(x, rows)
-        return _gather_logprobs(raw_logprobs, token_ids, params)
+        return raw_logprobs, x
 
 
 # ----------------------------------------------------------------------------- logits processors
@@ -193,6 +224,15 @@ def sample(x: torch.Tensor, rows: Sequence) -> list[int]:
     tokens = x.argmax(dim=-1)
     if bool(greedy.all()):
         return tokens.tolist()
+    probs = processed_probs(x, params)
+    sampled = (probs / _exponential_noise(x.shape, rows).to(dev)).argmax(dim=-1)
+    return torch.where(greedy, tokens, sampled).tolist()
+
+
+def processed_probs(x: torch.Tensor, params: Sequence) -> torch.Tensor:
+    """The distribution a non-greedy row draws from: processed logits / temperature, then the
+    top-k, top-p and min-p masks, softmaxed. [B, V] float32."""
+    dev = x.device
     temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                         dtype=torch.float32, device=dev)
     y = x / temp.unsqueeze(1)
@@ -202,9 +242,7 @@ def sample(x: torch.Tensor, rows: Sequence) -> list[int]:
         y = top_p_mask(y, torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev))
     if any(p.min_p > 0.0 for p in params):
         y = min_p_mask(y, torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev))
-    probs = torch.softmax(y, dim=-1)
-    sampled = (probs / _exponential_noise(x.shape, rows).to(dev)).argmax(dim=-1)
-    return torch.where(greedy, tokens, sampled).tolist()
+    return torch.softmax(y, dim=-1)
 
 
 def skip_draws(generator: torch.Generator, vocab: int, n: int = 1) -> None:

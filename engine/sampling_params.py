@@ -28,6 +28,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None   # constrain output (JSON schema, regex, Lark)
+    speculative: bool = True          # False: never speculate for this request (the worker's
+                                      # --speculative decides whether any request does)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -23,13 +23,14 @@ from .request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int              # known tokens + speculative ones
     start: int                       # position of the first scheduled token
+    spec_token_ids: list[int] = field(default_factory=list)   # proposed, after the known ones
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the last known token: its logits give the next one."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - len(self.spec_token_ids) == self.request.num_tokens
 
 
 @dataclass
@@ -106,15 +107,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
-                budget -= n
+            # speculative tokens (set by the engine for decoding requests) fit the budget and
+            # the free blocks, or are dropped: never a preemption for a guess
+            spec = req.spec_token_ids[:budget - n]
+            if spec and not self.kv.allocate_slots(req, n + len(spec)):
+                spec = []
+            req.spec_token_ids = spec
+            if spec or self._allocate_or_preempt(req, n, out):
+                out.scheduled.append(ScheduledRequest(req, n + len(spec), req.num_computed_tokens, spec))
+                budget -= n + len(spec)
                 i += 1
         if out.preempted:
             return out
@@ -138,8 +139,20 @@ class Scheduler:
             budget -= n
         return out
 
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for `n` more tokens of a running request, preempting the most recently
+        admitted requests until they fit; False if `req` itself had to go."""
+        while not self.kv.allocate_slots(req, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -149,5 +162,6 @@ class Scheduler:
     def update(self, out: SchedulerOutput) -> None:
         """After the model ran: advance computed counts and cache newly full blocks."""
         for s in out.scheduled:
-            s.request.num_computed_tokens = s.start + s.num_new_tokens
+            # speculative tokens count once verified (LLMEngine._verify)
+            s.request.num_computed_tokens = s.start + s.num_new_tokens - len(s.spec_token_ids)
             self.kv.cache_blocks(s.request, s.request.num_computed_tokens)

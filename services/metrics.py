@@ -11,7 +11,8 @@ dashboard sums over pods:
         request_errors_total{code}, num_requests_running (in flight), kv_transfer_fallbacks_total
     prefill / decode  (engine-level)
         num_requests_running, num_requests_waiting, kv_cache_usage_perc, prefill_queue_tokens,
-        prefix_cache_queries_total, prefix_cache_hits_total, num_preemptions_total
+        prefix_cache_queries_total, prefix_cache_hits_total, num_preemptions_total,
+        spec_decode_num_{drafts,draft_tokens,accepted_tokens,emitted_tokens}_total (decode)
           -> all from `set_engine_stats(engine.stats())`: gauges set, counters by delta
         request_queue_time_seconds, request_prefill_time_seconds (prefill),
         request_decode_time_seconds (decode)  -> `observe_phases(...)`
@@ -121,6 +122,16 @@ class Metrics:
         self.prefix_cache_hits = counter("prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache").labels(role)
         self.num_preemptions = counter("num_preemptions", "Requests preempted").labels(role)
+        # speculative decoding, vLLM's names (engine/spec_decode.py)
+        self.spec_num_drafts = counter(
+            "spec_decode_num_drafts", "Request-steps that verified a speculative proposal").labels(role)
+        self.spec_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative tokens proposed").labels(role)
+        self.spec_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative tokens accepted").labels(role)
+        self.spec_num_emitted_tokens = counter(
+            "spec_decode_num_emitted_tokens",
+            "Tokens emitted by speculating request-steps (accepted + one each)").labels(role)
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Time from arrival to first scheduled", REQUEST_BUCKETS)
         self.prefill_time = histogram("request_prefill_time_seconds",
@@ -215,8 +226,12 @@ class Metrics:
         self.prefill_queue_tokens.set(stats.queued_prefill_tokens)
         for attr, c in (("num_preemptions", self.num_preemptions),
                         ("prefix_cache_queries", self.prefix_cache_queries),
-                        ("prefix_cache_hits", self.prefix_cache_hits)):
-            now = getattr(stats, attr)
+                        ("prefix_cache_hits", self.prefix_cache_hits),
+                        ("spec_num_drafts", self.spec_num_drafts),
+                        ("spec_num_draft_tokens", self.spec_num_draft_tokens),
+                        ("spec_num_accepted_tokens", self.spec_num_accepted_tokens),
+                        ("spec_num_emitted_tokens", self.spec_num_emitted_tokens)):
+            now = getattr(stats, attr, 0)
             last = self._last_totals.get(attr, 0)
             # A total that went down means a new engine: its whole value is new.
             delta = now - last if now >= last else now

@@ -30,7 +30,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens, stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens,
-        include_stop_str_in_output=p.include_stop_str_in_output)
+        include_stop_str_in_output=p.include_stop_str_in_output, speculative=p.speculative)
     if p.seed is not None:
         m.seed = p.seed
     if p.max_tokens is None:
@@ -75,7 +75,8 @@ def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         prompt_logprobs=opt("prompt_logprobs"), logit_bias=dict(m.logit_bias),
         skip_special_tokens=opt("skip_special_tokens"),
         include_stop_str_in_output=m.include_stop_str_in_output,
-        structured=structured_from_proto(m.structured) if m.HasField("structured") else None)
+        structured=structured_from_proto(m.structured) if m.HasField("structured") else None,
+        speculative=opt("speculative"))
 
 
 def logprob_from_proto(t: common_pb2.TokenLogprob):

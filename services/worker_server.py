@@ -25,7 +25,7 @@ import logging
 import os
 import signal
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
 
 import grpc
@@ -209,6 +209,9 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         transport = UcxTransport(*role.kv_address(cfg), device_memory=cfg.kv_staging == "device")
     tel = telemetry.start_role_telemetry(role.name, host=cfg.host, metrics_port=cfg.metrics_port or None,
                                          trace_file=cfg.trace_file, device=cfg.engine.device)
+    if role.prefill_only and cfg.engine.speculative:   # it samples one token per request
+        log.info("--speculative is a decode worker's option: this prefill worker ignores it")
+        cfg = replace(cfg, engine=replace(cfg.engine, speculative=""))
     ae = kv = None
     worker_id = cfg.worker_id or role.name
     try:

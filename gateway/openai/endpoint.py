@@ -41,7 +41,8 @@ def sampling_params(body, max_tokens: int | None, logprobs: int | None,
               stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
               logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(body),
               skip_special_tokens=body.skip_special_tokens,
-              include_stop_str_in_output=body.include_stop_str_in_output, structured=structured)
+              include_stop_str_in_output=body.include_stop_str_in_output, structured=structured,
+              speculative=body.speculative)
     try:
         return SamplingParams(**kw)
     except ValueError as e:

@@ -96,6 +96,8 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # pdserve extra: false keeps this request out of the decode worker's speculative decoding
+    speculative: bool = True
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -67,8 +67,8 @@ def _held(stats) -> int:
 class System:
     """Both workers and a gateway on one loop (running in a thread of its own)."""
 
-    def __init__(self, model_dir: str):
-        self.model_dir = model_dir
+    def __init__(self, model_dir: str, decode_speculative: str = ""):
+        self.model_dir, self.decode_speculative = model_dir, decode_speculative
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="pd-inprocess", daemon=True)
         self.thread.start()
@@ -84,7 +84,8 @@ class System:
         pcfg = PrefillWorkerConfig(port=free_port(), **common, engine=EngineOptions.of(
             block_size=BS, num_blocks=64, max_num_batched_tokens=16))              # chunked
         dcfg = DecodeWorkerConfig(port=free_port(), kv_expiry_s=10, **common,
-                                  engine=EngineOptions.of(block_size=BS, num_blocks=64))
+                                  engine=EngineOptions.of(block_size=BS, num_blocks=64,
+                                                          speculative=self.decode_speculative))
         ready = [asyncio.Event(), asyncio.Event()]
         self.tasks = [
             asyncio.create_task(serve(pcfg, PREFILL, transport=LoopbackTransport(), ready=ready[0],

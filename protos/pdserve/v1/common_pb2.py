@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/common.proto\x12\npdserve.v1\"\x80\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x08\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12\x1c\n\x14max_tokens_unlimited\x18\x14 \x01(\x08\x12\x30\n\nstructured\x18\x15 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"l\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"~\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x1a\n\renergy_joules\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_energy_joules\"\x92\x01\n\x08KvCompat\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x18\n\x10protocol_version\x18\x07 \x01(\x05\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"p\n\x10TransferCounters\x12\x16\n\x0etransfers_done\x18\x01 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x04 \x01(\x03\x12\x13\n\x0b\x65xpirations\x18\x05 \x01(\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/common.proto\x12\npdserve.v1\"\xaa\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x08\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12\x1c\n\x14max_tokens_unlimited\x18\x14 \x01(\x08\x12\x30\n\nstructured\x18\x15 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x18\n\x0bspeculative\x18\x16 \x01(\x08H\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x0e\n\x0c_speculative\"l\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"~\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x1a\n\renergy_joules\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_energy_joules\"\x92\x01\n\x08KvCompat\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x18\n\x10protocol_version\x18\x07 \x01(\x05\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"p\n\x10TransferCounters\x12\x16\n\x0etransfers_done\x18\x01 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x04 \x01(\x03\x12\x13\n\x0b\x65xpirations\x18\x05 \x01(\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1619
-  _globals['_FINISHREASON']._serialized_end=1764
+  _globals['_FINISHREASON']._serialized_start=1661
+  _globals['_FINISHREASON']._serialized_end=1806
   _globals['_SAMPLINGPARAMS']._serialized_start=47
-  _globals['_SAMPLINGPARAMS']._serialized_end=815
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=631
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=679
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=817
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=925
-  _globals['_TOKENIDS']._serialized_start=927
-  _globals['_TOKENIDS']._serialized_end=950
-  _globals['_TOPLOGPROB']._serialized_start=952
-  _globals['_TOPLOGPROB']._serialized_end=1014
-  _globals['_TOKENLOGPROB']._serialized_start=1016
-  _globals['_TOKENLOGPROB']._serialized_end=1125
-  _globals['_USAGE']._serialized_start=1127
-  _globals['_USAGE']._serialized_end=1253
-  _globals['_KVCOMPAT']._serialized_start=1256
-  _globals['_KVCOMPAT']._serialized_end=1402
-  _globals['_ABORTREQUEST']._serialized_start=1404
-  _globals['_ABORTREQUEST']._serialized_end=1454
-  _globals['_ABORTRESPONSE']._serialized_start=1456
-  _globals['_ABORTRESPONSE']._serialized_end=1486
-  _globals['_STATSREQUEST']._serialized_start=1488
-  _globals['_STATSREQUEST']._serialized_end=1502
-  _globals['_TRANSFERCOUNTERS']._serialized_start=1504
-  _globals['_TRANSFERCOUNTERS']._serialized_end=1616
+  _globals['_SAMPLINGPARAMS']._serialized_end=857
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=657
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=705
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=859
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=967
+  _globals['_TOKENIDS']._serialized_start=969
+  _globals['_TOKENIDS']._serialized_end=992
+  _globals['_TOPLOGPROB']._serialized_start=994
+  _globals['_TOPLOGPROB']._serialized_end=1056
+  _globals['_TOKENLOGPROB']._serialized_start=1058
+  _globals['_TOKENLOGPROB']._serialized_end=1167
+  _globals['_USAGE']._serialized_start=1169
+  _globals['_USAGE']._serialized_end=1295
+  _globals['_KVCOMPAT']._serialized_start=1298
+  _globals['_KVCOMPAT']._serialized_end=1444
+  _globals['_ABORTREQUEST']._serialized_start=1446
+  _globals['_ABORTREQUEST']._serialized_end=1496
+  _globals['_ABORTRESPONSE']._serialized_start=1498
+  _globals['_ABORTRESPONSE']._serialized_end=1528
+  _globals['_STATSREQUEST']._serialized_start=1530
+  _globals['_STATSREQUEST']._serialized_end=1544
+  _globals['_TRANSFERCOUNTERS']._serialized_start=1546
+  _globals['_TRANSFERCOUNTERS']._serialized_end=1658
 # @@protoc_insertion_point(module_scope)
