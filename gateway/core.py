@@ -25,6 +25,7 @@ from engine.tokenizer import Tokenizer
 from protos.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from services import tracing
 from services.metrics import Metrics
+from services.security import MTLS
 
 from .config import GatewayConfig
 from .discovery import WorkerSet, resolver_from_args
@@ -46,10 +47,11 @@ class Gateway:
         self.max_model_len = cfg.context_length(model_dir)
         self.vocab_size = cfg.vocab_size(model_dir)
         self.metrics = Metrics("gateway")    # the caller serves metrics.registry
+        mtls = MTLS.from_config(cfg)         # workers over mTLS when configured
         self.prefill = WorkerPool("prefill", prefill_pb2_grpc.PrefillWorkerStub,
-                                  cfg.health_interval_s, cfg.probe_timeout_s)
+                                  cfg.health_interval_s, cfg.probe_timeout_s, mtls)
         self.decode = WorkerPool("decode", decode_pb2_grpc.DecodeWorkerStub,
-                                 cfg.health_interval_s, cfg.probe_timeout_s)
+                                 cfg.health_interval_s, cfg.probe_timeout_s, mtls)
         self._sets = [
             (WorkerSet(resolver_from_args(cfg.prefill, cfg.prefill_dns, cfg.discovery_interval_s),
                        name="prefill"), self.prefill),
