@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import sys
 import time
 import uuid
@@ -224,7 +225,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if pend.aborted:
             return
         if pend.fill:
-            tid = uuid.uuid4().hex
+            tid = secrets.token_hex(24)       # the KV handshake's token: unguessable
             self.receiver.reserve(tid, pend.fill, pend.timeout)
             pend.transfer_id, pend.queued_tokens = tid, len(pend.prompt) - n_cached
         tracing.record_span("pdserve.decode.reservation", pend.span, pend.t_reserve, time.monotonic(),
