@@ -75,6 +75,10 @@ class Gateway:
         for _, pool in self._sets:
             await pool.stop()
 
+    def worker_addresses(self) -> list[str]:
+        """Every worker address this gateway knows (kept out of client-facing errors)."""
+        return [a for pool in (self.prefill, self.decode) for a in pool.workers]
+
     def check_prompt(self, ids: list[int], max_tokens: int | None = None) -> None:
         """Raise prompt.PromptError unless this model can continue `ids` (see check_prompt)."""
         check_prompt(ids, self.max_model_len, self.vocab_size, max_tokens)
@@ -109,7 +113,8 @@ class Gateway:
             raise
         timeout = inp.deadline_s or self.cfg.request_timeout_s
         span = tracing.start_span("pdserve.generate", inp.trace_parent, tracing.tracing_enabled() and {
-            "request_id": inp.request_id, "model": self.model_name,
+            "request_id": inp.public_id or inp.request_id, "internal_id": inp.request_id,
+            "model": self.model_name,
             "prompt_tokens": len(inp.prompt_token_ids)})
         return RequestState(
             inp, OutputProcessor(self.tokenizer, inp.prompt_token_ids, inp.params, self.max_model_len),

@@ -32,6 +32,7 @@ from .choices import fan_out, merge_streams
 from .config import GatewayConfig
 from .core import Gateway
 from .prompt import chat_prompt_ids
+from .redact import public_message
 from .request import GatewayError, GenerateEvent, GenerateInput, Usage
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async for resp in self._generate(request, tracing.extract_context(context)):
                 yield resp
         except GatewayError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, public_message(e, request.request_id,
+                                                       self.gw.worker_addresses()))
 
     def _inputs(self, request, trace_parent) -> tuple[str, list[int], list[GenerateInput]]:
         """(request id, prompt ids, one GenerateInput per choice)."""
