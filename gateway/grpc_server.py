@@ -31,9 +31,10 @@ from .auth import GrpcAuth, KeyStore
 from .choices import fan_out, merge_streams
 from .config import GatewayConfig
 from .core import Gateway
-from .prompt import chat_prompt_ids
+from .prompt import chat_prompt_ids, encode
 from .redact import public_message
 from .request import GatewayError, GenerateEvent, GenerateInput, Usage
+from .validate import check_request
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +57,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(e.code, public_message(e, request.request_id,
                                                        self.gw.worker_addresses()))
 
-    def _inputs(self, request, trace_parent) -> tuple[str, list[int], list[GenerateInput]]:
-        """(request id, prompt ids, one GenerateInput per choice)."""
+    async def _inputs(self, request, trace_parent) -> tuple[str, list[int], list[GenerateInput]]:
+        """(request id, prompt ids, one GenerateInput per choice), checked (gateway/validate.py)."""
         self._check_model(request.model)
-        ids = self._prompt_ids(request)
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        ids = await self._prompt_ids(request)
+        self.gw.check_prompt(ids, params.max_tokens)
+        check_request(params, params.n, [len(ids)], self.gw.vocab_size, self.gw.max_model_len)
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         return rid, ids, fan_out(rid, [ids], params, params.n, trace_parent)
 
     async def _generate(self, request, trace_parent=None) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        rid, ids, inputs = self._inputs(request, trace_parent)
+        rid, ids, inputs = await self._inputs(request, trace_parent)
         opts = request.stream_options
         # Unset stream options: streaming, the proto's reading of an empty message is "false",
         # but a client that sent no options at all surely wants the stream.
@@ -117,21 +120,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"unknown model {model!r}: this gateway serves {self.gw.model_name!r}")
 
-    def _prompt_ids(self, request) -> list[int]:
+    async def _prompt_ids(self, request) -> list[int]:
         kind = request.WhichOneof("prompt")
-        tok = self.gw.tokenizer
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "text":
-            return tok.encode(request.text)
+            return await encode(self.gw.tokenizer, request.text, self.gw.max_model_len)
         if kind == "chat":
-            return self._chat_ids(request.chat)
+            return await self._chat_ids(request.chat, self.gw.max_model_len)
         raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
                            "GenerateRequest needs a prompt: text, token_ids or chat")
 
-    def _chat_ids(self, chat) -> list[int]:
+    async def _chat_ids(self, chat, context_length: int = 0) -> list[int]:
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-        return chat_prompt_ids(self.gw.tokenizer, messages, chat.add_generation_prompt)
+        return await chat_prompt_ids(self.gw.tokenizer, messages, chat.add_generation_prompt,
+                                     context_length=context_length)
 
     # -- Tokenize, ListModels -----------------------------------------------------------------
     async def Tokenize(self, request, context):
@@ -139,9 +142,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._check_model(request.model)
             kind = request.WhichOneof("prompt")
             if kind == "text":
-                ids = self.gw.tokenizer.encode(request.text, request.add_special_tokens)
+                ids = await encode(self.gw.tokenizer, request.text, 0, "text",
+                                   request.add_special_tokens)
             elif kind == "chat":
-                ids = self._chat_ids(request.chat)
+                ids = await self._chat_ids(request.chat)
             else:
                 raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
                                    "TokenizeRequest needs text or chat")

@@ -19,6 +19,7 @@ from services import tracing
 
 from ..auth import KeyStore, rest_middleware
 from ..core import Gateway
+from ..validate import MAX_BODY_BYTES
 from .chat import Chat
 from .completions import Completion
 from .errors import OpenAIError, install_handlers, unknown_model
@@ -31,6 +32,7 @@ def create_app(gw: Gateway, keys: KeyStore | None = None) -> FastAPI:
     app = FastAPI(title="pdserve OpenAI-compatible API", version="1",
                   description="OpenAI chat/completions over pdserve's disaggregated gateway")
     install_handlers(app)
+    app.add_middleware(_limit_body)
     if keys is not None and keys.enabled:
         app.add_middleware(rest_middleware(keys, lambda status, msg: OpenAIError(
             status, msg, *_AUTH_ERRORS[status]).response()))
@@ -71,6 +73,30 @@ def create_app(gw: Gateway, keys: KeyStore | None = None) -> FastAPI:
         return await Completion(gw, body, tracing.extract_context(dict(request.headers))).run()
 
     return app
+
+
+def _limit_body(app):
+    """A pure ASGI middleware: a request body over MAX_BODY_BYTES gets 413 (by its
+    Content-Length before anything is read, or once the bytes received pass it)."""
+    async def middleware(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+        too_big = OpenAIError(413, f"request body over {MAX_BODY_BYTES} bytes",
+                              "invalid_request_error", None, "request_too_large")
+        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            return await too_big.response()(scope, receive, send)
+        seen = 0
+
+        async def bounded():
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > MAX_BODY_BYTES:
+                raise OpenAIError(413, too_big.message, too_big.type, None, too_big.code)
+            return msg
+        await app(scope, bounded, send)
+    return middleware
 
 
 _AUTH_ERRORS = {401: ("authentication_error", None, "invalid_api_key"),

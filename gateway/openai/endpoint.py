@@ -25,6 +25,7 @@ from ..choices import fan_out, merge_streams
 from ..core import Gateway
 from ..prompt import PromptError
 from ..redact import public_message
+from ..validate import check_request
 from ..request import GatewayError, GenerateEvent, GenerateInput
 from .errors import OpenAIError, bad, from_prompt, unknown_model
 
@@ -227,4 +228,6 @@ class Endpoint:
             raise from_prompt(e, param) from None
 
     def inputs(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[GenerateInput]:
+        """One input per choice, once the request passed gateway/validate.py's check."""
+        check_request(params, n, [len(p) for p in prompts], self.gw.vocab_size, self.gw.max_model_len)
         return fan_out(self.id, prompts, params, n, self.trace_parent)

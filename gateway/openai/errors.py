@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..prompt import PromptError
 from ..request import GatewayError
+from ..validate import InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_, e: OpenAIError):
         return e.response()
+
+    @app.exception_handler(InvalidInput)
+    async def _invalid_input(_, e: InvalidInput):       # gateway/validate.py's one check
+        return bad(e.message, e.param).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, e: RequestValidationError):
