@@ -103,3 +103,38 @@ def exposed(host: str, ports: dict[str, tuple[int, bool]]) -> list[str]:
     if is_loopback(host):
         return []
     return [f"{name} {host}:{port}" for name, (port, tls) in ports.items() if port and not tls]
+
+
+class MalformedRequests(grpc.aio.ServerInterceptor):
+    """A request that does not parse ends with INVALID_ARGUMENT (grpc's own handling says
+    UNKNOWN): the methods of `services` get raw bytes and parse them here. Only unary
+    requests (every pdserve.v1 method), served by async generators or coroutines."""
+
+    def __init__(self, services: tuple[str, ...]):
+        self.prefixes = tuple(f"/{s}/" for s in services)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if (handler is None or handler.request_deserializer is None
+                or not details.method.startswith(self.prefixes)):
+            return handler
+        parse, method = handler.request_deserializer, details.method
+
+        async def parsed(raw: bytes, context):
+            try:
+                return parse(raw)
+            except Exception as e:        # protobuf's DecodeError, and anything a parser raises
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"malformed {method} request: {type(e).__name__}")
+
+        kw = dict(response_serializer=handler.response_serializer)
+        if handler.unary_unary is not None:
+            async def unary_unary(raw, context):
+                return await handler.unary_unary(await parsed(raw, context), context)
+            return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+        if handler.unary_stream is not None:
+            async def unary_stream(raw, context):
+                async for msg in handler.unary_stream(await parsed(raw, context), context):
+                    yield msg
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+        return handler

@@ -42,7 +42,7 @@ from . import telemetry
 from .cli_args import config_from_argv
 from .energy import EnergyMeter
 from .metrics import Metrics
-from .security import MTLS, add_port
+from .security import MTLS, MalformedRequests, add_port
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,8 @@ class WorkerServer:
 
     def __init__(self, service_names: list[str], host: str, port: int, drain_timeout_s: float,
                  mtls: MTLS | None = None):
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                      interceptors=[MalformedRequests(tuple(service_names))])
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)

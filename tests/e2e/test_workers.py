@@ -33,8 +33,8 @@ def _free_port() -> int:
 
 class Worker:
     def __init__(self, module: str, model_dir: str, log_path: Path, drain_timeout_s: float = 3.0,
-                 **opts):
-        self.port = _free_port()
+                 port: int = 0, **opts):
+        self.port = port or _free_port()
         self.log_path = log_path
         args = [sys.executable, "-m", module, "--model-dir", model_dir, "--port", str(self.port),
                 "--host", "127.0.0.1", "--drain-timeout-s", str(drain_timeout_s)]
@@ -94,9 +94,11 @@ def workers(model_dir, tmp_path_factory):
         started.append(dec)
         bad = Worker("decode_worker.server", model_dir, logs / "decode_bs16.log", block_size=16, num_blocks=32)
         started.append(bad)
+        drain_port = _free_port()       # a decode worker test_sigterm_... starts later
         pre = Worker("prefill_worker.server", model_dir, logs / "prefill.log", block_size=BS, num_blocks=64,
                      max_num_batched_tokens=16,      # prompts > 16 tokens: chunked prefill
-                     decode=f"127.0.0.1:{dec.port},127.0.0.1:{bad.port}")
+                     decode=",".join(f"127.0.0.1:{p}" for p in (dec.port, bad.port, drain_port)))
+        pre.drain_port = drain_port
         started.append(pre)
         for w in started:
             w.wait_serving()
