@@ -56,7 +56,6 @@ def test_schemathesis_finds_no_server_error(system, tmp_path):
                 for c in cases for f in list(c.findall("failure")) + list(c.findall("error"))]
     server = [f for f in failures if "Server error" in f[1] or "500" in f[1].split("\n")[0]]
     assert not server, server
-    assert "not_a_server_error" in out.stdout or "Server error" not in out.stdout
 
 
 def _mutate(rng: random.Random, data: bytes) -> bytes:
