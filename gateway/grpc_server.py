@@ -65,7 +65,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         ids = await self._prompt_ids(request)
-        self.gw.check_prompt(ids, params.max_tokens)
+        self.gw.check_prompt(ids)
         check_request(params, params.n, [len(ids)], self.gw.vocab_size, self.gw.max_model_len)
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         return rid, ids, fan_out(rid, [ids], params, params.n, trace_parent)
