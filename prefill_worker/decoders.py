@@ -73,6 +73,9 @@ class KnownDecoders:
                 return st.kv_endpoint
             except grpc.RpcError as e:
                 log.info("decode worker %s did not answer Stats: %s", address, e.code().name)
+                # a fresh channel next time: this one may sit in reconnect backoff (up to
+                # minutes) while a decode worker that starts now would answer at once
+                await self._channels.pop(address).close()
                 return ""
 
         found = await asyncio.gather(*(announced(a) for a in targets))

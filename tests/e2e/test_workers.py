@@ -307,7 +307,8 @@ def test_sigterm_lets_a_decoding_request_finish(workers, model_dir, tmp_path):
     # The drain deadline is sized from the work, not from this machine's speed: 600 tokens
     # of the tiny model take a few seconds even on a loaded machine; the drain allows 120 s.
     dec = Worker("decode_worker.server", model_dir, tmp_path / "decode_drain.log", block_size=BS,
-                 drain_timeout_s=120, num_blocks=256, kv_expiry_s=10)
+                 drain_timeout_s=120, num_blocks=256, kv_expiry_s=10,
+                 port=pre.drain_port)           # a decode worker the prefill worker knows
     try:
         dec.wait_serving()
         d = decode_pb2_grpc.DecodeWorkerStub(dec.channel)
