@@ -424,12 +424,19 @@ def engine_sections(args, ceiling: float | None) -> None:
                 print(f"| {S} | {t * 1e3:.1f} | {tf:.0f} | {share} |")
         sys.stdout.flush()
 
+        class _AnyEndpoint:      # the decode side here is a bare KVReceiver, not a decode worker
+            async def allowed(self, endpoint):
+                return True
+
+            async def close(self):
+                pass
+
         async def disagg_all():
             from kvtransfer.ucx import UcxTransport      # ucxx: the colocated tables need none
             await dec.start()
             pushes = {}
             for m in modes:
-                pushes[m] = KVPush(UcxTransport(device_memory=True), 10.0, m)
+                pushes[m] = KVPush(UcxTransport(device_memory=True), _AnyEndpoint(), 10.0, m)
                 pushes[m].register_kv_caches(engine.kv_cache, engine.config.model.name)
             res, bw = {}, {}
             try:

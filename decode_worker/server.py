@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import sys
 import time
 import uuid
@@ -52,6 +53,7 @@ from .config import DecodeWorkerConfig
 
 log = logging.getLogger(__name__)
 SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+MAX_KV_TIMEOUT_MS = 600_000          # a reservation holds blocks: at most 10 minutes
 _POLICIES = {decode_pb2.KV_FAILURE_POLICY_FAIL: "fail", decode_pb2.KV_FAILURE_POLICY_RECOMPUTE: "recompute"}
 
 
@@ -126,6 +128,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             span.end()
 
     async def SubmitFirstToken(self, request, context):
+        tid = request.first_token.token_id
+        if not 0 <= tid < self.ae.vocab_size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first_token.token_id {tid} is "
+                                f"outside the vocabulary [0, {self.ae.vocab_size})")
         pend = self._pending.get(request.request_id)
         if pend is None or pend.aborted or pend.first_token.done():
             return decode_pb2.SubmitFirstTokenResponse(accepted=False)
@@ -159,7 +165,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             transfers=common_pb2.TransferCounters(
                 transfers_done=r.transfers_done, blocks=r.blocks_received, bytes=r.bytes_received,
                 failures=r.failed, expirations=r.expired + c.token_expirations),
-            compat=protoconv.compat_to_proto(self.compat))
+            compat=protoconv.compat_to_proto(self.compat), kv_endpoint=self.receiver.address)
 
     # -------------------------------------------------------------- Decode body
     def _validate(self, request, span) -> _Pending:
@@ -172,8 +178,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             params = protoconv.worker_sampling_from_proto(request.sampling)
         except (ValueError, TypeError) as e:
             raise RpcStatus(bad, str(e)) from None
-        if request.kv_timeout_ms < 0:
-            raise RpcStatus(bad, f"kv_timeout_ms must be >= 0, got {request.kv_timeout_ms}")
+        if not 0 <= request.kv_timeout_ms <= MAX_KV_TIMEOUT_MS:
+            raise RpcStatus(bad, f"kv_timeout_ms must be in [0, {MAX_KV_TIMEOUT_MS}], "
+                                 f"got {request.kv_timeout_ms}")
         timeout = request.kv_timeout_ms / 1000 if request.kv_timeout_ms else self.cfg.kv_expiry_s
         policy = _POLICIES.get(request.kv_failure_policy, self.cfg.kv_failure_policy)
         ids = list(request.prompt_token_ids)
@@ -224,7 +231,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if pend.aborted:
             return
         if pend.fill:
-            tid = uuid.uuid4().hex
+            tid = secrets.token_hex(24)       # the KV handshake's token: unguessable
             self.receiver.reserve(tid, pend.fill, pend.timeout)
             pend.transfer_id, pend.queued_tokens = tid, len(pend.prompt) - n_cached
         tracing.record_span("pdserve.decode.reservation", pend.span, pend.t_reserve, time.monotonic(),

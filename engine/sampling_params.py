@@ -1,6 +1,7 @@
 """Per-request sampling parameters (vLLM's names and defaults where they exist)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .structured import StructuredOutput
@@ -46,6 +47,10 @@ class SamplingParams:
             raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
         if self.n < 1:
             bad("n", "must be >= 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, "must be a finite number")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:

@@ -18,6 +18,8 @@ with `{{ bos_token }}` already contain BOS: encode such prompts with add_special
 """
 from __future__ import annotations
 
+import functools
+
 import json
 from datetime import datetime
 from functools import lru_cache
@@ -77,6 +79,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included (the model's vocab may be larger)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token string: one token covers at most this much
+        (normalized) text, so a text over context x this is too long without tokenizing it."""
+        return max((len(t.encode()) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids

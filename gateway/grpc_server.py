@@ -21,17 +21,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services import metrics
+from services import metrics, security
 from services import tracing
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from services.protoconv import FINISH_TO_PROTO, sampling_from_proto
 
+from .auth import GrpcAuth, KeyStore
 from .choices import fan_out, merge_streams
 from .config import GatewayConfig
 from .core import Gateway
-from .prompt import chat_prompt_ids
+from .prompt import chat_prompt_ids, encode
+from .redact import public_message
 from .request import GatewayError, GenerateEvent, GenerateInput, Usage
+from .validate import check_request
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +54,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async for resp in self._generate(request, tracing.extract_context(context)):
                 yield resp
         except GatewayError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, public_message(e, request.request_id,
+                                                       self.gw.worker_addresses()))
 
-    def _inputs(self, request, trace_parent) -> tuple[str, list[int], list[GenerateInput]]:
-        """(request id, prompt ids, one GenerateInput per choice)."""
+    async def _inputs(self, request, trace_parent) -> tuple[str, list[int], list[GenerateInput]]:
+        """(request id, prompt ids, one GenerateInput per choice), checked (gateway/validate.py)."""
         self._check_model(request.model)
-        ids = self._prompt_ids(request)
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        ids = await self._prompt_ids(request)
+        self.gw.check_prompt(ids)
+        check_request(params, params.n, [len(ids)], self.gw.vocab_size, self.gw.max_model_len)
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         return rid, ids, fan_out(rid, [ids], params, params.n, trace_parent)
 
     async def _generate(self, request, trace_parent=None) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        rid, ids, inputs = self._inputs(request, trace_parent)
+        rid, ids, inputs = await self._inputs(request, trace_parent)
         opts = request.stream_options
         # Unset stream options: streaming, the proto's reading of an empty message is "false",
         # but a client that sent no options at all surely wants the stream.
@@ -114,21 +120,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"unknown model {model!r}: this gateway serves {self.gw.model_name!r}")
 
-    def _prompt_ids(self, request) -> list[int]:
+    async def _prompt_ids(self, request) -> list[int]:
         kind = request.WhichOneof("prompt")
-        tok = self.gw.tokenizer
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "text":
-            return tok.encode(request.text)
+            return await encode(self.gw.tokenizer, request.text, self.gw.max_model_len)
         if kind == "chat":
-            return self._chat_ids(request.chat)
+            return await self._chat_ids(request.chat, self.gw.max_model_len)
         raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
                            "GenerateRequest needs a prompt: text, token_ids or chat")
 
-    def _chat_ids(self, chat) -> list[int]:
+    async def _chat_ids(self, chat, context_length: int = 0) -> list[int]:
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-        return chat_prompt_ids(self.gw.tokenizer, messages, chat.add_generation_prompt)
+        return await chat_prompt_ids(self.gw.tokenizer, messages, chat.add_generation_prompt,
+                                     context_length=context_length)
 
     # -- Tokenize, ListModels -----------------------------------------------------------------
     async def Tokenize(self, request, context):
@@ -136,9 +142,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._check_model(request.model)
             kind = request.WhichOneof("prompt")
             if kind == "text":
-                ids = self.gw.tokenizer.encode(request.text, request.add_special_tokens)
+                ids = await encode(self.gw.tokenizer, request.text, 0, "text",
+                                   request.add_special_tokens)
             elif kind == "chat":
-                ids = self._chat_ids(request.chat)
+                ids = await self._chat_ids(request.chat)
             else:
                 raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
                                    "TokenizeRequest needs text or chat")
@@ -181,13 +188,21 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
     if cfg.metrics_port:
         metrics_server, _ = metrics.start_metrics_server(gw.metrics.registry, cfg.host, cfg.metrics_port)
     await gw.start()
-    server, health_servicer = _grpc_server(gw)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    keys = KeyStore(cfg.api_key, cfg.api_key_file, cfg.api_key_rpm, cfg.api_key_concurrency)
+    server, health_servicer = _grpc_server(gw, keys)
+    port = security.add_port(server, f"{cfg.host}:{cfg.grpc_port}",
+                             security.server_tls(cfg.tls_cert, cfg.tls_key))
     await server.start()
     http = None
     if cfg.http_port:      # the OpenAI REST shim, in this loop (SERVING waits for it too)
         from .openai import start_http
-        http = await start_http(gw, cfg.host, cfg.http_port, cfg.api_key)
+        http = await start_http(gw, cfg.host, cfg.http_port, keys,
+                                (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None)
+    for line in security.exposed(cfg.host, {"gRPC": (port, bool(cfg.tls_cert)),
+                                            "REST": (cfg.http_port, bool(cfg.tls_cert))}):
+        log.warning("public %s listens in plain text beyond loopback (no --tls-cert)", line)
+    if not keys.enabled and not security.is_loopback(cfg.host):
+        log.warning("the public APIs on %s need no API key (no --api-key/--api-key-file)", cfg.host)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{cfg.host}:{port}"
@@ -214,9 +229,12 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
         tracing.shutdown_tracing()
 
 
-def _grpc_server(gw: Gateway):
-    """The grpc.aio server with Generation, health (serve() sets its statuses) and reflection."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+def _grpc_server(gw: Gateway, keys: KeyStore | None = None):
+    """The grpc.aio server with Generation (behind `keys`), health (serve() sets its
+    statuses) and reflection."""
+    interceptors = [GrpcAuth(keys, (SERVICE,))] if keys is not None and keys.enabled else []
+    interceptors.append(security.MalformedRequests((SERVICE,)))   # after the key check
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,5 +1,11 @@
 """Prompts as both fronts take them: chat messages -> token ids, and the one prompt check.
 
+Tokenizing runs in a worker thread (`encode`, `chat_prompt_ids` are coroutines): a 10 MB
+prompt must not hold the event loop that serves everyone else. A text too long for the
+context even if every token covered the longest token string is refused without tokenizing
+it, and text that is not valid Unicode (a lone surrogate) is refused before it reaches the
+tokenizer.
+
 `check_prompt` is what the gateway verifies before any worker sees a prompt (the gRPC API
 through `Gateway.generate()`, the OpenAI shim before it fans out); workers keep their own
 checks. A failure is a `PromptError`: a GatewayError (INVALID_ARGUMENT) whose `kind` lets
@@ -7,6 +13,7 @@ the OpenAI shim word it the way OpenAI clients expect (gateway/openai/errors.py)
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -14,6 +21,7 @@ import grpc
 from engine.tokenizer import Tokenizer
 
 from .request import GatewayError
+from .validate import check_text
 
 
 class PromptError(GatewayError):
@@ -49,14 +57,29 @@ def check_prompt(ids: list[int], context_length: int, vocab_size: int = 0,
                           f"{max_tokens} more: the context length is {L}", n, L, max_tokens)
 
 
-def chat_prompt_ids(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, **template_kwargs: Any) -> list[int]:
+async def encode(tok: Tokenizer, text: str, context_length: int, param: str = "prompt",
+                 add_special_tokens: bool = True) -> list[int]:
+    """`text`'s token ids, tokenized off the event loop (InvalidInput, PromptError)."""
+    check_text(text, param)
+    nbytes = len(text.encode("utf-8"))
+    # slack x4 (+4 kB): normalizers may drop characters (accents, control codes)
+    if context_length and nbytes > 4 * context_length * tok.max_token_bytes + 4096:
+        raise PromptError("too_long", f"the prompt has {nbytes} bytes of text: far more than "
+                          f"the context length of {context_length} tokens holds",
+                          nbytes, context_length)
+    return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+
+
+async def chat_prompt_ids(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None, context_length: int = 0,
+                          **template_kwargs: Any) -> list[int]:
     """Render `messages` (and `tools`) with the model's chat template and encode them."""
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                       tools=tools, **template_kwargs)
+        text = await asyncio.to_thread(tok.apply_chat_template, messages,
+                                       add_generation_prompt=add_generation_prompt, tools=tools,
+                                       **template_kwargs)
     except Exception as e:  # template errors (raise_exception), no template
         raise PromptError("template", f"chat template: {e}") from None
     # Templates that begin with the BOS token already contain it.
     has_bos = tok.bos_token is not None and text.startswith(tok.bos_token)
-    return tok.encode(text, add_special_tokens=not has_bos)
+    return await encode(tok, text, context_length, "messages", add_special_tokens=not has_bos)

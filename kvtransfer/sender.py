@@ -7,8 +7,9 @@
     stats = await sender.finish(handle, timeout=5)   # every message sent (or an error)
 
 Connections are cached per endpoint; the HELLO handshake (protocol version + CompatKey +
-staging) happens once per connection. Each pushed layer is ONE message: all its blocks' K and
-V are gathered into a single contiguous buffer (small per-block messages are slow over UCX).
+staging + the token of the first transfer, see receiver.py) happens once per connection. Each
+pushed layer is ONE message: all its blocks' K and V are gathered into a single contiguous
+buffer (small per-block messages are slow over UCX).
 
 A CUDA cache is never read on the compute stream and the engine thread never waits:
 
@@ -42,7 +43,7 @@ import torch
 from .staging import StagingPool
 from .transport import Connection, ConnectionClosed, Transport, TransportError
 from .wire import (HEADER_BYTES, CompatKey, Header, IncompatibleKV, MsgType, WireError,
-                   block_bytes, check_cache_shape, hello_body, ids_bytes, parse_hello)
+                   block_bytes, check_cache_shape, ids_bytes, parse_hello)
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class KVSender:
                              f"{len(src_block_ids)} vs {len(dst_block_ids)}")
         Header(MsgType.LAYER, transfer_id).pack()  # validates the id's length
         self._loop = asyncio.get_running_loop()
-        peer = await self._peer(endpoint)
+        peer = await self._peer(endpoint, transfer_id)
         idx = torch.tensor(src_block_ids, dtype=torch.long, device=self.kv_cache.device)
         return TransferHandle(transfer_id, endpoint, list(src_block_ids), list(dst_block_ids), peer, idx)
 
@@ -247,7 +248,9 @@ class KVSender:
         else:
             peer.queue.put_nowait(msg)
 
-    async def _peer(self, endpoint: str) -> _Peer:
+    async def _peer(self, endpoint: str, token: str) -> _Peer:
+        """The cached connection to `endpoint`, or a new one whose HELLO carries `token` (the
+        id of a transfer the receiver reserved: it refuses HELLOs without one)."""
         peer = self._peers.get(endpoint)
         if peer is not None and peer.error is None:
             return peer
@@ -263,7 +266,7 @@ class KVSender:
                 self.failures += 1
                 raise TransportError(f"cannot reach decode KV endpoint {endpoint}: {e or type(e).__name__}") from e
             try:
-                await asyncio.wait_for(self._handshake(conn, endpoint), self.connect_timeout_s)
+                await asyncio.wait_for(self._handshake(conn, endpoint, token), self.connect_timeout_s)
             except BaseException as e:
                 await conn.close()
                 self.failures += 1
@@ -279,8 +282,8 @@ class KVSender:
             self._peers[endpoint] = peer
             return peer
 
-    async def _handshake(self, conn: Connection, endpoint: str) -> None:
-        hello = hello_body(self.compat, self.staging)
+    async def _handshake(self, conn: Connection, endpoint: str, token: str) -> None:
+        hello = self.compat.hello(token, self.staging)
         await conn.send(Header(MsgType.HELLO, body_bytes=len(hello)).pack())
         await conn.send(hello)
         hdr = Header.unpack(await conn.recv(HEADER_BYTES))

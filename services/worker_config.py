@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineOptions
 
+from .security import mtls_triple
+
 
 @dataclass
 class WorkerConfig:
@@ -26,6 +28,11 @@ class WorkerConfig:
     kv_staging: str = field(default="host", metadata={
         "help": "where KV messages are staged: host (pinned host memory, any UCX transport) or "
                 "device (GPU memory over UCX cuda_ipc/cuda_copy, one node; both workers alike)"})
+    mtls_ca: str = field(default="", metadata={
+        "help": "the operator's CA (PEM): internal RPCs only from peers with a certificate it signed"})
+    mtls_cert: str = field(default="", metadata={
+        "help": "this worker's certificate (PEM, signed by --mtls-ca)"})
+    mtls_key: str = field(default="", metadata={"help": "PEM private key of --mtls-cert"})
 
     # fields each subclass checks as positive seconds / as ports
     _positive = ("drain_timeout_s",)
@@ -44,6 +51,7 @@ class WorkerConfig:
             raise ValueError(f"kv_staging must be 'host' or 'device', got {self.kv_staging!r}")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
 
     def build_engine(self, kv_connector=None, step_observers=(), decode_graphs: bool | None = None):
         """The LLMEngine this config describes (loads the model: call it off the event loop),

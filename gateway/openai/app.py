@@ -13,22 +13,31 @@ import time
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 
 from services import tracing
 
+from ..auth import KeyStore, rest_middleware
 from ..core import Gateway
+from ..validate import MAX_BODY_BYTES
 from .chat import Chat
 from .completions import Completion
 from .errors import OpenAIError, install_handlers, unknown_model
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 
-def create_app(gw: Gateway, api_key: str = "") -> FastAPI:
+def create_app(gw: Gateway, keys: KeyStore | None = None) -> FastAPI:
+    """The REST app; with `keys`, /v1 routes need an API key and keep its limits
+    (gateway/auth.py checks them in an ASGI middleware, around the whole response)."""
     app = FastAPI(title="pdserve OpenAI-compatible API", version="1",
                   description="OpenAI chat/completions over pdserve's disaggregated gateway")
     install_handlers(app)
-    auth = [Depends(_bearer_auth(api_key))]
+    app.add_middleware(_limit_body)
+    if keys is not None and keys.enabled:
+        app.add_middleware(rest_middleware(keys, lambda status, msg: OpenAIError(
+            status, msg, *_AUTH_ERRORS[status]).response()))
+    # documents the scheme in /openapi.json; the middleware above does the checking
+    auth = [Depends(HTTPBearer(auto_error=False, description="an API key of the gateway"))]
     card = {"id": gw.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "pdserve", "max_model_len": gw.max_model_len}
 
@@ -66,18 +75,29 @@ def create_app(gw: Gateway, api_key: str = "") -> FastAPI:
     return app
 
 
-def _bearer_auth(api_key: str):
-    """A dependency: 401 unless the request carries `Authorization: Bearer <api_key>` (no
-    key configured: open)."""
-    bearer = HTTPBearer(auto_error=False, description="the gateway's --api-key, when set")
+def _limit_body(app):
+    """A pure ASGI middleware: a request body over MAX_BODY_BYTES gets 413 (by its
+    Content-Length before anything is read, or once the bytes received pass it)."""
+    async def middleware(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+        too_big = OpenAIError(413, f"request body over {MAX_BODY_BYTES} bytes",
+                              "invalid_request_error", None, "request_too_large")
+        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            return await too_big.response()(scope, receive, send)
+        seen = 0
 
-    async def auth(cred: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if not api_key:
-            return
-        if cred is None:
-            raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                              "authentication_error", None, "invalid_api_key")
-        if cred.credentials != api_key:
-            raise OpenAIError(401, "incorrect API key provided", "authentication_error", None,
-                              "invalid_api_key")
-    return auth
+        async def bounded():
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > MAX_BODY_BYTES:
+                raise OpenAIError(413, too_big.message, too_big.type, None, too_big.code)
+            return msg
+        await app(scope, bounded, send)
+    return middleware
+
+
+_AUTH_ERRORS = {401: ("authentication_error", None, "invalid_api_key"),
+                429: ("rate_limit_error", None, "rate_limit_exceeded")}

@@ -42,7 +42,7 @@ class Chat(Endpoint):
     async def run(self):
         b = self.body
         max_tokens = b.max_completion_tokens or b.max_tokens
-        ids = self.prompt_ids()
+        ids = await self.prompt_ids()
         self.check_prompt(ids, max_tokens, "messages")
         k = None
         if b.logprobs:
@@ -58,14 +58,14 @@ class Chat(Endpoint):
                                      headers={"Cache-Control": "no-cache"})
         return self.response(await run.collect())
 
-    def prompt_ids(self) -> list[int]:
+    async def prompt_ids(self) -> list[int]:
         b = self.body
         messages = [_message_dict(m) for m in b.messages]
         tools = [t.model_dump(exclude_none=True) for t in self.tools] \
             if self.tools and self.tool_choice != "none" else None
         try:
-            return chat_prompt_ids(self.gw.tokenizer, messages, b.add_generation_prompt, tools,
-                                   **(b.chat_template_kwargs or {}))
+            return await chat_prompt_ids(self.gw.tokenizer, messages, b.add_generation_prompt, tools,
+                                         self.gw.max_model_len, **(b.chat_template_kwargs or {}))
         except PromptError as e:
             raise from_prompt(e, "messages") from None
 

@@ -11,7 +11,9 @@ from fastapi.responses import StreamingResponse
 
 from .endpoint import (ChoiceOut, Endpoint, Run, check_structured, finite, response_format_spec,
                        sampling_params, sse, usage)
-from .errors import OpenAIError, bad
+from ..prompt import PromptError, encode
+from ..validate import MAX_CHOICES
+from .errors import OpenAIError, bad, from_prompt
 
 
 class Completion(Endpoint):
@@ -28,7 +30,7 @@ class Completion(Endpoint):
         spec = response_format_spec(b)
         check_structured(spec, "response_format")
         params = sampling_params(b, gen_tokens, b.logprobs, prompt_lp, spec)
-        self.prompt_list = self.prompts()
+        self.prompt_list = await self.prompts()
         for ids, _ in self.prompt_list:
             self.check_prompt(ids, b.max_tokens or None, "prompt")
         run = Run(self.gw, self.inputs([ids for ids, _ in self.prompt_list], params, b.n))
@@ -41,8 +43,8 @@ class Completion(Endpoint):
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.gw.model_name, "choices": choices, "usage": self.usage(outs)}
 
-    def prompts(self) -> list[tuple[list[int], str | None]]:
-        """(token ids, original text or None) per prompt."""
+    async def prompts(self) -> list[tuple[list[int], str | None]]:
+        """(token ids, original text or None) per prompt (tokenized off the loop)."""
         p, tok = self.body.prompt, self.gw.tokenizer
         if isinstance(p, str):
             items = [p]
@@ -52,7 +54,13 @@ class Completion(Endpoint):
             items = list(p)
         if not items:
             raise bad("prompt must not be empty", "prompt")
-        return [(tok.encode(x), x) if isinstance(x, str) else (list(x), None) for x in items]
+        if len(items) > MAX_CHOICES:
+            raise bad(f"at most {MAX_CHOICES} prompts per request, got {len(items)}", "prompt")
+        try:
+            return [(await encode(tok, x, self.gw.max_model_len), x) if isinstance(x, str)
+                    else (list(x), None) for x in items]
+        except PromptError as e:
+            raise from_prompt(e, "prompt") from None
 
     def usage(self, outs: list[ChoiceOut]) -> dict:
         comp = 0 if self.body.max_tokens == 0 else sum(o.completion_tokens for o in outs)

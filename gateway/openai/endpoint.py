@@ -24,6 +24,8 @@ from engine.structured import StructuredOutput, validate as validate_structured
 from ..choices import fan_out, merge_streams
 from ..core import Gateway
 from ..prompt import PromptError
+from ..redact import public_message
+from ..validate import check_request
 from ..request import GatewayError, GenerateEvent, GenerateInput
 from .errors import OpenAIError, bad, from_prompt, unknown_model
 
@@ -144,7 +146,7 @@ class Run:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.close()
             if isinstance(e, GatewayError):
-                raise OpenAIError.from_gateway(e) from None
+                raise self._public(e) from None
             raise
 
     async def events(self) -> AsyncIterator[tuple[int, GenerateEvent]]:
@@ -158,9 +160,14 @@ class Run:
             async for i, ev in merge_streams([resume(f, g) for g, f in zip(self.gens, self.firsts)]):
                 yield i, ev
         except GatewayError as e:
-            raise OpenAIError.from_gateway(e) from None
+            raise self._public(e) from None
         finally:
             await self.close()
+
+    def _public(self, e: GatewayError) -> OpenAIError:
+        """The error as the client sees it: no internal addresses (logged with the id)."""
+        rid = self.inputs[0].public_id if self.inputs else ""
+        return OpenAIError.from_gateway(e, public_message(e, rid, self.gw.worker_addresses()))
 
     async def close(self) -> None:
         for g in self.gens:
@@ -222,4 +229,6 @@ class Endpoint:
             raise from_prompt(e, param) from None
 
     def inputs(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[GenerateInput]:
+        """One input per choice, once the request passed gateway/validate.py's check."""
+        check_request(params, n, [len(p) for p in prompts], self.gw.vocab_size, self.gw.max_model_len)
         return fan_out(self.id, prompts, params, n, self.trace_parent)

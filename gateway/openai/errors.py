@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..prompt import PromptError
 from ..request import GatewayError
+from ..validate import InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,11 @@ class OpenAIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     @classmethod
-    def from_gateway(cls, e: GatewayError) -> "OpenAIError":
+    def from_gateway(cls, e: GatewayError, message: str | None = None) -> "OpenAIError":
+        """`message`: the client's version of e.message (gateway/redact.py)."""
         status, type_ = _STATUS.get(e.code, (500, "internal_error"))
-        return cls(status, e.message, type_, None, e.code.name.lower())
+        return cls(status, e.message if message is None else message, type_, None,
+                   e.code.name.lower())
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -77,6 +80,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_, e: OpenAIError):
         return e.response()
+
+    @app.exception_handler(InvalidInput)
+    async def _invalid_input(_, e: InvalidInput):       # gateway/validate.py's one check
+        return bad(e.message, e.param).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, e: RequestValidationError):

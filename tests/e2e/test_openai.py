@@ -140,7 +140,8 @@ def test_greedy_text_equals_grpc_api(sys_a, client, model):
                                          add_generation_prompt=True),
         sampling=common_pb2.SamplingParams(temperature=0, max_tokens=16),
         stream_options=generation_pb2.StreamOptions(stream=False))
-    text = "".join(m.text for m in stub.Generate(req, timeout=60))
+    text = "".join(m.text for m in stub.Generate(req, timeout=60,  # --api-key covers gRPC too
+                                                 metadata=[("authorization", f"Bearer {KEY}")]))
     assert out.choices[0].message.content == text
 
 

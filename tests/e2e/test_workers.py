@@ -33,8 +33,8 @@ def _free_port() -> int:
 
 class Worker:
     def __init__(self, module: str, model_dir: str, log_path: Path, drain_timeout_s: float = 3.0,
-                 **opts):
-        self.port = _free_port()
+                 port: int = 0, **opts):
+        self.port = port or _free_port()
         self.log_path = log_path
         args = [sys.executable, "-m", module, "--model-dir", model_dir, "--port", str(self.port),
                 "--host", "127.0.0.1", "--drain-timeout-s", str(drain_timeout_s)]
@@ -89,14 +89,17 @@ def workers(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     started = []
     try:
-        pre = Worker("prefill_worker.server", model_dir, logs / "prefill.log", block_size=BS, num_blocks=64,
-                     max_num_batched_tokens=16)      # prompts > 16 tokens: chunked prefill
-        started.append(pre)
         dec = Worker("decode_worker.server", model_dir, logs / "decode.log", block_size=BS, num_blocks=64,
                      kv_expiry_s=10)
         started.append(dec)
         bad = Worker("decode_worker.server", model_dir, logs / "decode_bs16.log", block_size=16, num_blocks=32)
         started.append(bad)
+        drain_port = _free_port()       # a decode worker test_sigterm_... starts later
+        pre = Worker("prefill_worker.server", model_dir, logs / "prefill.log", block_size=BS, num_blocks=64,
+                     max_num_batched_tokens=16,      # prompts > 16 tokens: chunked prefill
+                     decode=",".join(f"127.0.0.1:{p}" for p in (dec.port, bad.port, drain_port)))
+        pre.drain_port = drain_port
+        started.append(pre)
         for w in started:
             w.wait_serving()
         yield pre, dec, bad
@@ -304,7 +307,8 @@ def test_sigterm_lets_a_decoding_request_finish(workers, model_dir, tmp_path):
     # The drain deadline is sized from the work, not from this machine's speed: 600 tokens
     # of the tiny model take a few seconds even on a loaded machine; the drain allows 120 s.
     dec = Worker("decode_worker.server", model_dir, tmp_path / "decode_drain.log", block_size=BS,
-                 drain_timeout_s=120, num_blocks=256, kv_expiry_s=10)
+                 drain_timeout_s=120, num_blocks=256, kv_expiry_s=10,
+                 port=pre.drain_port)           # a decode worker the prefill worker knows
     try:
         dec.wait_serving()
         d = decode_pb2_grpc.DecodeWorkerStub(dec.channel)

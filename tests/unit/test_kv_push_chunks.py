@@ -73,8 +73,18 @@ async def _until(cond, what, timeout=20.0):
         await asyncio.sleep(0.001)
 
 
+class _AnyEndpoint:
+    """The receiver here is a bare KVReceiver, not a decode worker announcing its endpoint
+    (prefill_worker/decoders.py is tested in test_kv_security.py)."""
+    async def allowed(self, endpoint):
+        return True
+
+    async def close(self):
+        pass
+
+
 async def _run(sender_transport, receiver_transport, drain_each_step: bool):
-    push = KVPush(sender_transport)
+    push = KVPush(sender_transport, _AnyEndpoint())
     engine = LLMEngine.from_model_dir(str(ensure_default_model()), kv_connector=push, block_size=BS,
                                       num_blocks=32, max_num_batched_tokens=CHUNK)
     layers = engine.config.model.num_layers

@@ -81,9 +81,11 @@ class System:
     async def start(self) -> None:
         self.stop_event = asyncio.Event()
         common = dict(model_dir=self.model_dir, drain_timeout_s=5.0)
-        pcfg = PrefillWorkerConfig(port=free_port(), **common, engine=EngineOptions.of(
-            block_size=BS, num_blocks=64, max_num_batched_tokens=16))              # chunked
-        dcfg = DecodeWorkerConfig(port=free_port(), kv_expiry_s=10, **common,
+        dport = free_port()
+        pcfg = PrefillWorkerConfig(port=free_port(), decode=f"127.0.0.1:{dport}", **common,
+                                   engine=EngineOptions.of(block_size=BS, num_blocks=64,
+                                                           max_num_batched_tokens=16))  # chunked
+        dcfg = DecodeWorkerConfig(port=dport, kv_expiry_s=10, **common,
                                   engine=EngineOptions.of(block_size=BS, num_blocks=64,
                                                           speculative=self.decode_speculative))
         ready = [asyncio.Event(), asyncio.Event()]
@@ -271,5 +273,35 @@ def test_recompute_fallback_matches_the_offline_engine(system, offline):
         tokens = [t.token_id for m in msgs for t in m.tokens.tokens]
         assert tokens == ref.token_ids                                # first token unknown: all local
         assert msgs[-1].tokens.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        await system.wait_all_free()
+    system.run(main())
+
+
+def test_internal_rpcs_refuse_bad_inputs_and_foreign_destinations(system):
+    """SubmitFirstToken's token id, kv_timeout_ms and a Prefill destination that no known
+    decode worker announced: refused (nothing is reserved or connected)."""
+    async def main():
+        rid = "bad-" + uuid.uuid4().hex
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await system.dec.Decode(decode_pb2.DecodeRequest(
+                request_id=rid, prompt_token_ids=_prompt(20), sampling=_greedy(4),
+                kv_timeout_ms=2**31 - 1), timeout=RPC_S).read()
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "kv_timeout_ms" in e.value.details()
+        stream = system.dec.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=_prompt(20),
+                                                            sampling=_greedy(4)), timeout=RPC_S)
+        kv = (await asyncio.wait_for(stream.read(), RPC_S)).kv_ready
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await system.dec.SubmitFirstToken(decode_pb2.SubmitFirstTokenRequest(
+                request_id=rid, first_token=common_pb2.TokenLogprob(token_id=10**9)), timeout=RPC_S)
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in e.value.details()
+        dest = _dest(kv)
+        dest.kv_endpoint = "loopback://999999"              # announced by nobody
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await system.pre.Prefill(prefill_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=_prompt(20), sampling=_greedy(4), destination=dest),
+                timeout=RPC_S)
+        assert e.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert (await system.dec.Abort(common_pb2.AbortRequest(request_id=rid), timeout=RPC_S)).found
+        await _rest(stream)
         await system.wait_all_free()
     system.run(main())
