@@ -23,6 +23,7 @@ from .config import CacheConfig, EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_connector import KVConnector
 from .loader import load_model
+from .quant import quantize_model
 from .outputs import EngineStats, Prefix, RequestOutput
 from .request import Request, RequestStatus
 from .runner import ModelRunner
@@ -59,7 +60,8 @@ class LLMEngine:
         self.config = config
         mc = config.model
         self.dtype = config.torch_dtype
-        self.model = load_model(mc, self.dtype, config.device, config.kernel_backend)
+        self.model = quantize_model(load_model(mc, self.dtype, config.device, config.kernel_backend),
+                                    config.quantization)
         tok_path = Path(mc.model_dir) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_dir(mc.model_dir) if tok_path.exists() else None
         eos = set(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
@@ -68,7 +70,8 @@ class LLMEngine:
         self.num_blocks = cc.num_blocks or self._blocks_for_memory(cc)
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, config.device)
+        self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, config.device,
+                                  kv_dtype=config.kv_torch_dtype)
         self.sampler = Sampler(eos)
         # grammars for SamplingParams.structured; the llguidance tokenizer is built on first use
         self.structured = StructuredOutputs(tok_path if tok_path.exists() else None,
@@ -76,7 +79,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.kv_connector = kv_connector
         if kv_connector is not None:
-            kv_connector.register_kv_caches(self.kv_cache, mc.name)
+            kv_connector.register_kv_caches(self.kv_cache, mc.name, self.kv_scales)
         self.step_observers = list(step_observers)
 
     @classmethod
@@ -93,13 +96,18 @@ class LLMEngine:
     def _blocks_for_memory(self, cc: CacheConfig) -> int:
         mc = self.config.model
         per_block = (mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim
-                     * torch.empty((), dtype=self.dtype).element_size())
+                     * self.config.kv_torch_dtype.itemsize)
         enough = self.config.scheduler.max_num_seqs * cdiv(mc.max_model_len, cc.block_size)
         return max(1, min(int(cc.kv_cache_memory_gb * 2**30 // per_block), enough))
 
     @property
     def kv_cache(self) -> torch.Tensor:
         return self.runner.kv_cache
+
+    @property
+    def kv_scales(self) -> torch.Tensor | None:
+        """[layers, K|V, blocks, kv heads] fp32 scales of an 8-bit cache, else None."""
+        return self.runner.kv_scales
 
     # -- admission ----------------------------------------------------------------------
     def _make_request(self, request_id: str, prompt, params: SamplingParams | None,

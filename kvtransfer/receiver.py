@@ -43,7 +43,7 @@ import torch
 
 from .transport import Connection, ConnectionClosed, Transport, TransportError
 from .wire import (HEADER_BYTES, PROTOCOL_VERSION, CompatKey, Header, IncompatibleKV, MsgType,
-                   WireError, block_bytes, check_cache_shape, ids_bytes)
+                   WireError, block_bytes, ids_bytes, payload_views)
 
 log = logging.getLogger(__name__)
 
@@ -96,17 +96,18 @@ class KVReceiver:
     """Receives KV blocks into `kv_cache` [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
 
     def __init__(self, kv_cache: torch.Tensor, compat: CompatKey, transport: Transport,
-                 expiry_s: float = 30.0, *, reap_interval_s: float = 0.05, keep_finished: int = 10_000):
-        check_cache_shape(kv_cache)
-        CompatKey.from_cache(kv_cache, compat.model).check(compat, "kv_cache", "compat")
-        self.kv_cache = kv_cache
+                 expiry_s: float = 30.0, *, reap_interval_s: float = 0.05, keep_finished: int = 10_000,
+                 kv_scales: torch.Tensor | None = None):
+        """`kv_scales`: the scales of an 8-bit cache, written with their blocks."""
+        CompatKey.from_cache(kv_cache, compat.model, kv_scales).check(compat, "kv_cache", "compat")
+        self.kv_cache, self.kv_scales = kv_cache, kv_scales
         self.compat = compat
         self.transport = transport
         self.expiry_s = expiry_s
         self.reap_interval_s = reap_interval_s
         self.keep_finished = keep_finished
         self.address: str | None = None
-        self._block_bytes = block_bytes(kv_cache)
+        self._block_bytes = block_bytes(kv_cache, kv_scales)
         self._lock = threading.Lock()
         self._live: dict[str, _Transfer] = {}
         self._finished: OrderedDict[str, _Transfer] = OrderedDict()
@@ -343,11 +344,12 @@ class KVReceiver:
         return None
 
     def _write_locked(self, t: _Transfer, layer: int, off: int, n: int, body: torch.Tensor) -> None:
-        _, _, _, bs, h, d = self.kv_cache.shape
-        payload = body[ids_bytes(n):].view(self.kv_cache.dtype).view(2, n, bs, h, d)
+        payload, scales = payload_views(body, self.kv_cache, self.kv_scales, n)
         dst = self.kv_cache[layer]
         idx = torch.tensor(t.block_ids[off:off + n], dtype=torch.long, device=dst.device)
         dst.index_copy_(1, idx, payload.to(dst.device, non_blocking=False))
+        if scales is not None:
+            self.kv_scales[layer].index_copy_(1, idx, scales.to(dst.device, non_blocking=False))
         t.got[layer][off:off + n] = b"\x01" * n
         t.remaining -= n
         t.blocks += n

@@ -29,7 +29,7 @@ import torch
 
 from .transport import Connection, ConnectionClosed, Transport, TransportError
 from .wire import (HEADER_BYTES, CompatKey, Header, IncompatibleKV, MsgType, WireError,
-                   block_bytes, check_cache_shape, ids_bytes)
+                   block_bytes, ids_bytes, payload_views)
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +85,16 @@ class _Peer:
 
 class KVSender:
     def __init__(self, kv_cache: torch.Tensor, compat: CompatKey, transport: Transport, *,
-                 connect_timeout_s: float = 5.0, max_inflight: int = 4):
-        check_cache_shape(kv_cache)
-        CompatKey.from_cache(kv_cache, compat.model).check(compat, "kv_cache", "compat")
-        self.kv_cache = kv_cache
+                 connect_timeout_s: float = 5.0, max_inflight: int = 4,
+                 kv_scales: torch.Tensor | None = None):
+        """`kv_scales`: the scales of an 8-bit cache; they travel with their blocks."""
+        CompatKey.from_cache(kv_cache, compat.model, kv_scales).check(compat, "kv_cache", "compat")
+        self.kv_cache, self.kv_scales = kv_cache, kv_scales
         self.compat = compat
         self.transport = transport
         self.connect_timeout_s = connect_timeout_s
         self.max_inflight = max_inflight      # layer messages posted but not yet completed
-        self._block_bytes = block_bytes(kv_cache)
+        self._block_bytes = block_bytes(kv_cache, kv_scales)
         self._pin = kv_cache.is_cuda
         self._peers: dict[str, _Peer] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
@@ -182,17 +183,20 @@ class KVSender:
         n = end - start
         if not 0 <= layer < self.compat.num_layers or not 0 <= start < end <= len(h.dst_block_ids):
             raise ValueError(f"bad push: layer {layer}, blocks [{start}, {end}) of {len(h.dst_block_ids)}")
-        _, _, _, bs, heads, dim = self.kv_cache.shape
         off = ids_bytes(n)
         body = torch.empty(off + n * self._block_bytes, dtype=torch.uint8, pin_memory=self._pin)
         body[:off].zero_()
         body[:4 * n].view(torch.int32).copy_(torch.tensor(h.dst_block_ids[start:end], dtype=torch.int32))
-        payload = body[off:].view(self.kv_cache.dtype).view(2, n, bs, heads, dim)
-        src = self.kv_cache[layer]                       # [2, num_blocks, bs, heads, dim]
-        if src.is_cuda:   # gather on the device, then one device -> host copy
-            payload.copy_(src.index_select(1, h._src_index[start:end]))
-        else:             # gather straight into the message buffer
-            torch.index_select(src, 1, h._src_index[start:end], out=payload)
+        payload, scales = payload_views(body, self.kv_cache, self.kv_scales, n)
+        idx = h._src_index[start:end]
+        for src, dst in ((self.kv_cache[layer], payload),     # [2, num_blocks, bs, heads, dim]
+                         (None if scales is None else self.kv_scales[layer], scales)):
+            if src is None:
+                continue
+            if src.is_cuda:   # gather on the device, then one device -> host copy
+                dst.copy_(src.index_select(1, idx))
+            else:             # gather straight into the message buffer
+                torch.index_select(src, 1, idx, out=dst)
         hdr = Header(MsgType.LAYER, h.transfer_id, layer, start, n, body.numel()).pack()
         h._pushed_blocks += n
         h._bytes += n * self._block_bytes

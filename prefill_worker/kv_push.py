@@ -63,9 +63,11 @@ class KVPush(KVConnector):
         return self.sender.compat
 
     # -------------------------------------------------------------- engine thread
-    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
-        self.sender = KVSender(kv_cache, CompatKey.from_cache(kv_cache, model_name), self.transport,
-                               connect_timeout_s=self.connect_timeout_s)
+    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str,
+                           kv_scales: torch.Tensor | None = None) -> None:
+        self.sender = KVSender(kv_cache, CompatKey.from_cache(kv_cache, model_name, kv_scales),
+                               self.transport, connect_timeout_s=self.connect_timeout_s,
+                               kv_scales=kv_scales)
 
     def save_kv_layer(self, layer: int, scheduler_output: SchedulerOutput) -> None:
         for s in scheduler_output.scheduled:

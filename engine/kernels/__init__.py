@@ -44,30 +44,47 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, backend: str = "auto") -> None:
+def _no_quantized_kv(op: str, k_scales) -> None:
+    if k_scales is not None:
+        raise ValueError(f"the Triton {op} kernel does not read an 8-bit KV cache yet: use "
+                         "kernel_backend=torch with kv_cache_dtype fp8_e4m3/int8")
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scales=None, v_scales=None,
+                   backend: str = "auto") -> None:
+    """`k_scales`/`v_scales` [num_blocks, H_kv] fp32: the cache is 8-bit (see reference.py)."""
+    if k_scales is not None and not use_triton(k_cache, backend):
+        return reference.write_kv_cache_quant(k, v, k_cache, v_cache, k_scales, v_scales,
+                                              slot_mapping)
     if use_triton(k_cache, backend):
+        _no_quantized_kv("KV cache write", k_scales)
         return _triton_op("kv_cache", "write_kv_cache")(k, v, k_cache, v_cache, slot_mapping)
     return reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                            *, max_q_len: int | None = None, out=None, backend: str = "auto"):
+                            *, max_q_len: int | None = None, out=None, k_scales=None,
+                            v_scales=None, backend: str = "auto"):
     if use_triton(q, backend):
+        _no_quantized_kv("prefill attention", k_scales)
         return _triton_op("prefill_attention", "paged_prefill_attention")(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
             max_q_len=max_q_len, out=out)
     return _into(out, reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
-                                                        cu_seqlens_q, context_lens, scale))
+                                                        cu_seqlens_q, context_lens, scale,
+                                                        k_scales, v_scales))
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                           *, max_context_len: int | None = None, out=None, backend: str = "auto"):
+                           *, max_context_len: int | None = None, out=None, k_scales=None,
+                           v_scales=None, backend: str = "auto"):
     if use_triton(q, backend):
+        _no_quantized_kv("decode attention", k_scales)
         return _triton_op("decode_attention", "paged_decode_attention")(
             q, k_cache, v_cache, block_tables, context_lens, scale,
             max_context_len=max_context_len, out=out)
     return _into(out, reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                       context_lens, scale))
+                                                       context_lens, scale, k_scales, v_scales))
 
 
 def rms_norm(x, weight, eps, residual=None, *, out=None, residual_out=None, backend: str = "auto"):

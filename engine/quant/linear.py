@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .quantize import (FP8_MAX, Int4Weight, dequantize_fp8, dequantize_int4, dequantize_int8,
-                       quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
+from engine.config import QUANTIZATIONS as METHODS
 
-METHODS = ("none", "int8", "int4_g32", "int4_g128", "fp8", "fp8_tensor")
+from .quantize import FP8_MAX, Int4Weight, dequantize_int4, quantize_fp8, quantize_int4, quantize_int8, unpack_int4
+
 SMALL_M = 16                    # up to this many rows: the weight-only kernels
 
 
