@@ -346,6 +346,8 @@ class KVReceiver:
     def _write_locked(self, t: _Transfer, layer: int, off: int, n: int, body: torch.Tensor) -> None:
         payload, scales = payload_views(body, self.kv_cache, self.kv_scales, n)
         dst = self.kv_cache[layer]
+        if dst.element_size() == 1:      # torch's CPU index_copy_ has no float8 kernel: bytes
+            dst, payload = dst.view(torch.uint8), payload.view(torch.uint8)
         idx = torch.tensor(t.block_ids[off:off + n], dtype=torch.long, device=dst.device)
         dst.index_copy_(1, idx, payload.to(dst.device, non_blocking=False))
         if scales is not None:

@@ -175,3 +175,13 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
                     setattr(parent, name, QuantLinear.from_float(
                         method, lin.weight.data, None if lin.bias is None else lin.bias.data))
     return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's weights as held (parameters and persistent buffers, each once)."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.nbytes
+    return total
