@@ -49,14 +49,22 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, max_model_len: int | None = None) -> "ModelConfig":
+        """`model_dir`: a Hugging Face directory (config.json), or a GGUF file or a directory
+        holding one (its metadata read as the config.json transformers would write)."""
+        from .gguf import find_gguf, open_gguf
         d = Path(model_dir)
-        if not d.is_dir():
-            raise ValueError(f"model directory {str(d)!r} does not exist")
-        path = d / "config.json"
-        if not path.exists():
-            raise ValueError(f"model directory {str(d)!r} has no config.json")
-        c = json.loads(path.read_text())
-        archs = c.get("architectures") or []
+        if find_gguf(d) is not None:
+            path, c = find_gguf(d), open_gguf(d).hf_config()
+        else:
+            if not d.is_dir():
+                raise ValueError(f"model directory {str(d)!r} does not exist")
+            path = d / "config.json"
+            if not path.exists():
+                raise ValueError(f"model directory {str(d)!r} has no config.json")
+            c = json.loads(path.read_text())
+        # transformers writes no `architectures` for a model loaded from GGUF: use model_type
+        archs = c.get("architectures") or [a for a, t in SUPPORTED_ARCHITECTURES.items()
+                                           if t == c.get("model_type")]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r} in "
@@ -90,7 +98,7 @@ class ModelConfig:
             qkv_bias=kind == "qwen2" or bool(c.get("attention_bias", False)),
             qk_norm=kind == "qwen3",
             max_model_len=min(max_model_len or limit, limit),
-            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, name=d.name,
+            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, name=d.name.removesuffix(".gguf"),
         )
         if cfg.num_heads % cfg.num_kv_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads")

@@ -33,7 +33,7 @@ from .scheduler import Scheduler
 from .step_observer import StepObserver
 from .structured import StructuredOutputs
 from .output_processor import OutputProcessor
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, has_tokenizer
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int) -> None:
@@ -62,8 +62,7 @@ class LLMEngine:
         self.dtype = config.torch_dtype
         self.model = quantize_model(load_model(mc, self.dtype, config.device, config.kernel_backend),
                                     config.quantization)
-        tok_path = Path(mc.model_dir) / "tokenizer.json"
-        self.tokenizer = Tokenizer.from_dir(mc.model_dir) if tok_path.exists() else None
+        self.tokenizer = Tokenizer.from_dir(mc.model_dir) if has_tokenizer(mc.model_dir) else None
         eos = set(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self.eos_token_ids = eos
         cc = config.cache
@@ -74,7 +73,7 @@ class LLMEngine:
                                   kv_dtype=config.kv_torch_dtype)
         self.sampler = Sampler(eos)
         # grammars for SamplingParams.structured; the llguidance tokenizer is built on first use
-        self.structured = StructuredOutputs(tok_path if tok_path.exists() else None,
+        self.structured = StructuredOutputs(self.tokenizer.to_json() if self.tokenizer else None,
                                             mc.vocab_size, eos)
         self.requests: dict[str, Request] = {}
         self.kv_connector = kv_connector

@@ -1,4 +1,5 @@
-"""Load a Hugging Face model directory (config.json + *.safetensors) into `CausalLM`, offline.
+"""Load a Hugging Face model directory (config.json + *.safetensors), or a GGUF file
+(engine/gguf.py, dequantized at load), into `CausalLM`, offline.
 
 Every parameter of the model must be filled and every tensor in the checkpoint used (a few
 known buffers excepted), with matching shapes, or loading fails naming the culprit."""
@@ -7,11 +8,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .gguf import find_gguf, open_gguf
 from .model import CausalLM
 from .kernels.rope import build_cos_sin_cache
 
@@ -35,6 +38,21 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, str, Callable[[], torch.Tensor]]]:
+    """(file name, Hugging Face tensor name, a getter of the tensor) for every tensor of the
+    checkpoint: *.safetensors, or a GGUF file's tensors dequantized to float32."""
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        for raw in open_gguf(gguf_file).raw_tensors():
+            yield gguf_file.name, raw.name, lambda raw=raw: torch.from_numpy(raw.dequantize())
+        return
+    for f in checkpoint_files(Path(model_dir)):
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                if not _IGNORED.match(key):
+                    yield f.name, key, lambda sf=sf, key=key: sf.get_tensor(key)
+
+
 def _target(name: str) -> tuple[str, int | None]:
     """HF name -> (our name, shard). model.layers.0.self_attn.q_proj.weight -> qkv_proj."""
     name = name.removeprefix("model.")
@@ -53,21 +71,17 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
     params = dict(model.named_parameters())
     tensors: dict[str, torch.Tensor] = {}
     shards: dict[str, dict[int, torch.Tensor]] = {}
-    for f in checkpoint_files(Path(config.model_dir)):
-        with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():
-                if _IGNORED.match(key):
-                    continue
-                name, shard = _target(key)
-                if name not in params:
-                    if name == "lm_head.weight" and config.tie_word_embeddings:
-                        continue
-                    raise ValueError(f"{f.name}: unexpected tensor {key!r} for {config.architecture}")
-                t = sf.get_tensor(key)
-                if shard is None:
-                    tensors[name] = t
-                else:
-                    shards.setdefault(name, {})[shard] = t
+    for source, key, get in checkpoint_tensors(config.model_dir):
+        name, shard = _target(key)
+        if name not in params:
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            raise ValueError(f"{source}: unexpected tensor {key!r} for {config.architecture}")
+        t = get()
+        if shard is None:
+            tensors[name] = t
+        else:
+            shards.setdefault(name, {})[shard] = t
     for name, parts in shards.items():
         n = 3 if "qkv" in name else 2
         if len(parts) != n:

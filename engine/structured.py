@@ -29,7 +29,6 @@ import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
@@ -129,8 +128,8 @@ class _State:
 class StructuredOutputs:
     """Per-engine grammar compiler, cache and per-request matchers (engine thread only)."""
 
-    def __init__(self, tokenizer_json: str | Path | None, vocab_size: int, eos_token_ids):
-        self.tokenizer_json = None if tokenizer_json is None else Path(tokenizer_json)
+    def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_token_ids):
+        self.tokenizer_json = tokenizer_json     # the tokenizer.json text
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._lltok = None
@@ -215,9 +214,9 @@ class StructuredOutputs:
         if self._lltok is None:
             from llguidance import LLTokenizer
 
-            if self.tokenizer_json is None or not self.tokenizer_json.is_file():
-                raise ValueError("structured output needs the model's tokenizer.json")
-            self._lltok = LLTokenizer(self.tokenizer_json.read_text(encoding="utf-8"),
+            if self.tokenizer_json is None:
+                raise ValueError("structured output needs the model's tokenizer")
+            self._lltok = LLTokenizer(self.tokenizer_json,
                                       n_vocab=self.vocab_size,
                                       eos_token=self.eos_token_ids or None)
         return self._lltok

@@ -1,7 +1,9 @@
-"""Tokenizer, chat template, incremental detokenizer and stop strings, from an HF directory.
+"""Tokenizer, chat template, incremental detokenizer and stop strings, from an HF directory
+or a GGUF file.
 
 Loads a Hugging Face model directory offline, with the `tokenizers` library and jinja2 only
-(transformers is a test dependency). Files read:
+(transformers is a test dependency). A GGUF file (or a directory holding one) instead gives
+the same parts rebuilt from its tokenizer.ggml.* metadata (engine/gguf.py). Files read:
 
     tokenizer.json           required: the fast tokenizer (normaliser, BPE, post-processor)
     tokenizer_config.json    bos/eos/pad tokens (strings or {"content": ...}), add_bos_token,
@@ -56,9 +58,13 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
-        """Load from a local HF model directory; raises ValueError if tokenizer.json is missing."""
+        """Load from a local HF model directory or GGUF file; raises ValueError if the
+        directory has no tokenizer.json (or the GGUF file a tokenizer this can rebuild)."""
         from tokenizers import Tokenizer as HFTokenizer
 
+        from .gguf import find_gguf, open_gguf
+        if find_gguf(path) is not None:
+            return cls(*open_gguf(path).tokenizer_parts())
         d = Path(path)
         tok_file = d / "tokenizer.json"
         if not tok_file.is_file():
@@ -87,6 +93,10 @@ class Tokenizer:
     def decode_raw(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Decode without the clean-up pass: concatenation-friendly, for incremental use."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance builds its tokenizer from)."""
+        return self._tok.to_str()
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -213,6 +223,12 @@ def partial_stop_len(text: str, stops: Sequence[str]) -> int:
 
 
 # ----------------------------------------------------------------------------- loading helpers
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether `path` is a GGUF model or a directory with tokenizer.json."""
+    from .gguf import find_gguf
+    return find_gguf(path) is not None or (Path(path) / "tokenizer.json").is_file()
+
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():

@@ -5,6 +5,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.gguf import find_gguf, open_gguf
+from engine.tokenizer import has_tokenizer
+
 
 @dataclass
 class GatewayConfig:
@@ -62,9 +65,10 @@ class GatewayConfig:
         """The model directory (the launcher fills in the embedded default: making it needs
         torch, which the gateway process never imports)."""
         if not self.model:
-            raise ValueError("the gateway needs --model (a directory with tokenizer.json)")
+            raise ValueError("the gateway needs --model (a directory with tokenizer.json, "
+                             "or a GGUF file)")
         d = Path(self.model).expanduser()
-        if not (d / "tokenizer.json").is_file():
+        if not has_tokenizer(d):
             raise ValueError(f"model directory {str(d)!r} has no tokenizer.json")
         return d
 
@@ -82,6 +86,8 @@ class GatewayConfig:
 
 
 def _model_config(model_dir: Path) -> dict:
+    if find_gguf(model_dir) is not None:
+        return open_gguf(model_dir).hf_config()
     try:
         return json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):

@@ -1,4 +1,4 @@
-"""The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode.
+"""The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode, eval.
 
 Each role's options are generated from its typed config dataclass
 (`services.cli_args.dataclass_args`), so the CLI and the config never drift apart. A role's
@@ -25,9 +25,9 @@ def _make_tiny_model(args) -> int:
 
 
 def _run_gateway(cfg: GatewayConfig) -> int:
-    if not cfg.model:                       # the embedded default is the launcher's to make
-        from engine.tiny_model import ensure_default_model
-        cfg.model = str(ensure_default_model())
+    if not cfg.model:                       # the default model, as `pdserve up` resolves it
+        from .default_model import resolve_default_model
+        cfg.model = str(resolve_default_model())
     from gateway import grpc_server
     return grpc_server.run(cfg) or 0
 
@@ -49,6 +49,11 @@ ROLES = {  # subcommand -> (help, config class, runner)
     "prefill": ("a prefill worker", PrefillWorkerConfig, _run_prefill),
     "decode": ("a decode worker", DecodeWorkerConfig, _run_decode),
 }
+
+
+def _run_eval(args) -> int:
+    from . import eval as evaluation
+    return evaluation.main(args)
 
 
 def _run_up(args) -> int:
@@ -73,6 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run gateway + N prefill + M decode workers locally")
     dataclass_args(up, launcher.UpConfig)
     up.set_defaults(func=_run_up)
+    ev = sub.add_parser("eval", help="accuracy checks on your own data").add_subparsers(
+        dest="check", required=True)
+    pp = ev.add_parser("perplexity", help="perplexity of a text file (sliding windows)")
+    pp.add_argument("--model", required=True,
+                    help="model directory or .gguf file (with --url: only its tokenizer is used)")
+    pp.add_argument("--data", required=True, help="a UTF-8 text file")
+    pp.add_argument("--context", type=int, default=1024, help="tokens per window")
+    pp.add_argument("--stride", type=int, default=0, help="tokens between windows (0: context/2)")
+    pp.add_argument("--limit", type=int, default=0, help="score only the first N tokens (0: all)")
+    pp.add_argument("--url", default="", help="a running server (http://host:port): score "
+                    "through its /v1/completions (echo + logprobs) instead of a local engine")
+    pp.add_argument("--served-model-name", default="", help="with --url: the model id "
+                    "(default: the first of /v1/models)")
+    pp.add_argument("--device", default="cpu", help="local engine's torch device")
+    pp.add_argument("--dtype", default="auto", help="local engine's dtype")
+    pp.set_defaults(func=_run_eval)
     return p
 
 

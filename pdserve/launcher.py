@@ -206,7 +206,8 @@ class Launcher:
 class UpConfig:
     """`pdserve up`: the system's shape and ports, and the engine options of every worker."""
     model: str = field(default="", metadata={
-        "help": "HF model directory (empty: the embedded tiny model)"})
+        "help": "HF model directory, or a .gguf file (empty: SmolLM2-135M-Instruct, fetched "
+                "on first use; see pdserve/default_model.py)"})
     prefill: int = field(default=1, metadata={"help": "number of prefill workers"})
     decode: int = field(default=1, metadata={"help": "number of decode workers"})
     host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
@@ -226,8 +227,8 @@ def main(cfg: UpConfig) -> int:
     if cfg.model:
         model = cfg.model
     else:
-        from engine.tiny_model import ensure_default_model
-        model = str(ensure_default_model())
+        from .default_model import resolve_default_model
+        model = str(resolve_default_model())
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port = 0 if cfg.http_port < 0 else cfg.http_port

@@ -23,7 +23,7 @@ MAY_IMPORT = {
     "pdserve": set(PACKAGES),
 }
 # the engine modules the gateway may use: none of them imports torch
-GATEWAY_ENGINE = {"engine.tokenizer", "engine.sampling_params", "engine.structured",
+GATEWAY_ENGINE = {"engine.tokenizer", "engine.gguf", "engine.sampling_params", "engine.structured",
                   "engine.output_processor"}
 
 

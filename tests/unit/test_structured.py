@@ -240,7 +240,7 @@ def test_abort_drops_matcher(engine):
 
 
 def test_tokenizer_built_once(model_dir):
-    so = StructuredOutputs(model_dir / "tokenizer.json", 1024, {2})
+    so = StructuredOutputs((model_dir / "tokenizer.json").read_text(), 1024, {2})
     so.add("a", StructuredOutput(json_object=True))
     tok = so._lltok
     so.add("b", StructuredOutput(regex="x+"))

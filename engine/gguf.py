@@ -1,0 +1,244 @@
+"""GGUF model files (llama.cpp's format) read with the `gguf` package, torch-free.
+
+A GGUF file holds, in one file, what a Hugging Face directory spreads over several:
+
+    metadata   general.architecture, {arch}.block_count, ...  -> `GGUFModel.hf_config()`,
+               the config.json the engine's ModelConfig reads
+               tokenizer.ggml.*, tokenizer.chat_template     -> `GGUFModel.tokenizer_parts()`
+    tensors    blk.N.attn_q.weight, ... typed F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K
+               -> `GGUFModel.raw_tensors()`: Hugging Face names, rows in Hugging Face order,
+               data still in the file's type (the seam for keeping tensors quantized)
+               -> `GGUFModel.tensors()`: the same, dequantized to float32
+
+llama.cpp's converter permutes the rows of Llama's q/k projections (rotary pairs (i, i+d/2)
+become neighbours (2i, 2i+1)); `raw_tensors` undoes it. Rows are whole quantization blocks
+apart, so the un-permutation applies to quantized rows unchanged.
+
+Anything this module cannot map (architecture, tensor type, tokenizer model or pre-tokenizer,
+rope scaling) is a ValueError naming it. The module imports numpy and `gguf`, never torch:
+the gateway reads tokenizers and configs through it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+# GGUF general.architecture -> the Hugging Face architecture the engine implements.
+# Mistral files are written as "llama" by llama.cpp's converter.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# tokenizer.ggml.pre -> the text split before byte-level BPE (llama.cpp's pre-tokenizer
+# types). None: GPT-2's own split (the ByteLevel pre-tokenizer's regex).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {"default": None, "gpt2": None, "smollm": "digits", "llama-bpe": _LLAMA3_SPLIT,
+                  "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
+                  "deepseek-r1-qwen": _QWEN2_SPLIT}
+_CONTROL, _USER_DEFINED = 3, 4     # tokenizer.ggml.token_type values
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                   "output": "lm_head"}
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file `path` names: a *.gguf file, or a directory with no *.safetensors that
+    holds exactly one *.gguf. None: `path` is not a GGUF model (a Hugging Face directory).
+    A directory with several GGUF files is a ValueError (which one is meant?)."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return p
+    if not p.is_dir() or any(p.glob("*.safetensors")):
+        return None
+    found = sorted(p.glob("*.gguf"))
+    if len(found) > 1:
+        raise ValueError(f"{p} holds several GGUF files ({', '.join(f.name for f in found)}): "
+                         "pass the file itself")
+    return found[0] if found else None
+
+
+@dataclass
+class RawTensor:
+    """One tensor as stored, under its Hugging Face name, rows in Hugging Face order."""
+    name: str                 # e.g. model.layers.0.self_attn.q_proj.weight
+    type_name: str            # the GGML type: F32, Q8_0, Q4_1, ...
+    shape: tuple[int, ...]    # the logical (Hugging Face) shape, e.g. (out, in)
+    data: np.ndarray          # as stored: float rows, or uint8 rows of quantized blocks
+
+    def dequantize(self) -> np.ndarray:
+        from gguf import GGMLQuantizationType, quants
+        out = quants.dequantize(self.data, GGMLQuantizationType[self.type_name]) \
+            .astype(np.float32, copy=False).reshape(self.shape)
+        return out if out.flags.writeable else out.copy()     # F32 is a view of the file
+
+
+class GGUFModel:
+    """A GGUF file's config, tokenizer and tensors. Use `open_gguf(path)` (cached)."""
+
+    def __init__(self, path: str | Path):
+        from gguf import GGUFReader
+        self.path = Path(path)
+        try:
+            self.reader = GGUFReader(str(self.path))
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{self.path}: not a readable GGUF file ({e})") from None
+        self.arch = self.get("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"{self.path.name}: unsupported GGUF architecture {self.arch!r}: "
+                             f"supported are {sorted(ARCHITECTURES)}")
+
+    def get(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def _arch(self, key: str, default=None):
+        return self.get(f"{self.arch}.{key}", default)
+
+    def hf_config(self) -> dict:
+        """The config.json transformers would write for this model."""
+        names = {t.name for t in self.reader.tensors}
+        if "rope_freqs.weight" in names:
+            raise ValueError(f"{self.path.name}: rope frequency factors (Llama 3.1 rope "
+                             "scaling) are not supported")
+        scaling = self._arch("rope.scaling.type", "none")
+        if scaling != "none":
+            raise ValueError(f"{self.path.name}: unsupported rope scaling {scaling!r}")
+        heads = self._arch("attention.head_count")
+        hidden = self._arch("embedding_length")
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        embd = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
+        return {
+            "architectures": [ARCHITECTURES[self.arch]], "model_type": self.arch,
+            "vocab_size": int(self._arch("vocab_size") or int(embd.shape[1])
+                              or len(tokens.data)),
+            "hidden_size": hidden, "intermediate_size": self._arch("feed_forward_length"),
+            "num_hidden_layers": self._arch("block_count"), "num_attention_heads": heads,
+            "num_key_value_heads": self._arch("attention.head_count_kv", heads),
+            "head_dim": self._arch("attention.key_length", hidden // heads),
+            "rms_norm_eps": float(self._arch("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._arch("rope.freq_base", 10000.0)),
+            "max_position_embeddings": self._arch("context_length", 2048),
+            "tie_word_embeddings": "output.weight" not in names,
+            "bos_token_id": self.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.get("tokenizer.ggml.eos_token_id"),
+        }
+
+    def raw_tensors(self) -> Iterator[RawTensor]:
+        """Every tensor, still in its stored type; q/k rows back in Hugging Face order.
+        An unsupported type or an unknown tensor name is a ValueError."""
+        c = self.hf_config()
+        for t in self.reader.tensors:
+            kind = t.tensor_type.name
+            if kind not in TENSOR_TYPES:
+                raise ValueError(f"{self.path.name}: tensor {t.name} has unsupported type "
+                                 f"{kind}: supported are {', '.join(TENSOR_TYPES)}")
+            name = _hf_name(t.name)
+            if name is None:
+                raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for {self.arch}")
+            shape = tuple(int(n) for n in reversed(t.shape))   # GGUF lists the fastest dim first
+            data = t.data
+            if self.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+                heads = c["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+                data = _unpermute_rows(data, heads)
+            yield RawTensor(name, kind, shape, data)
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(Hugging Face name, float32 array) for every tensor."""
+        for raw in self.raw_tensors():
+            yield raw.name, raw.dequantize()
+
+    def tokenizer_parts(self):
+        """(tokenizers.Tokenizer, tokenizer_config dict, chat templates, generation_config)
+        rebuilt from tokenizer.ggml.*: only byte-level BPE (`gpt2`) vocabularies."""
+        model = self.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"{self.path.name}: unsupported GGUF tokenizer model {model!r}: "
+                             "only byte-level BPE ('gpt2') is supported")
+        pre = self.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise ValueError(f"{self.path.name}: unsupported GGUF pre-tokenizer {pre!r}: "
+                             f"supported are {sorted(PRE_TOKENIZERS)}")
+        tokens = self.get("tokenizer.ggml.tokens")
+        types = self.get("tokenizer.ggml.token_type") or []
+        tok = _byte_level_bpe(tokens, self.get("tokenizer.ggml.merges") or [], types,
+                              PRE_TOKENIZERS[pre])
+
+        def token(key):
+            i = self.get(f"tokenizer.ggml.{key}")
+            return None if i is None or i >= len(tokens) else tokens[i]
+
+        config = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                  "pad_token": token("padding_token_id"), "unk_token": token("unknown_token_id"),
+                  "add_bos_token": bool(self.get("tokenizer.ggml.add_bos_token", False)),
+                  "model_max_length": self._arch("context_length")}
+        templates = {}
+        for key in self.reader.fields:
+            if key == "tokenizer.chat_template":
+                templates["default"] = self.get(key)
+            elif key.startswith("tokenizer.chat_template."):
+                templates[key.removeprefix("tokenizer.chat_template.")] = self.get(key)
+        eos = self.get("tokenizer.ggml.eos_token_id")
+        return tok, config, templates, ({} if eos is None else {"eos_token_id": int(eos)})
+
+
+@lru_cache(maxsize=4)
+def open_gguf(path: str | Path) -> GGUFModel:
+    """The GGUF model at `path` (a file, or a directory holding one; see find_gguf)."""
+    f = find_gguf(path)
+    if f is None:
+        raise ValueError(f"{path}: no GGUF file found")
+    return GGUFModel(f)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")          # suffix: weight | bias
+    if base in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+    return None
+
+
+def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row order (0, d/2, 1, d/2+1, ...) -> (0, 1, ..., d-1)."""
+    n = rows.shape[0]
+    half = n // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], split):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)},
+                               [tuple(m.split(" ", 1)) for m in merges], ignore_merges=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
+    if split == "digits":        # each digit alone, then GPT-2's split (SmolLM's tokenizer)
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    elif split is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    return tok
