@@ -2,8 +2,9 @@
 the same run.
 
     python bench/quant.py --gpu        # H200: Llama-3.1-8B-shaped random weights, < 45 s
-    python bench/quant.py              # CPU: engine decode tok/s per variant (tiny model, or
-                                       # --model DIR), weight + KV memory
+    python bench/quant.py [--model M]  # CPU: each CPU linear path; engine decode tok/s and
+                                       # weight memory per variant (tiny model, and M); llama.cpp
+                                       # on M when M is a .gguf and llama-cpp-python is installed
 
 GPU rows: (a) the linear layers of one decode step at batch 1 (the 32 decoder layers' qkv,
 o, gate_up and down projections; no attention, no lm_head), each variant's chain replayed
@@ -145,6 +146,10 @@ def gpu_bench(dev: str = "cuda") -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpu", action="store_true", help="the CUDA part (Llama-3.1-8B shapes)")
+    ap.add_argument("--model", default="", help="CPU: a model directory or .gguf besides the tiny model")
+    ap.add_argument("--quantization", nargs="+", default=["none", "int8", "int4_g32", "int4_g128", "fp8"])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     if args.gpu:
         if not torch.cuda.is_available():
@@ -157,8 +162,96 @@ def main() -> None:
     cpu_bench(args)
 
 
+def _cpu_time(fn, iters: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t) / iters
+
+
+def cpu_linear_paths(n: int, k: int, rows: int) -> None:
+    """Each CPU path of one [n, k] linear layer at `rows` tokens, against float32 F.linear."""
+    from engine.quant.quantize import dequantize_int8, quantize_int4, quantize_int8, unpack_int4
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    q8, q4 = quantize_int8(w), quantize_int4(w, 32)
+    pack4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q4.packed), 1)
+    sz = torch.stack((q4.scale.float().T, (q4.min.float() + 8 * q4.scale.float()).T), -1).contiguous()
+    iters = max(3, 2000 // (rows * 4))
+    paths = {
+        "float32 F.linear": lambda: torch.nn.functional.linear(x, w),
+        "bfloat16 F.linear": lambda: torch.nn.functional.linear(x.bfloat16(), w.bfloat16()),
+        "int8 _weight_int8pack_mm, bf16 x": lambda: torch.ops.aten._weight_int8pack_mm(
+            x.bfloat16(), q8.q, q8.scale.bfloat16()),
+        "int8 _weight_int8pack_mm, fp32 x": lambda: torch.ops.aten._weight_int8pack_mm(x, q8.q, q8.scale),
+        "int8 dequantize + F.linear": lambda: torch.nn.functional.linear(x, dequantize_int8(q8)),
+        "int4 g32 _weight_int4pack_mm_for_cpu, bf16 x": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.bfloat16(), pack4, 32, sz.bfloat16()),
+    }
+    print(f"\n### One linear layer [{n} x {k}], {rows} token(s), {torch.get_num_threads()} thread(s)\n")
+    print("| path | us | vs float32 |")
+    print("|---|---|---|")
+    base = None
+    for name, fn in paths.items():
+        try:
+            sec = _cpu_time(fn, iters)
+            base = base or sec
+            print(f"| {name} | {sec * 1e6:.0f} | {base / sec:.2f}x |", flush=True)
+        except Exception as e:
+            print(f"| {name} | FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]} | |", flush=True)
+
+
+def engine_decode(model: str, variants: list[str], tokens: int) -> None:
+    """The offline engine, one stream: decode tok/s and weight memory per --quantization."""
+    from engine import LLM, SamplingParams
+    from engine.quant import weight_bytes
+    from pdserve.eval import _decode_tok_s
+    print(f"\n### Engine decode, one stream, {tokens} tokens: {model}\n")
+    print("| quantization | weights MB | decode tok/s | vs none |")
+    print("|---|---|---|---|")
+    base = None
+    for q in variants:
+        try:
+            llm = LLM(model, quantization=q, num_blocks=64)
+            llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4))     # warm-up
+            tok_s = _decode_tok_s(llm, list(range(5, 37)), tokens)
+            base = base or tok_s
+            print(f"| {q} | {weight_bytes(llm.engine.model) / 1e6:.1f} | {tok_s:.1f} | {tok_s / base:.2f}x |",
+                  flush=True)
+        except Exception as e:
+            print(f"| {q} | FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | |", flush=True)
+
+
+def llama_cpp_decode(gguf: str, tokens: int, threads: int) -> None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("\nllama.cpp: llama_cpp (llama-cpp-python) is not installed here; no llama.cpp row")
+        return
+    llm = Llama(model_path=gguf, n_threads=threads, n_ctx=512, verbose=False)
+    llm("Hello", max_tokens=4)
+    t = time.perf_counter()
+    out = llm("The capital of France is", max_tokens=tokens, temperature=0.0)
+    n = out["usage"]["completion_tokens"]
+    print(f"\nllama.cpp (llama-cpp-python) on {Path(gguf).name}, {threads} thread(s): "
+          f"{n / (time.perf_counter() - t):.1f} tok/s over {n} tokens (prompt included)")
+
+
 def cpu_bench(args) -> None:
-    raise SystemExit("CPU part: see below")
+    import os
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), load average at start "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    cpu_linear_paths(1536, 576, 1)                 # SmolLM2's up/gate projection half
+    cpu_linear_paths(49152, 576, 1)                # SmolLM2's output head
+    cpu_linear_paths(1536, 576, 64)
+    from engine.tiny_model import ensure_default_model
+    models = [str(ensure_default_model())] + ([args.model] if args.model else [])
+    for m in models:
+        engine_decode(m, args.quantization, args.tokens)
+    if args.model and args.model.endswith(".gguf"):
+        llama_cpp_decode(args.model, args.tokens, args.threads)
+    print(f"\nload average at end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -142,5 +142,6 @@ class CausalLM(nn.Module):
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(h, w).float()
+        if self.lm_head is None:
+            return nn.functional.linear(h, self.embed_tokens.weight).float()
+        return self.lm_head(h).float()      # nn.Linear, or engine.quant's QuantLinear

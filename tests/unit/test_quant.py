@@ -128,13 +128,14 @@ def test_engine_variant_runs_and_saves_memory(tiny, method, max_ratio):
 
 
 def test_engine_int8_greedy_agreement_floor(tiny, float_outputs):
-    """Measured on this model: 19 of 32 prompts give the same 16 greedy tokens with int8
-    weights; the same model in bf16 weights gives 17 of 32 (the random tiny model has
-    near-ties). Floor: 16."""
+    """Measured on this model: 13 of 32 prompts give the same 16 greedy tokens with int8
+    weights (19 with the decoder linears alone in int8, head and embedding in float32); the
+    same model with bf16 weights gives 17 of 32: the random tiny model has near-ties.
+    Floor: 11."""
     out = LLM(tiny, quantization="int8", block_size=8, num_blocks=256).generate(
         _prompts(32), SamplingParams(temperature=0.0, max_tokens=16))
     same = sum(list(o.token_ids) == f for o, f in zip(out, float_outputs))
-    assert same >= 16, f"int8 greedy output identical on {same}/32 prompts"
+    assert same >= 11, f"int8 greedy output identical on {same}/32 prompts"
 
 
 def test_bad_quantization_names():
@@ -142,3 +143,20 @@ def test_bad_quantization_names():
         LLM(ensure_default_model(), quantization="int3")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(ensure_default_model(), kv_cache_dtype="fp4")
+
+
+def test_eval_perplexity_variant_table(tiny, capsys):
+    """`pdserve eval perplexity --quantization .. --kv-cache-dtype ..`: one row per pair, the
+    unquantized model first with the same perplexity as the plain engine run."""
+    from pdserve import cli
+    from pdserve.eval import engine_logprobs, perplexity, text_ids
+    data, args = "/usr/share/common-licenses/GPL-3", ["--context", "64", "--limit", "200"]
+    assert cli.main(["eval", "perplexity", "--model", str(tiny), "--data", data, *args,
+                     "--quantization", "int8", "--kv-cache-dtype", "auto", "int8"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| quantization")]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [("none", "auto"), ("int8", "auto"), ("int8", "int8")]
+    want = perplexity(text_ids(str(tiny), data, 200), 64, 32, engine_logprobs(str(tiny)), "x").value
+    assert float(rows[0][2]) == pytest.approx(want, rel=1e-4)
+    assert rows[0][4].strip() == "16/16" and float(rows[1][7].strip("x ")) < 0.55
+    assert float(rows[2][8]) < 0.3 * float(rows[0][8])               # KV bytes/token: int8 vs fp32
