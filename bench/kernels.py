@@ -113,9 +113,9 @@ def accuracy_rows(K, ref, gen) -> list[tuple[str, str, str, str]]:
 
 
 def decode_rows(K, gen, copy_bw) -> list[tuple[str, str, str, str]]:
-    batch, hq, hkv, d, bs = 16, 32, 8, 128, 16
+    hq, hkv, d, bs = 32, 8, 128, 16
     rows = []
-    for ctx_len in (1024, 8192, 32768):
+    for batch, ctx_len in ((1, 8192), (16, 1024), (16, 8192), (16, 32768), (64, 8192)):
         kc, vc, table = paged_inputs(batch, ctx_len, hq, hkv, d, bs, torch.bfloat16, gen)
         q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
         ctx = torch.full((batch,), ctx_len, dtype=torch.int32, device="cuda")

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+"""Decode steps replayed from CUDA graphs, one graph per (batch bucket, context bucket).
 
 A decode step launches hundreds of small kernels; on a slow host the launches, not the GPU,
 set the pace (eager transformers: 87 ms/step where the bandwidth floor is 3.8 ms). So the
@@ -13,9 +13,12 @@ Static buffers (the graph reads its inputs from fixed addresses):
     block_table block ids (0-padded columns)       0
     context_len lengths                            0    (attention writes zeros)
 
-Attention gets `max_context_len = max_model_len`, a constant, so the split-K kernel's grid
-never changes between capture and replay. On CPU (tests) `capture` is skipped and `run`
-executes the same padded forward eagerly, which checks the padding logic without a GPU.
+Attention gets `max_context_len` = the context bucket (CONTEXT_BUCKET_BASE, x4, ...,
+max_model_len) that holds the batch's longest context: the split-K grid is fixed per graph,
+and a 1k-token batch does not launch the partitions of a 128k one. Logits land in one
+static [max_batch, V] fp32 buffer that every graph writes (its rows are valid until the next
+`run`). On CPU (tests) `capture` is skipped and `run` executes the same padded forward
+eagerly, which checks the padding and bucketing without a GPU.
 """
 from __future__ import annotations
 
@@ -24,6 +27,16 @@ import torch
 from .model import AttentionMetadata, CausalLM
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+CONTEXT_BUCKET_BASE = 1024
+
+
+def context_buckets(max_model_len: int) -> list[int]:
+    """1024, 4096, 16384, ... below max_model_len, then max_model_len itself."""
+    out, c = [], CONTEXT_BUCKET_BASE
+    while c < max_model_len:
+        out.append(c)
+        c *= 4
+    return out + [max_model_len]
 
 
 class DecodeGraphs:
@@ -31,7 +44,7 @@ class DecodeGraphs:
         self.model = model
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.max_batch = max_batch
-        self.max_context_len = model.config.max_model_len
+        self.context_buckets = context_buckets(model.config.max_model_len)
         dev = torch.device(device)
         self.use_graphs = dev.type == "cuda"
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
@@ -40,49 +53,67 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits = torch.zeros(max_batch, model.config.vocab_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.replays: dict[tuple[int, int], int] = {}     # (batch, context) bucket -> runs
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def context_bucket(self, max_context_len: int) -> int:
+        return next(c for c in self.context_buckets if c >= max_context_len)
+
+    def _forward(self, b: int, c: int) -> None:
         meta = AttentionMetadata(self.slot_mapping[:b], self.block_tables[:b], self.context_lens[:b],
-                                 self.cu_seqlens_q[:b + 1], max_q_len=1,
-                                 max_context_len=self.max_context_len)
+                                 self.cu_seqlens_q[:b + 1], max_q_len=1, max_context_len=c)
         h = self.model(self.input_ids[:b], self.positions[:b], meta)
-        return self.model.compute_logits(h)
+        self.logits[:b].copy_(self.model.compute_logits(h))
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first so smaller graphs reuse its memory pool. The
-        padded inputs point every row at slot -1 / context 0, so capture writes no KV."""
+        """Capture every (batch, context) bucket, largest first so smaller graphs reuse its
+        memory pool. The padded inputs point every row at slot -1 / context 0, so capture
+        writes no KV."""
         if not self.use_graphs:
             return
         self.slot_mapping.fill_(-1)
         self.context_lens.zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        keys = [(b, c) for b in reversed(self.buckets) for c in reversed(self.context_buckets)]
         with torch.cuda.stream(stream):
-            for b in reversed(self.buckets):
-                for _ in range(2):                       # compile Triton kernels, warm caches
-                    self._forward(b)
+            for key in keys:                             # compile Triton kernels, warm caches
+                self._forward(*key)
         torch.cuda.current_stream().wait_stream(stream)
-        for b in reversed(self.buckets):
+        for key in keys:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self.logits[b] = self._forward(b)
+                self._forward(*key)
             if self.pool is None:
                 self.pool = g.pool()
-            self.graphs[b] = g
+            self.graphs[key] = g
         torch.cuda.synchronize()
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [n, V] of a decode-only batch of n <= max_batch rows."""
+        """Logits [n, V] of a decode-only batch of n <= max_batch rows (a view of the static
+        buffer: valid until the next run)."""
+        n, b, c = self.stage(input_ids, positions, meta)
+        self.replays[b, c] = self.replays.get((b, c), 0) + 1
+        if (b, c) in self.graphs:
+            self.graphs[b, c].replay()
+        else:
+            self._forward(b, c)
+        return self.logits[:n]
+
+    def stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata) -> tuple[int, int, int]:
+        """Copy a batch into the static buffers, padding rows after it; -> (rows, batch
+        bucket, context bucket)."""
         n, b = input_ids.shape[0], self.bucket(input_ids.shape[0])
+        c = self.context_bucket(meta.max_context_len)
         w = meta.block_tables.shape[1]
         if w > self.block_tables.shape[1]:
             raise ValueError(f"block table of width {w} exceeds the captured {self.block_tables.shape[1]}")
@@ -96,7 +127,4 @@ class DecodeGraphs:
         self.block_tables[:n, :w].copy_(meta.block_tables)
         self.context_lens[:n].copy_(meta.context_lens)
         self.context_lens[n:b].zero_()
-        if b in self.graphs:
-            self.graphs[b].replay()
-            return self.logits[b][:n]
-        return self._forward(b)[:n]
+        return n, b, c

@@ -27,7 +27,7 @@ from .quant import quantize_model
 from .outputs import EngineStats, Prefix, RequestOutput
 from .request import Request, RequestStatus
 from .runner import ModelRunner
-from .sampler import Sampler, compute_prompt_logprobs, skip_draws
+from .sampler import DeviceSampler, Sampler, compute_prompt_logprobs, skip_draws
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .step_observer import StepObserver
@@ -53,10 +53,12 @@ def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int) -> Non
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_connector: KVConnector | None = None,
-                 step_observers: Sequence[StepObserver] = ()):
+                 step_observers: Sequence[StepObserver] = (), decode_graphs: bool | None = None):
         """`kv_connector`: told as each layer's KV is written (the prefill worker ships it,
         see kv_connector.py); `step_observers`: told each step's duration and tokens (see
-        step_observer.py). Both are called on the thread that steps the engine."""
+        step_observer.py). Both are called on the thread that steps the engine.
+        `decode_graphs`: replay decode steps from CUDA graphs (None: on CUDA; False: never, as
+        a prefill worker; True on CPU: the same padded path, eagerly, for tests)."""
         self.config = config
         mc = config.model
         self.dtype = config.torch_dtype
@@ -70,8 +72,10 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, config.device,
+                                  config.scheduler.max_num_seqs, decode_graphs,
                                   kv_dtype=config.kv_torch_dtype)
-        self.sampler = Sampler(eos)
+        # off the CPU, logits stay on the device and only the sampled ids come back
+        self.sampler = Sampler(eos) if config.device == "cpu" else DeviceSampler(eos)
         # grammars for SamplingParams.structured; the llguidance tokenizer is built on first use
         self.structured = StructuredOutputs(self.tokenizer.to_json() if self.tokenizer else None,
                                             mc.vocab_size, eos)
@@ -84,13 +88,14 @@ class LLMEngine:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, options: EngineOptions | None = None, *,
                        kv_connector: KVConnector | None = None,
-                       step_observers: Sequence[StepObserver] = (), **by_name) -> "LLMEngine":
+                       step_observers: Sequence[StepObserver] = (), decode_graphs: bool | None = None,
+                       **by_name) -> "LLMEngine":
         """The engine for a model directory, with `options` or EngineOptions given by name
         (`from_model_dir(d, num_blocks=64, kernel_backend="triton")`; defaults: EngineOptions')."""
         if options is not None and by_name:
             raise TypeError("give EngineOptions or options by name, not both")
         return cls(EngineConfig.build(model_dir, options or EngineOptions.of(**by_name)),
-                   kv_connector, step_observers)
+                   kv_connector, step_observers, decode_graphs)
 
     def _blocks_for_memory(self, cc: CacheConfig) -> int:
         mc = self.config.model

@@ -66,9 +66,9 @@ class Attention(nn.Module):
         v = v.view(T, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = K.rotary_embedding(positions, q, k, cos_sin, backend=self.backend)
         scales = dict(k_scales=self.k_scales, v_scales=self.v_scales, backend=self.backend)
-        K.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
+        q = K.rotary_embedding_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
+                                        meta.slot_mapping, **scales)
         if meta.decode_only:
             o = K.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                          meta.context_lens, self.scale,

@@ -14,6 +14,7 @@ predict the next token. Prompt logprobs use the logits at every prompt row.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ from .scheduler import SchedulerOutput
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor                          # [num_sampling, V] fp32
+    logits: torch.Tensor                          # [num_sampling, V] fp32, on the model's device
     sample_rows: list                             # ScheduledRequest per logits row
     prompt_logits: dict                           # request_id -> ([n, V] logits, [n] target ids, first_pos)
 
@@ -34,8 +35,9 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype, device="cpu",
                  max_num_seqs: int = 256, decode_graphs: bool | None = None,
                  kv_dtype: torch.dtype | None = None):
-        """`decode_graphs`: replay decode steps from CUDA graphs (None: on CUDA only; True on
-        CPU runs the same padded static-buffer path eagerly, for tests). `kv_dtype`: the
+        """`decode_graphs`: replay decode steps from CUDA graphs (None: on CUDA with the Triton
+        kernels, whose launches never wait on the device, unlike the torch references; True
+        on CPU runs the same padded static-buffer path eagerly, for tests). `kv_dtype`: the
         cache's dtype (default `dtype`); an 8-bit one comes with per-(block, head) scales."""
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
@@ -49,7 +51,8 @@ class ModelRunner:
             torch.zeros(c.num_layers, 2, num_blocks, c.num_kv_heads, device=device)
         model.bind_kv_cache(self.kv_cache, self.kv_scales)
         if decode_graphs is None:   # the 8-bit cache's write path syncs: no graphs for it
-            decode_graphs = torch.device(device).type == "cuda" and self.kv_scales is None
+            decode_graphs = (torch.device(device).type == "cuda" and model.backend != "torch"
+                             and self.kv_scales is None)
         self.graphs = None
         if decode_graphs:
             self.graphs = DecodeGraphs(model, max_num_seqs, -(-c.max_model_len // block_size), device)
@@ -57,23 +60,25 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Plain Python lists, then one tensor each: per-request tensor ops cost more than
-        the arithmetic at decode batch sizes."""
+        the arithmetic at decode batch sizes. The block table (batch x width ids, the largest)
+        goes through array('i'): torch.tensor converts a list element by element."""
         bs = self.block_size
         ids, pos, slots, ctx, cu, tables = [], [], [], [], [0], []
         width = max(len(s.request.block_ids) for s in out.scheduled)
         for s in out.scheduled:
             r, end = s.request, s.start + s.num_new_tokens
             blocks = r.block_ids
-            ids.extend(r.all_token_ids[s.start:end])
+            ids.extend(r.token_ids(s.start, end))
             pos.extend(range(s.start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(s.start, end))
-            tables.append(blocks + [0] * (width - len(blocks)))
+            tables.extend(blocks)                       # one flat list: one tensor, no nesting
+            tables.extend([0] * (width - len(blocks)))
             ctx.append(end)
             cu.append(cu[-1] + s.num_new_tokens)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            block_tables=torch.frombuffer(array("i", tables), dtype=torch.int32).view(-1, width).to(dev),
             context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             max_q_len=max(s.num_new_tokens for s in out.scheduled), max_context_len=max(ctx))
@@ -86,8 +91,7 @@ class ModelRunner:
         if (self.graphs is not None and meta.decode_only and layer_hook is None
                 and len(out.scheduled) <= self.graphs.max_batch):
             # every decode row samples; no prompt logprobs in a decode step
-            return ModelOutput(self.graphs.run(input_ids, positions, meta).cpu(),
-                               list(out.scheduled), {})
+            return ModelOutput(self.graphs.run(input_ids, positions, meta), list(out.scheduled), {})
         hidden = self.model(input_ids, positions, meta, layer_hook)
         cu = meta.cu_seqlens_q.tolist()
         rows = [b for b, s in enumerate(out.scheduled) if s.samples]
@@ -102,4 +106,4 @@ class ModelRunner:
             h = hidden[cu[b]:cu[b] + n]
             targets = torch.tensor(r.prompt_token_ids[s.start + 1:s.start + 1 + n])
             prompt_logits[r.request_id] = (self.model.compute_logits(h).cpu(), targets, s.start + 1)
-        return ModelOutput(logits.cpu(), [out.scheduled[b] for b in rows], prompt_logits)
+        return ModelOutput(logits, [out.scheduled[b] for b in rows], prompt_logits)

@@ -14,6 +14,12 @@
 Sampling uses the exponential race (argmax of probs / Exp(1) noise), which is equivalent to
 drawing from `probs`. A row with its own `generator` draws its noise on the CPU from it, so
 its tokens depend on its seed only, never on its batch neighbours or on the device.
+
+Two implementations of the same steps: `Sampler` (the CPU path and the reference) and
+`DeviceSampler`, which keeps the logits where the model left them (the GPU, right after the
+decode graph), builds each step's per-row parameters in a few host-to-device copies and sends
+back one small tensor: the sampled ids, their raw logprobs and the requested top logprobs.
+tests/kernels/test_device_sampler.py holds the two to the same tokens.
 """
 from __future__ import annotations
 
@@ -132,15 +138,17 @@ def _column(values: list[float], device) -> torch.Tensor:
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
-    """[len(token_lists), vocab] float counts. Padding goes to an extra column, then dropped."""
+    """[len(token_lists), vocab] float counts, counted on `device` (only the ids travel).
+    Padding goes to an extra column, then dropped."""
     width = max((len(t) for t in token_lists), default=0)
     padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
     for i, t in enumerate(token_lists):
         if t:
             padded[i, :len(t)] = torch.tensor(t, dtype=torch.long).clamp_(0, vocab)
-    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32)
+    padded = padded.to(device)
+    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab].to(device)
+    return counts[:, :vocab]
 
 
 # ----------------------------------------------------------------------------- masks
@@ -217,6 +225,98 @@ def _exponential_noise(shape, rows: Sequence) -> torch.Tensor:
         if r.generator is not None:
             noise[i].exponential_(generator=r.generator)
     return noise
+
+
+# ----------------------------------------------------------------------------- on the device
+
+class DeviceSampler:
+    """`Sampler`'s steps on the logits' own device, with one device-to-host copy per step.
+
+    Greedy rows without processors (the common decode batch) cost a logsumexp, an argmax and
+    a gather. Seeded rows draw their noise on the CPU from their generator (so their tokens
+    equal `Sampler`'s and do not depend on the device); the others draw it on the device."""
+
+    def __init__(self, eos_token_ids: set[int]):
+        self.eos_token_ids = set(eos_token_ids)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: Sequence,
+                 allowed: torch.Tensor | None = None) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        params = [r.sampling_params for r in rows]
+        dev, B = logits.device, logits.shape[0]
+        raw = logits.float()
+        lse = torch.logsumexp(raw, dim=-1)
+        x = self._process(raw, rows, params, allowed)
+        greedy = [p.temperature == 0.0 for p in params]
+        tokens = x.argmax(dim=-1)
+        if not all(greedy):
+            tokens = torch.where(torch.tensor(greedy, device=dev), tokens, self._draw(x, rows, params))
+        parts = [tokens.double(), (raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse).double()]
+        max_k = max((p.logprobs or 0 for p in params), default=0)
+        if max_k > 0:
+            values, indices = raw.topk(max_k, dim=-1)
+            parts += [(values - lse.unsqueeze(1)).double().flatten(), indices.double().flatten()]
+        host = torch.cat(parts).tolist()               # the step's one device -> host copy
+        ids = [int(t) for t in host[:B]]
+        chosen = host[B:2 * B]
+        top: list[list[tuple[int, float]] | None] = [None] * B
+        if max_k > 0:
+            vals, idx = host[2 * B:2 * B + B * max_k], host[2 * B + B * max_k:]
+            for i, p in enumerate(params):
+                if p.logprobs:
+                    o = i * max_k
+                    top[i] = [(int(idx[o + j]), vals[o + j]) for j in range(p.logprobs)]
+        return SamplerOutput(token_ids=ids, logprobs=chosen, top_logprobs=top)
+
+    def _process(self, raw, rows, params, allowed) -> torch.Tensor:
+        """The logits processors of `Sampler`, each one batched copy of its index lists."""
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()
+                if 0 <= t < raw.shape[1]]
+        banned = [(i, t) for i, r in enumerate(rows) if len(r.output_token_ids) < r.sampling_params.min_tokens
+                  for t in set(r.sampling_params.stop_token_ids)
+                  | (set() if r.sampling_params.ignore_eos else self.eos_token_ids)
+                  if 0 <= t < raw.shape[1]]
+        penalised = any(_has_penalty(p) for p in params)
+        if not (bias or banned or penalised or allowed is not None):
+            return raw
+        x, dev = raw.clone(), raw.device
+        if bias:
+            r, t, b = zip(*bias)
+            x.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                         torch.tensor(b, dtype=x.dtype, device=dev), accumulate=True)
+        if banned:
+            r, t = zip(*banned)
+            x[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = NEG_INF
+        if penalised:
+            apply_penalties(x, rows)
+        if allowed is not None:
+            apply_allowed_mask(x, raw, allowed)
+        return x
+
+    def _draw(self, x, rows, params) -> torch.Tensor:
+        """A random token per row (greedy rows' draws are discarded by the caller)."""
+        dev = x.device
+        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                            dtype=torch.float32, device=dev)
+        y = x / temp.unsqueeze(1)
+        if any(p.top_k > 0 for p in params):
+            y = top_k_mask(y, torch.tensor([p.top_k for p in params], device=dev))
+        if any(p.top_p < 1.0 for p in params):
+            y = top_p_mask(y, torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev))
+        if any(p.min_p > 0.0 for p in params):
+            y = min_p_mask(y, torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev))
+        probs = torch.softmax(y, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), x.shape[1], device=dev).exponential_()
+        if seeded:
+            cpu = torch.stack([torch.empty(x.shape[1]).exponential_(generator=rows[i].generator)
+                               for i in seeded])
+            noise[seeded] = cpu.to(dev)
+        return (probs / noise).argmax(dim=-1)
 
 
 # ----------------------------------------------------------------------------- logprobs

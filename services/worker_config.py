@@ -40,9 +40,10 @@ class WorkerConfig:
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
 
-    def build_engine(self, kv_connector=None, step_observers=()):
+    def build_engine(self, kv_connector=None, step_observers=(), decode_graphs: bool | None = None):
         """The LLMEngine this config describes (loads the model: call it off the event loop),
-        with the worker's seams (engine/kv_connector.py, engine/step_observer.py)."""
+        with the worker's seams (engine/kv_connector.py, engine/step_observer.py).
+        `decode_graphs=False`: no decode CUDA graphs (a prefill worker never replays them)."""
         from engine.llm_engine import LLMEngine
         return LLMEngine.from_model_dir(self.model_dir, self.engine, kv_connector=kv_connector,
-                                        step_observers=step_observers)
+                                        step_observers=step_observers, decode_graphs=decode_graphs)

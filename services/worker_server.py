@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -212,7 +213,13 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
     worker_id = cfg.worker_id or role.name
     try:
         connector = role.kv_connector(cfg, transport)
-        engine = await asyncio.to_thread(cfg.build_engine, connector, tel.step_observers())
+        engine = await asyncio.to_thread(cfg.build_engine, connector, tel.step_observers(),
+                                         False if role.prefill_only else None)
+        # what exists now (torch, the model, imports: hundreds of thousands of objects) lives
+        # as long as the process: keep it out of every later full GC pass, which would
+        # otherwise stall an engine step for tens of milliseconds now and then
+        gc.collect()
+        gc.freeze()
         srv = WorkerServer([role.service_name], cfg.host, cfg.port, cfg.drain_timeout_s)
         worker_id = cfg.worker_id or f"{role.name}-{cfg.host}:{srv.port}"
         kv = await role.open_kv(cfg, engine, transport, connector)
@@ -227,6 +234,7 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
             await ae.shutdown()
         await (kv.close() if kv is not None else transport.close())
         tel.close()
+        gc.unfreeze()          # collectable again at exit (bindings report frozen ones as leaks)
         log.info("%s worker %s stopped", role.name, worker_id)
 
 

@@ -7,17 +7,22 @@
                          PARTITION       PARTITION      <= PARTITION
       S = cdiv(max_context_len, PARTITION); partitions past ctx_len exit at once.
 
+    PARTITION is sized from the batch and max_context_len (FlashDecoding): small batches
+    split the context finer so that B * H_kv * S programs still fill every SM; large batches
+    keep long partitions (fewer partial results to reduce). See `auto_partition`.
+
     Each program writes its partition's normalized output o_s and (m_s, l_s) (log2-domain
     max and sum of exp2); `_paged_decode_reduce_kernel` combines them:
         w_s = l_s * 2^(m_s - max_s m_s),  out = sum_s w_s * o_s / sum_s w_s
     When S == 1 the first kernel writes `out` directly and no reduction runs.
 
 CUDA graphs: nothing here reads device values on the host. S comes from `max_context_len`
-(a host int); when omitted it is block_tables.shape[1] * block_size, the most a block table
+(a host int: the engine's graphs pass their context-length bucket); when omitted it is block_tables.shape[1] * block_size, the most a block table
 of that width can hold, which is also static. Sequences with ctx_len 0 (padding) get zeros.
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
@@ -27,7 +32,8 @@ from ._attention_tile import _attend_tile
 from ._checks import (check_out, check_paged_attention, check_shape, check_tensor,
                       dot_precision, upcast_dot)
 
-DEFAULT_PARTITION = 512
+MAX_PARTITION, MIN_PARTITION = 512, 64
+PROGRAMS_PER_SM = 4
 # launch settings: best of a 24-point sweep (partition 128-512, block_n 32/64, 4/8 warps,
 # 1/3 stages) on an H200, batch 16, 1k and 8k context
 _LAUNCH = dict(block_n=64, num_warps=4, num_stages=3)
@@ -80,10 +86,11 @@ def _paged_decode_attention_kernel(
 
 
 @triton.jit
-def _paged_decode_reduce_kernel(part_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, D, HQ,
-                                PARTITION: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
+def _paged_decode_reduce_kernel(part_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, D, HQ, S,
+                                PARTITION: tl.constexpr, BLOCK_S: tl.constexpr,
                                 BLOCK_D: tl.constexpr):
     # grid (B, H_q). part: [B, H_q, S, BLOCK_D] fp32, ml: [B, H_q, S, 2] fp32 (contiguous).
+    # S is a runtime value (one compiled kernel per BLOCK_S, not per split count).
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
@@ -102,22 +109,42 @@ def _paged_decode_reduce_kernel(part_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob, s
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+def auto_partition(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+    """Keys per split-K program: the largest power of two in [MIN, MAX]_PARTITION that still
+    gives batch * num_kv_heads * splits >= PROGRAMS_PER_SM * num_sms programs for a context of
+    max_context_len (batch 1, 8 KV heads, 8k context, 132 SMs: 128 keys, 64 splits)."""
+    splits = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, batch * num_kv_heads))
+    want = triton.next_power_of_2(max(1, triton.cdiv(max_context_len, splits)))
+    if want > max_context_len:
+        want //= 2                                # never more than the context asks for
+    return max(MIN_PARTITION, min(MAX_PARTITION, want))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8                                  # the interpreter: any small machine
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           *, max_context_len: int | None = None, partition_size: int = DEFAULT_PARTITION,
+                           *, max_context_len: int | None = None, partition_size: int | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H_q, D] (the last position of each sequence) -> [B, H_q, D].
 
     max_context_len: a host int >= every context_lens entry (e.g. the model's max length);
     it fixes the number of partitions. Default block_tables.shape[1] * block_size. A context
     longer than it is silently truncated, so callers must keep that promise.
-    partition_size: keys per split-K program, a power of two >= 16.
+    partition_size: keys per split-K program, a power of two >= 16 (None: auto_partition).
     """
     b, hq, d, hkv, bs = _check(q, k_cache, v_cache, block_tables, context_lens)
-    if partition_size < 16 or partition_size & (partition_size - 1):
-        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * bs
+    if partition_size is None:
+        partition_size = auto_partition(b, hkv, max_context_len, _num_sms(q.device))
+    if partition_size < 16 or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     if out is None:
         out = torch.empty_like(q)
     check_out("out", out, tuple(q.shape), q.dtype, q.device)
@@ -146,8 +173,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), *cs, part.stride(0), part.stride(1), part.stride(2), bs, g, d,
         SPLIT=True, **common)
     _paged_decode_reduce_kernel[(b, hq)](
-        part, ml, context_lens, out, out.stride(0), out.stride(1), d, hq,
-        PARTITION=partition_size, S=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
+        part, ml, context_lens, out, out.stride(0), out.stride(1), d, hq, splits,
+        PARTITION=partition_size, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
     return out
 
 

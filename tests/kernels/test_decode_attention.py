@@ -38,6 +38,21 @@ def test_single_partition_path(dtype):
          max_context_len=32)
 
 
+@pytest.mark.parametrize("batch_ctx", [[700, 3, 257], [130]])
+def test_auto_partition(batch_ctx):
+    # partition_size None: sized from batch, KV heads and max_context_len (split-K fills the
+    # machine at small batches); the bucket (max_context_len) is longer than every context
+    _run(batch_ctx, hq=4, hkv=2, d=32, block_size=16, dtype=torch.float32, partition=None,
+         max_context_len=1024)
+
+
+def test_auto_partition_sizes():
+    from engine.kernels.decode_attention import auto_partition
+    assert auto_partition(1, 8, 8192, 132) == 128          # 64 splits x 8 heads = 512 programs
+    assert auto_partition(64, 8, 8192, 132) == 512         # big batches keep long partitions
+    assert auto_partition(1, 8, 100, 132) == 64            # never below the minimum
+
+
 def test_odd_head_dim_and_default_max_len():
     # head_dim 48 (masked to 64), block_size 4, default max_context_len from the table width
     _run([9, 23, 2], hq=3, hkv=1, d=48, block_size=4, dtype=torch.float32, partition=16)

@@ -1,0 +1,95 @@
+"""Rotary embedding fused with the KV-cache write: one launch per layer rotates q (to q_out)
+and k, and writes the rotated k and v straight into their paged-cache slots (the rotated k is
+never written anywhere else: attention reads K from the cache)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_out, check_shape, check_tensor
+
+
+@triton.jit
+def _rotary_write_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_qot, stride_qoh, stride_cs, stride_cb, stride_co, stride_ch,
+                            block_size, HQ, HK, HALF,
+                            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # grid (T, cdiv(max(HQ, HK), BLOCK_H)). Token t at position p, heads h of this program:
+    #   q_out[t, h] = rot(q[t, h])                       rot(x) = [x1*cos - x2*sin | x2*cos + x1*sin]
+    #   cache[slot] = rot(k[t, h]), v[t, h]              (slot < 0: padding, nothing written)
+    #   slot = block * block_size + offset -> block * stride_cb + offset * stride_co (int64)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + p * stride_cs + i, mask=i < HALF, other=0.0)
+    sin = tl.load(cs_ptr + p * stride_cs + HALF + i, mask=i < HALF, other=0.0)
+
+    mq = (h < HQ) & (i < HALF)
+    q1 = tl.load(q_ptr + t * stride_qt + h * stride_qh + i, mask=mq, other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + t * stride_qt + h * stride_qh + HALF + i, mask=mq, other=0.0).to(tl.float32)
+    qo = qo_ptr + t * stride_qot + h * stride_qoh + i
+    tl.store(qo, (q1 * cos - q2 * sin).to(qo_ptr.dtype.element_ty), mask=mq)
+    tl.store(qo + HALF, (q2 * cos + q1 * sin).to(qo_ptr.dtype.element_ty), mask=mq)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # (slot >= 0) broadcast to the tile: the interpreter rejects a scalar mask term
+    mk = (h < HK) & (i < HALF) & (h * 0 + i * 0 + slot >= 0)
+    slot = tl.maximum(slot, 0)
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + h * stride_ch + i
+    k1 = tl.load(k_ptr + t * stride_kt + h * stride_kh + i, mask=mk, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptr + t * stride_kt + h * stride_kh + HALF + i, mask=mk, other=0.0).to(tl.float32)
+    # k rounds to its own dtype first, as rotary_embedding then write_kv_cache would
+    kr1 = (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty)
+    kr2 = (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty)
+    tl.store(kc_ptr + dst, kr1.to(kc_ptr.dtype.element_ty), mask=mk)
+    tl.store(kc_ptr + dst + HALF, kr2.to(kc_ptr.dtype.element_ty), mask=mk)
+    v1 = tl.load(v_ptr + t * stride_vt + h * stride_vh + i, mask=mk, other=0.0)
+    v2 = tl.load(v_ptr + t * stride_vt + h * stride_vh + HALF + i, mask=mk, other=0.0)
+    tl.store(vc_ptr + dst, v1.to(vc_ptr.dtype.element_ty), mask=mk)
+    tl.store(vc_ptr + dst + HALF, v2.to(vc_ptr.dtype.element_ty), mask=mk)
+
+
+def rotary_embedding_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                              q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """positions [T]; q [T, H_q, D]; k, v [T, H_kv, D]; cos_sin_cache [max_pos, D] fp32;
+    caches [num_blocks, block_size, H_kv, D]; slot_mapping [T] (< 0: skip). Returns q_out
+    (rotated q). Slots must be distinct; positions < max_pos (not checked on device)."""
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    dev = q.device
+    t, hq, d = q.shape
+    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES, dev)
+    nb, bs, hk, dk = k_cache.shape
+    if dk != d or d % 2:
+        raise ValueError(f"head_dim must be even and equal in q ({d}) and the cache ({dk})")
+    check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), dev)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache strides {v_cache.stride()} differ from k_cache's {k_cache.stride()}")
+    for name, x in (("k", k), ("v", v)):
+        check_tensor(name, x, 3, (q.dtype,), dev)
+        check_shape(name, x, (t, hk, d))
+    check_tensor("positions", positions, 1, (torch.int32, torch.int64), dev)
+    check_shape("positions", positions, (t,))
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), dev)
+    check_shape("slot_mapping", slot_mapping, (t,))
+    check_tensor("cos_sin_cache", cos_sin_cache, 2, (torch.float32,), dev)
+    if cos_sin_cache.shape[1] != d:
+        raise ValueError(f"cos_sin_cache rows have {cos_sin_cache.shape[1]} values, head_dim is {d}")
+    if q_out is None:
+        q_out = torch.empty_like(q)
+    check_out("q_out", q_out, tuple(q.shape), q.dtype, dev)
+    if t == 0:
+        return q_out
+    block_h = min(16, triton.next_power_of_2(max(hq, hk)))
+    _rotary_write_kv_kernel[(t, triton.cdiv(max(hq, hk), block_h))](
+        positions, q, k, v, cos_sin_cache, q_out, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bs, hq, hk, d // 2,
+        BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(d // 2))
+    return q_out
