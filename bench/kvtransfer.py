@@ -368,7 +368,7 @@ def main(argv=None) -> int:
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
     print(f"\nKV transfer between two processes on 127.0.0.1, GB/s, median of {args.runs} "
           f"(perftest: {args.perftest_runs}) "
-          f"(UCX_TLS={os.environ['UCX_TLS']}, UCX_RNDV_SCHEME={os.environ['UCX_RNDV_SCHEME']}, "
+          f"(UCX_TLS={os.environ.get('UCX_TLS', 'tcp')}, UCX_RNDV_SCHEME={os.environ['UCX_RNDV_SCHEME']}, "
           f"UCXPY_PROGRESS_MODE={os.environ['UCXPY_PROGRESS_MODE']})\n")
     print("| path | " + " | ".join(names) + " |")
     print("| --- |" + " --- |" * len(names))

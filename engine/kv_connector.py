@@ -14,7 +14,7 @@ The shape of vLLM v1's KV connector (worker side), reduced to what pdserve needs
 Every call runs on the engine's thread, inside step(); none may block for long (a send is
 queued, not awaited) and none should raise: an exception aborts the step, and with it every
 request of the engine. A connector decides per scheduled request whether it saves anything
-(the prefill worker's saves only the step that runs a request's final chunk).
+(the prefill worker's saves, in each chunk, the blocks that chunk completed).
 
 An engine with a connector never replays decode steps from CUDA graphs (the graphs have no
 per-layer call-outs); the prefill role, the only one with a connector, has no decode steps.

@@ -27,6 +27,15 @@ Threading: the connection readers, the reaper and `wait` run on the event loop `
 was awaited on. `reserve`, `abort` and `poll` may be called from any thread; a lock makes
 "check state, write blocks" atomic, so once `abort` returns no write to its blocks is in
 flight or will start.
+
+A CUDA cache is written on a side stream, never on the loop's thread synchronously:
+
+    loop: recv body into a staging buffer (pinned host, or GPU memory with staging "device")
+          -> check it -> queue   side stream: [host -> GPU copy,] index_copy_ into the cache
+          -> a task waits for the copy's event in a thread, then gives the buffer back;
+             after the transfer's last message it moves the transfer to DONE
+so DONE (what the decode worker waits for before admitting the request) means every block
+is in the cache; abort() and the reaper synchronize the side stream before they return.
 """
 from __future__ import annotations
 
@@ -41,9 +50,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .staging import StagingPool
 from .transport import Connection, ConnectionClosed, Transport, TransportError
 from .wire import (HEADER_BYTES, PROTOCOL_VERSION, CompatKey, Header, IncompatibleKV, MsgType,
-                   WireError, block_bytes, ids_bytes, payload_views)
+                   WireError, block_bytes, hello_body, ids_bytes, parse_hello, payload_views)
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +107,7 @@ class KVReceiver:
 
     def __init__(self, kv_cache: torch.Tensor, compat: CompatKey, transport: Transport,
                  expiry_s: float = 30.0, *, reap_interval_s: float = 0.05, keep_finished: int = 10_000,
-                 kv_scales: torch.Tensor | None = None):
+                 staging: str = "host", kv_scales: torch.Tensor | None = None):
         """`kv_scales`: the scales of an 8-bit cache, written with their blocks."""
         CompatKey.from_cache(kv_cache, compat.model, kv_scales).check(compat, "kv_cache", "compat")
         self.kv_cache, self.kv_scales = kv_cache, kv_scales
@@ -108,6 +118,10 @@ class KVReceiver:
         self.keep_finished = keep_finished
         self.address: str | None = None
         self._block_bytes = block_bytes(kv_cache, kv_scales)
+        self.staging = staging
+        self.pool = StagingPool(kv_cache, staging)
+        self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
+        self._settling: set[asyncio.Task] = set()
         self._lock = threading.Lock()
         self._live: dict[str, _Transfer] = {}
         self._finished: OrderedDict[str, _Transfer] = OrderedDict()
@@ -176,6 +190,7 @@ class KVReceiver:
                 return False
             self._finish_locked(t, TransferState.ABORTED, reason)
             self.aborted += 1
+        self._sync_copies()
         self._signal(t)
         return True
 
@@ -207,6 +222,11 @@ class KVReceiver:
         self._finished[t.tid] = t
         while len(self._finished) > self.keep_finished:
             self._finished.popitem(last=False)
+
+    def _sync_copies(self) -> None:
+        """Wait for the side stream's queued cache writes (a transfer just became final)."""
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def _signal(self, t: _Transfer) -> None:
         ev, loop = t.event, self._loop
@@ -241,6 +261,8 @@ class KVReceiver:
                                     f"deadline passed with {t.remaining} of "
                                     f"{len(t.block_ids) * t.num_layers} (layer, block) pairs missing")
                 self.expired += 1
+        if overdue:
+            self._sync_copies()
         for t in overdue:
             log.warning("KV transfer %s expired: %s", t.tid, t.reason)
             self._signal(t)
@@ -249,7 +271,6 @@ class KVReceiver:
     async def _serve(self, conn: Connection) -> None:
         task = asyncio.current_task()
         self._readers.add(task)
-        staging = torch.empty(0, dtype=torch.uint8)
         try:
             if not await self._handshake(conn):
                 return
@@ -257,12 +278,20 @@ class KVReceiver:
                 hdr = Header.unpack(await conn.recv(HEADER_BYTES))
                 if hdr.msg_type is not MsgType.LAYER:
                     raise WireError(f"unexpected {hdr.msg_type.name} after the handshake")
-                if staging.numel() < hdr.body_bytes:
-                    staging = torch.empty(hdr.body_bytes, dtype=torch.uint8)
-                body = staging[:hdr.body_bytes]
-                if hdr.body_bytes:
-                    await conn.recv(into=body)
-                self._on_layer(hdr, body)
+                body = self.pool.acquire(hdr.body_bytes)
+                try:
+                    if hdr.body_bytes:
+                        await conn.recv(into=body)
+                    copied, done = self._on_layer(hdr, body)
+                except BaseException:
+                    self.pool.release(body, reuse=False)
+                    raise
+                if copied is None:
+                    self.pool.release(body)
+                else:
+                    task = self._loop.create_task(self._settle(copied, body, done))
+                    self._settling.add(task)
+                    task.add_done_callback(self._settling.discard)
         except (ConnectionClosed, asyncio.CancelledError):
             pass
         except (WireError, TransportError) as e:
@@ -283,7 +312,10 @@ class KVReceiver:
             error = f"protocol version: sender={hdr.version} receiver={PROTOCOL_VERSION}"
         else:
             try:
-                self.compat.check(CompatKey.from_json(body), "decode", "prefill")
+                theirs, staging = parse_hello(body)
+                self.compat.check(theirs, "decode", "prefill")
+                if staging != self.staging:
+                    error = f"KV staging: decode={self.staging!r} prefill={staging!r}"
             except (IncompatibleKV, WireError) as e:
                 error = str(e)
         if error:
@@ -292,7 +324,7 @@ class KVReceiver:
             reply = json.dumps({"error": error, "compat": json.loads(self.compat.to_json())}).encode()
             await self._send(conn, Header(MsgType.REJECT, body_bytes=len(reply)), reply)
             return False
-        reply = self.compat.to_json()
+        reply = hello_body(self.compat, self.staging)
         await self._send(conn, Header(MsgType.HELLO_ACK, body_bytes=len(reply)), reply)
         return True
 
@@ -302,33 +334,59 @@ class KVReceiver:
         if body:
             await conn.send(body)
 
-    def _on_layer(self, hdr: Header, body: torch.Tensor) -> None:
-        """Validate one LAYER message and write it, or drop it."""
+    def _on_layer(self, hdr: Header, body: torch.Tensor):
+        """Validate one LAYER message and write it, or drop it. -> (the side stream's event
+        after the write, or None when the write is done or nothing was written; the
+        transfer if this was its last message and its writes are still in flight)."""
         n, layer, off = hdr.num_blocks, hdr.layer, hdr.block_offset
+        copied = done = None
         with self._lock:
             t = self._live.get(hdr.transfer_id)
             if t is None:  # unknown, expired, aborted, failed or done: never write
                 self.dropped_messages += 1
                 log.info("dropped KV layer %d for %s transfer %s", layer,
                          "finished" if hdr.transfer_id in self._finished else "unknown", hdr.transfer_id)
-                return
+                return None, None
             problem = self._check_layer(t, hdr)
             if problem is None:
-                ids = torch.frombuffer(body[:4 * n].numpy(), dtype=torch.int32).tolist() if n else []
+                ids = self._block_ids(body, n)
                 if ids != t.block_ids[off:off + n]:
                     problem = (f"layer {layer}: block ids {ids} are not the reserved "
                                f"block ids[{off}:{off + n}] = {t.block_ids[off:off + n]}")
             if problem is None:
-                self._write_locked(t, layer, off, n, body)
-                done = t.remaining == 0
-                if done:
+                copied = self._write_locked(t, layer, off, n, body)
+                if t.remaining == 0 and copied is not None:
+                    done = t                  # DONE once the side stream wrote it (_settle)
+                elif t.remaining == 0:
                     self._finish_locked(t, TransferState.DONE)
                     self.transfers_done += 1
         if problem is not None:
             self.dropped_messages += 1
             self._fail(t, problem)
-        elif done:
+        elif t.state is TransferState.DONE:
             self._signal(t)
+        return copied, done
+
+    def _block_ids(self, body: torch.Tensor, n: int) -> list[int]:
+        head = body[:4 * n]
+        if head.is_cuda:      # staging "device": read on the side stream, not the decode step's
+            with torch.cuda.stream(self._stream):
+                head = head.cpu()
+        return head.view(torch.int32).tolist()
+
+    async def _settle(self, copied, body: torch.Tensor, t: _Transfer | None) -> None:
+        """After a side-stream write: give the staging buffer back; finish `t` if given."""
+        if not copied.query():
+            await self._loop.run_in_executor(None, copied.synchronize)
+        self.pool.release(body)
+        if t is None:
+            return
+        with self._lock:
+            if t.state.final:       # aborted or expired meanwhile
+                return
+            self._finish_locked(t, TransferState.DONE)
+            self.transfers_done += 1
+        self._signal(t)
 
     def _check_layer(self, t: _Transfer, hdr: Header) -> str | None:
         n, layer, off = hdr.num_blocks, hdr.layer, hdr.block_offset
@@ -343,15 +401,26 @@ class KVReceiver:
             return f"layer {layer}: blocks [{off}, {off + n}) arrived twice"
         return None
 
-    def _write_locked(self, t: _Transfer, layer: int, off: int, n: int, body: torch.Tensor) -> None:
+    def _write_locked(self, t: _Transfer, layer: int, off: int, n: int, body: torch.Tensor):
         payload, scales = payload_views(body, self.kv_cache, self.kv_scales, n)
-        dst = self.kv_cache[layer]
-        if dst.element_size() == 1:      # torch's CPU index_copy_ has no float8 kernel: bytes
-            dst, payload = dst.view(torch.uint8), payload.view(torch.uint8)
-        idx = torch.tensor(t.block_ids[off:off + n], dtype=torch.long, device=dst.device)
-        dst.index_copy_(1, idx, payload.to(dst.device, non_blocking=False))
+        pairs = [(self.kv_cache[layer], payload)]
         if scales is not None:
-            self.kv_scales[layer].index_copy_(1, idx, scales.to(dst.device, non_blocking=False))
+            pairs.append((self.kv_scales[layer], scales))
+        copied = None
+        if self._stream is None:
+            idx = torch.tensor(t.block_ids[off:off + n], dtype=torch.long)
+            for dst, src in pairs:
+                if dst.element_size() == 1:     # torch's CPU index_copy_ has no float8 kernel
+                    dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+                dst.index_copy_(1, idx, src)
+        else:
+            with torch.cuda.stream(self._stream):
+                idx = torch.tensor(t.block_ids[off:off + n], dtype=torch.long, device=self.kv_cache.device)
+                for dst, src in pairs:
+                    if dst.element_size() == 1:
+                        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+                    dst.index_copy_(1, idx, src.to(dst.device, non_blocking=True))
+                copied = self._stream.record_event()
         t.got[layer][off:off + n] = b"\x01" * n
         t.remaining -= n
         t.blocks += n
@@ -359,3 +428,4 @@ class KVReceiver:
         t.state = TransferState.RECEIVING
         self.blocks_received += n
         self.bytes_received += n * self._block_bytes
+        return copied

@@ -6,9 +6,21 @@
     ...
     stats = await sender.finish(handle, timeout=5)   # every message sent (or an error)
 
-Connections are cached per endpoint; the HELLO handshake (protocol version + CompatKey)
-happens once per connection. Each pushed layer is ONE message: all its blocks' K and V are
-gathered into a single contiguous buffer (small per-block messages are slow over UCX).
+Connections are cached per endpoint; the HELLO handshake (protocol version + CompatKey +
+staging) happens once per connection. Each pushed layer is ONE message: all its blocks' K and
+V are gathered into a single contiguous buffer (small per-block messages are slow over UCX).
+
+A CUDA cache is never read on the compute stream and the engine thread never waits:
+
+    engine thread (compute stream)    side stream                      event loop
+    layer i's kernels ... record ---> wait event; gather blocks into
+    push_layer_threadsafe returns     a staging buffer (pinned host, or
+                                      GPU memory with staging "device");
+                                      record `ready`            ---->  wait `ready` in a
+                                                                       thread, send, release
+                                                                       the buffer to the pool
+Staging buffers come from a StagingPool (staging.py) and go back to it only once their send
+completed, so a buffer is never reused while UCX may still read it.
 One writer task per connection sends queued messages in push order, so messages of
 concurrent transfers never interleave. A connection that fails fails every transfer queued
 on it and is dropped from the cache; the next `open` reconnects.
@@ -27,9 +39,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .staging import StagingPool
 from .transport import Connection, ConnectionClosed, Transport, TransportError
 from .wire import (HEADER_BYTES, CompatKey, Header, IncompatibleKV, MsgType, WireError,
-                   block_bytes, ids_bytes, payload_views)
+                   block_bytes, hello_body, ids_bytes, parse_hello, payload_views)
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +69,35 @@ class TransferHandle:
     _peer: "_Peer"
     _src_index: torch.Tensor
     _futures: list[concurrent.futures.Future] = field(default_factory=list)
+    _bound_fixed: int = 0                 # blocks [0, this) were pushed: set_source may not move them
     _pushed_blocks: int = 0
     _bytes: int = 0
     _started: float = field(default_factory=time.monotonic)
     cancelled: bool = False
 
-    def set_source(self, src_block_ids: list[int]) -> None:
-        """Re-point the transfer at other source blocks (same count, same order). The
-        prefill worker opens a transfer before its request is scheduled, so it learns the
-        request's real blocks only in the engine step; call this before the first push."""
-        if len(src_block_ids) != len(self.dst_block_ids):
-            raise ValueError(f"{len(src_block_ids)} source blocks for "
+    def set_source(self, src_block_ids: list[int], start: int = 0) -> None:
+        """Point destination blocks [start, start + len) at these source blocks (same
+        order). The prefill worker opens a transfer before its request is scheduled and
+        learns the request's blocks chunk by chunk in the engine steps: it binds each chunk's
+        blocks before pushing them. Blocks already pushed cannot be re-pointed."""
+        end = start + len(src_block_ids)
+        if not 0 <= start <= end <= len(self.dst_block_ids):
+            raise ValueError(f"source blocks [{start}, {end}) for "
                              f"{len(self.dst_block_ids)} destination blocks")
-        if self._futures:
-            raise RuntimeError("set_source() after a layer was pushed")
-        self.src_block_ids = list(src_block_ids)
-        self._src_index = torch.tensor(src_block_ids, dtype=torch.long, device=self._src_index.device)
+        if start < self._bound_fixed:
+            raise RuntimeError(f"set_source() at block {start}: blocks [0, {self._bound_fixed}) "
+                               "were pushed already")
+        self.src_block_ids[start:end] = src_block_ids
+        self._src_index = torch.tensor(self.src_block_ids, dtype=torch.long, device=self._src_index.device)
+
+
+@dataclass(eq=False)
+class _Message:
+    handle: TransferHandle
+    hdr: bytes
+    body: torch.Tensor                    # from the sender's StagingPool
+    fut: concurrent.futures.Future
+    ready: "torch.cuda.Event | None"      # the side stream finished filling `body`
 
 
 class _Peer:
@@ -85,7 +111,7 @@ class _Peer:
 
 class KVSender:
     def __init__(self, kv_cache: torch.Tensor, compat: CompatKey, transport: Transport, *,
-                 connect_timeout_s: float = 5.0, max_inflight: int = 4,
+                 connect_timeout_s: float = 5.0, max_inflight: int = 4, staging: str = "host",
                  kv_scales: torch.Tensor | None = None):
         """`kv_scales`: the scales of an 8-bit cache; they travel with their blocks."""
         CompatKey.from_cache(kv_cache, compat.model, kv_scales).check(compat, "kv_cache", "compat")
@@ -95,7 +121,9 @@ class KVSender:
         self.connect_timeout_s = connect_timeout_s
         self.max_inflight = max_inflight      # layer messages posted but not yet completed
         self._block_bytes = block_bytes(kv_cache, kv_scales)
-        self._pin = kv_cache.is_cuda
+        self.staging = staging
+        self.pool = StagingPool(kv_cache, staging)
+        self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
         self._peers: dict[str, _Peer] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -125,20 +153,18 @@ class KVSender:
         """Gather layer `layer` of blocks [start, end) of the handle (default: all) into one
         message in the calling thread, and queue its send on the sender's loop. Callable
         from any thread. The returned future resolves when the message was sent."""
-        hdr, body = self._gather(handle, layer, start, end)
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        handle._futures.append(fut)
-        self._loop.call_soon_threadsafe(self._enqueue, handle, hdr, body, fut)
-        return fut
+        msg = self._gather(handle, layer, start, end)
+        handle._futures.append(msg.fut)
+        self._loop.call_soon_threadsafe(self._enqueue, msg)
+        return msg.fut
 
     async def push_layer(self, handle: TransferHandle, layer: int, start: int = 0,
                          end: int | None = None) -> None:
         """Like push_layer_threadsafe, from the loop; returns once the message was sent."""
-        hdr, body = self._gather(handle, layer, start, end)
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        handle._futures.append(fut)
-        self._enqueue(handle, hdr, body, fut)
-        await asyncio.wrap_future(fut)
+        msg = self._gather(handle, layer, start, end)
+        handle._futures.append(msg.fut)
+        self._enqueue(msg)
+        await asyncio.wrap_future(msg.fut)
 
     async def finish(self, handle: TransferHandle, timeout: float) -> TransferStats:
         """Wait until every pushed message was sent. Raises ValueError if not every layer
@@ -178,36 +204,53 @@ class KVSender:
         return {k: getattr(self, k) for k in ("transfers_done", "blocks_sent", "bytes_sent", "failures")}
 
     # ------------------------------------------------------------------ internals
-    def _gather(self, h: TransferHandle, layer: int, start: int, end: int | None):
+    def _gather(self, h: TransferHandle, layer: int, start: int, end: int | None) -> _Message:
+        """Fill a staging buffer with [block ids | K and V of blocks [start, end) of `layer`].
+        On CUDA the gather is queued on the side stream after everything the compute stream
+        queued so far (this layer's kernels) and this returns at once."""
         end = len(h.dst_block_ids) if end is None else end
         n = end - start
         if not 0 <= layer < self.compat.num_layers or not 0 <= start < end <= len(h.dst_block_ids):
             raise ValueError(f"bad push: layer {layer}, blocks [{start}, {end}) of {len(h.dst_block_ids)}")
         off = ids_bytes(n)
-        body = torch.empty(off + n * self._block_bytes, dtype=torch.uint8, pin_memory=self._pin)
-        body[:off].zero_()
-        body[:4 * n].view(torch.int32).copy_(torch.tensor(h.dst_block_ids[start:end], dtype=torch.int32))
+        body = self.pool.acquire(off + n * self._block_bytes)
+        ids = torch.zeros(off // 4, dtype=torch.int32)
+        ids[:n] = torch.tensor(h.dst_block_ids[start:end], dtype=torch.int32)
         payload, scales = payload_views(body, self.kv_cache, self.kv_scales, n)
         idx = h._src_index[start:end]
-        for src, dst in ((self.kv_cache[layer], payload),     # [2, num_blocks, bs, heads, dim]
-                         (None if scales is None else self.kv_scales[layer], scales)):
-            if src is None:
-                continue
-            if src.is_cuda:   # gather on the device, then one device -> host copy
-                dst.copy_(src.index_select(1, idx))
-            else:             # gather straight into the message buffer
+        pairs = [(self.kv_cache[layer], payload)]        # src: [2, num_blocks, bs, heads, dim]
+        if scales is not None:
+            pairs.append((self.kv_scales[layer], scales))
+        ready = None
+        if self._stream is None:     # CPU cache: gather straight into the message buffer
+            body[:off].view(torch.int32).copy_(ids)
+            for src, dst in pairs:
                 torch.index_select(src, 1, idx, out=dst)
+        else:
+            after_layer = torch.cuda.current_stream(self.kv_cache.device).record_event()
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(after_layer)
+                idx.record_stream(self._stream)       # set_source may drop the handle's index
+                body[:off].view(torch.int32).copy_(ids, non_blocking=True)
+                for src, dst in pairs:
+                    if dst.is_cuda:                   # staging "device": one gather, no host copy
+                        torch.index_select(src, 1, idx, out=dst)
+                    else:                             # gather on the GPU, one copy to pinned host
+                        dst.copy_(src.index_select(1, idx), non_blocking=True)
+                ready = self._stream.record_event()
         hdr = Header(MsgType.LAYER, h.transfer_id, layer, start, n, body.numel()).pack()
         h._pushed_blocks += n
         h._bytes += n * self._block_bytes
-        return hdr, body
+        h._bound_fixed = max(h._bound_fixed, end)
+        return _Message(h, hdr, body, concurrent.futures.Future(), ready)
 
-    def _enqueue(self, h: TransferHandle, hdr: bytes, body: torch.Tensor, fut) -> None:
-        peer = h._peer
+    def _enqueue(self, msg: _Message) -> None:
+        peer = msg.handle._peer
         if peer.error is not None:
-            fut.set_exception(peer.error)
+            self.pool.release(msg.body, reuse=False)
+            msg.fut.set_exception(peer.error)
         else:
-            peer.queue.put_nowait((h, hdr, body, fut))
+            peer.queue.put_nowait(msg)
 
     async def _peer(self, endpoint: str) -> _Peer:
         peer = self._peers.get(endpoint)
@@ -242,7 +285,7 @@ class KVSender:
             return peer
 
     async def _handshake(self, conn: Connection, endpoint: str) -> None:
-        hello = self.compat.to_json()
+        hello = hello_body(self.compat, self.staging)
         await conn.send(Header(MsgType.HELLO, body_bytes=len(hello)).pack())
         await conn.send(hello)
         hdr = Header.unpack(await conn.recv(HEADER_BYTES))
@@ -252,38 +295,49 @@ class KVSender:
             raise IncompatibleKV(f"decode KV endpoint {endpoint} rejected this prefill worker: {info['error']}")
         if hdr.msg_type is not MsgType.HELLO_ACK:
             raise WireError(f"expected HELLO_ACK from {endpoint}, got {hdr.msg_type.name}")
-        self.compat.check(CompatKey.from_json(body), "prefill", "decode")
+        theirs, staging = parse_hello(body)
+        self.compat.check(theirs, "prefill", "decode")
+        if staging != self.staging:
+            raise IncompatibleKV(f"KV staging: prefill={self.staging!r} decode={staging!r} "
+                                 f"(decode KV endpoint {endpoint})")
 
     async def _write_loop(self, peer: _Peer) -> None:
         """Post each message's two sends in queue order (UCX keeps per-endpoint order) with
-        up to `max_inflight` messages in flight, so per-message round trips overlap."""
+        up to `max_inflight` messages in flight, so per-message round trips overlap. A
+        message is posted once its side-stream gather is done (waited for in a thread)."""
         slots = asyncio.Semaphore(self.max_inflight)
+        loop = asyncio.get_running_loop()
         while True:
-            h, hdr, body, fut = await peer.queue.get()
-            if h.cancelled or fut.done():
-                fut.cancel()
+            msg = await peer.queue.get()
+            if msg.ready is not None and not msg.ready.query():
+                await loop.run_in_executor(None, msg.ready.synchronize)
+            if msg.handle.cancelled or msg.fut.done():
+                self.pool.release(msg.body)
+                msg.fut.cancel()
                 continue
             await slots.acquire()
             if peer.error is not None:
-                fut.set_exception(peer.error)
+                self.pool.release(msg.body, reuse=False)
+                msg.fut.set_exception(peer.error)
                 return
-            loop = asyncio.get_running_loop()
-            sends = [loop.create_task(peer.conn.send(hdr)), loop.create_task(peer.conn.send(body))]
-            loop.create_task(self._complete(peer, sends, hdr, fut, slots))
+            sends = [loop.create_task(peer.conn.send(msg.hdr)), loop.create_task(peer.conn.send(msg.body))]
+            loop.create_task(self._complete(peer, sends, msg, slots))
 
-    async def _complete(self, peer: _Peer, sends, hdr: bytes, fut, slots: asyncio.Semaphore) -> None:
+    async def _complete(self, peer: _Peer, sends, msg: _Message, slots: asyncio.Semaphore) -> None:
         try:
-            await asyncio.gather(*sends)
+            await asyncio.gather(*sends, return_exceptions=False)
         except Exception as e:
-            if not fut.done():
-                fut.set_exception(TransportError(f"KV send to {peer.endpoint} failed: {e}"))
+            if not msg.fut.done():
+                msg.fut.set_exception(TransportError(f"KV send to {peer.endpoint} failed: {e}"))
+            self.pool.release(msg.body, reuse=False)   # the other send may still hold it
             await self._drop(peer, TransportError(f"KV endpoint {peer.endpoint} is gone: {e}"))
             return
         finally:
             slots.release()
-        if not fut.done():
-            fut.set_result(None)
-        n = Header.unpack(hdr).num_blocks
+        self.pool.release(msg.body)
+        if not msg.fut.done():
+            msg.fut.set_result(None)
+        n = Header.unpack(msg.hdr).num_blocks
         self.blocks_sent += n
         self.bytes_sent += n * self._block_bytes
 
@@ -306,9 +360,10 @@ class KVSender:
         if self._peers.get(peer.endpoint) is peer:
             del self._peers[peer.endpoint]
         while not peer.queue.empty():
-            _, _, _, fut = peer.queue.get_nowait()
-            if not fut.done():
-                fut.set_exception(error)
+            msg = peer.queue.get_nowait()
+            self.pool.release(msg.body, reuse=False)
+            if not msg.fut.done():
+                msg.fut.set_exception(error)
         current = asyncio.current_task()
         for t in peer.tasks:
             if t is not current:

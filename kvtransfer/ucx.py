@@ -2,12 +2,16 @@
 
 The ONLY module that imports ucxx. It stays thin: a listener, endpoints, tag send/recv.
 
-UCX settings, applied with os.environ.setdefault BEFORE ucxx is imported (an operator's
-own UCX_* values always win; they are standard UCX variables, not pdserve configuration):
+UCX settings, applied with os.environ.setdefault before ucxx makes its UCX context (an
+operator's own UCX_* values always win; they are standard UCX variables, not pdserve
+configuration):
 
-  UCX_TLS=tcp                   PyPI's libucx; loopback/cross-host TCP. For RDMA and GPU
-                                memory deployments set e.g. UCX_TLS=rc,cuda_copy,cuda_ipc,tcp
-                                with a system UCX (see kvtransfer/README.md).
+  UCX_TLS=tcp                   PyPI's libucx; loopback/cross-host TCP (host staging).
+  UCX_TLS=tcp,cuda_copy,cuda_ipc  with UcxTransport(device_memory=True) (staging "device"):
+                                GPU buffers go GPU to GPU through cuda_ipc between processes
+                                of one node, tcp carries the handshake. The first transport
+                                of a process decides (UCX reads it once). For RDMA between
+                                nodes see kvtransfer/README.md.
   UCX_RNDV_SCHEME=put_zcopy     large messages by zero-copy put: tcp 1.5 -> 5.5 GB/s here.
   UCXPY_PROGRESS_MODE=blocking  progress UCX from the asyncio loop when its fd is readable;
                                 the default "thread" mode is slow on few cores.
@@ -23,17 +27,18 @@ import logging
 import os
 from typing import Any
 
-for _k, _v in (("UCX_TLS", "tcp"), ("UCX_RNDV_SCHEME", "put_zcopy"),
+for _k, _v in (("UCX_RNDV_SCHEME", "put_zcopy"),
                ("UCXPY_PROGRESS_MODE", "blocking"), ("UCX_WARN_UNUSED_ENV_VARS", "n")):
     os.environ.setdefault(_k, _v)
 
-import ucxx  # noqa: E402  (after the environment is set)
+import ucxx  # noqa: E402  (reads UCX_* when it makes its context, at the first listen/connect)
 from ucxx.exceptions import UCXError  # noqa: E402
 
 from .transport import Connection, ConnectionClosed, Handler, Transport, TransportError, as_buffer, nbytes_of  # noqa: E402
 
 log = logging.getLogger(__name__)
 SCHEME = "ucx://"
+HOST_TLS, DEVICE_TLS = "tcp", "tcp,cuda_copy,cuda_ipc"
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -89,7 +94,9 @@ class UcxConnection(Connection):
 
 
 class UcxTransport(Transport):
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, device_memory: bool = False):
+        """`device_memory`: this process sends from / receives into GPU memory."""
+        os.environ.setdefault("UCX_TLS", DEVICE_TLS if device_memory else HOST_TLS)
         self.host = host
         self.port = port
         self._listener: Any = None

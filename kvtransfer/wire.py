@@ -17,8 +17,10 @@ HEADER (struct "<4sHH64sIIIQ4x", 96 bytes)
       92    4 (padding)
 
 BODY by msg_type
-  HELLO      JSON of the sender's CompatKey                      (sender -> receiver, once)
-  HELLO_ACK  JSON of the receiver's CompatKey                    (receiver -> sender)
+  HELLO      JSON of the sender's CompatKey plus "staging"       (sender -> receiver, once)
+  HELLO_ACK  JSON of the receiver's CompatKey plus "staging"     (receiver -> sender)
+             staging: "host" | "device", where each side keeps LAYER bodies (staging.py);
+             both sides must agree (a peer that omits it means "host")
   REJECT     JSON {"error": str, "compat": receiver's CompatKey} (then the receiver closes)
   LAYER      int32 dst block ids [num_blocks], zero-padded to a multiple of 64 bytes, then
              the payload: K and V of those blocks for one layer, shape
@@ -110,6 +112,19 @@ class CompatKey:
             return cls.from_dict(json.loads(bytes(data)))
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
             raise WireError(f"bad compat key: {e}") from e
+
+
+def hello_body(compat: CompatKey, staging: str) -> bytes:
+    return json.dumps({**dataclasses.asdict(compat), "staging": staging}, sort_keys=True).encode()
+
+
+def parse_hello(data) -> tuple[CompatKey, str]:
+    """-> (the peer's CompatKey, its staging)."""
+    key = CompatKey.from_json(data)
+    staging = json.loads(bytes(data)).get("staging", "host")
+    if staging not in ("host", "device"):
+        raise WireError(f"unknown KV staging {staging!r}")
+    return key, staging
 
 
 SCALE_LAYOUT = "block_head_fp32"

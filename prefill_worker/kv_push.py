@@ -7,20 +7,33 @@ worker while the next layer computes.
         p = await push.open(rid, transfer_id, endpoint, dst_block_ids, first_block)
                                           connect + HELLO on first use of the endpoint
         engine thread, inside step():
-            save_kv_layer(i, sched)       the request's FINAL chunk ran layer i: bind the
-                                          transfer to the request's blocks (first layer),
-                                          push layer i of blocks [first_block, ...)
+            save_kv_layer(i, sched)       a chunk of the request ran layer i: push layer i of
+                                          the blocks this chunk completed (first layer: bind
+                                          them to the request's blocks)
         stats = await push.finish(p, timeout)    every layer sent (or an error)
         push.end(p, cancel=...)           on any other way out: forget it, cancel the sends
 
-Chunked prefill: only the step that runs a request's final chunk (the one that samples)
-pushes. By then the earlier chunks' KV is complete, so layer i of EVERY block is ready as
-soon as the final chunk's layer i is written: the sends still overlap the final chunk's
-compute, and each layer is one message (the earlier chunks' sends do not overlap compute).
+Chunked prefill: every chunk pushes, as it runs, the blocks it filled: blocks
+[sent, end // block_size) for a chunk ending at token `end` (all remaining blocks in the final
+chunk, whose last block may be partial). A block is sent once, after the chunk that completes
+it; blocks the prefill worker had cached (its own prefix hits) go with the first chunk. So
+the sends of chunk c overlap the compute of chunk c and later ones, and the final chunk only
+sends its own blocks: for a 32k prompt in 16 chunks, 1/16 of the KV is left when the last
+chunk ends.
+
+    prompt blocks   | decoder's hits | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |
+    chunk 1 (tokens up to the middle of block 3)  pushes 0..2
+    chunk 2 (final)                               pushes 3..7
 
 The source blocks are only known once the scheduler allocated them (in the step), so the
 transfer is opened with the destination ids as a placeholder and bound to the request's real
-block ids at the first pushed layer (`TransferHandle.set_source`).
+block ids chunk by chunk (`TransferHandle.set_source`).
+
+On CUDA, save_kv_layer only queues the gather (on the sender's side stream, after an
+event on the compute stream) and returns: the engine thread never waits for it. The
+inherited wait_for_save does not wait either: no later step rewrites a block a queued gather
+reads (a prompt position is written once, and the request's blocks are freed only after
+`finish`, once every send, and so every gather, completed).
 
 A push that fails on the engine thread never breaks the step: the error is kept on the
 `Push`, its sends are cancelled, and `finish` raises it.
@@ -46,15 +59,17 @@ class Push:
     request_id: str
     handle: TransferHandle
     first_block: int                  # index in the request's block table of the first block sent
-    bound: bool = False
+    sent: int = 0                     # destination blocks [0, sent) were pushed for every layer
+    step_end: int = 0                 # this step pushes blocks [sent, step_end)
     error: Exception | None = None
     span: object = tracing.INVALID_SPAN   # pdserve.kv.send: one event per pushed layer
 
 
 class KVPush(KVConnector):
-    def __init__(self, transport: Transport, connect_timeout_s: float = 5.0):
+    def __init__(self, transport: Transport, connect_timeout_s: float = 5.0, staging: str = "host"):
         self.transport = transport
         self.connect_timeout_s = connect_timeout_s
+        self.staging = staging                   # kvtransfer/staging.py
         self.sender: KVSender | None = None      # made in register_kv_caches
         self._pushes: dict[str, Push] = {}       # loop writes, engine thread reads (GIL-atomic)
 
@@ -67,24 +82,38 @@ class KVPush(KVConnector):
                            kv_scales: torch.Tensor | None = None) -> None:
         self.sender = KVSender(kv_cache, CompatKey.from_cache(kv_cache, model_name, kv_scales),
                                self.transport, connect_timeout_s=self.connect_timeout_s,
-                               kv_scales=kv_scales)
+                               staging=self.staging, kv_scales=kv_scales)
 
     def save_kv_layer(self, layer: int, scheduler_output: SchedulerOutput) -> None:
+        last = self.sender.compat.num_layers - 1
         for s in scheduler_output.scheduled:
             push = self._pushes.get(s.request.request_id)
-            if push is None or push.error is not None or not s.samples:
+            if push is None or push.error is not None:
                 continue
             try:
-                if not push.bound:
-                    n = len(push.handle.dst_block_ids)
-                    push.handle.set_source(s.request.block_ids[push.first_block:push.first_block + n])
-                    push.bound = True
-                self.sender.push_layer_threadsafe(push.handle, layer)
-                if push.span.is_recording():
-                    push.span.add_event("layer", {"layer": layer})
+                if layer == 0:
+                    self._bind_chunk(push, s)
+                if push.step_end > push.sent:
+                    self.sender.push_layer_threadsafe(push.handle, layer, push.sent, push.step_end)
+                    if push.span.is_recording():
+                        push.span.add_event("layer", {"layer": layer, "blocks": push.step_end - push.sent})
+                if layer == last:
+                    push.sent = push.step_end
             except Exception as e:       # finish() reports it; never break the step
                 push.error = e
                 self.sender.cancel(push.handle)
+
+    def _bind_chunk(self, push: Push, s) -> None:
+        """The destination blocks this step completes, bound to the request's blocks."""
+        n = len(push.handle.dst_block_ids)
+        if s.samples:                    # the final chunk: every block, the last one partial
+            filled = n
+        else:
+            filled = min((s.start + s.num_new_tokens) // self.sender.compat.block_size - push.first_block, n)
+        push.step_end = max(filled, push.sent)
+        if push.step_end > push.sent:
+            first = push.first_block
+            push.handle.set_source(s.request.block_ids[first + push.sent:first + push.step_end], push.sent)
 
     # -------------------------------------------------------------- loop
     async def open(self, request_id: str, transfer_id: str, endpoint: str,

@@ -261,7 +261,7 @@ class PrefillRole(worker_server.WorkerRole):
         return cfg.host, 0
 
     def kv_connector(self, cfg: PrefillWorkerConfig, transport) -> KVPush:
-        return KVPush(transport, cfg.kv_connect_timeout_s)
+        return KVPush(transport, cfg.kv_connect_timeout_s, cfg.kv_staging)
 
     async def open_kv(self, cfg, engine, transport, connector: KVPush) -> KVPush:
         return connector                 # bound to the cache by the engine's construction

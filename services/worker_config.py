@@ -23,6 +23,9 @@ class WorkerConfig:
         "help": "serve /metrics (plain text) on this port (0: off)"})
     trace_file: str = field(default="", metadata={
         "help": "append finished spans as JSON lines (tests); OTLP export: OTEL_* env"})
+    kv_staging: str = field(default="host", metadata={
+        "help": "where KV messages are staged: host (pinned host memory, any UCX transport) or "
+                "device (GPU memory over UCX cuda_ipc/cuda_copy, one node; both workers alike)"})
 
     # fields each subclass checks as positive seconds / as ports
     _positive = ("drain_timeout_s",)
@@ -37,6 +40,8 @@ class WorkerConfig:
         for name in self._ports:
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
+        if self.kv_staging not in ("host", "device"):
+            raise ValueError(f"kv_staging must be 'host' or 'device', got {self.kv_staging!r}")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
 

@@ -206,7 +206,7 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
     """Serve `role` until SIGTERM/SIGINT (or `stop` is set), then drain and return."""
     if transport is None:
         from kvtransfer.ucx import UcxTransport   # imports ucxx; only a serving process needs it
-        transport = UcxTransport(*role.kv_address(cfg))
+        transport = UcxTransport(*role.kv_address(cfg), device_memory=cfg.kv_staging == "device")
     tel = telemetry.start_role_telemetry(role.name, host=cfg.host, metrics_port=cfg.metrics_port or None,
                                          trace_file=cfg.trace_file, device=cfg.engine.device)
     ae = kv = None

@@ -1,7 +1,9 @@
-"""Paged prefill attention: causal flash attention for a ragged batch of query chunks whose
-keys are the request's cached prefix plus the chunk itself, all read through the block table.
+"""Paged prefill attention: causal flash attention (FlashAttention-2's loop) for a ragged batch
+of query chunks whose keys are the request's cached prefix plus the chunk itself, all read
+through the block table. Prefix-cache hits and chunked prefill are the same case: a chunk
+of q_len rows whose context (L keys) is longer than the chunk.
 
-    grid (cdiv(max_q_len, TOK), B, H_kv). GQA is packed into the rows of a tile: with
+    grid (H_kv, B, cdiv(max_q_len, TOK)). GQA is packed into the rows of a tile: with
     G = H_q / H_kv, a tile of BLOCK_M rows holds TOK = BLOCK_M // G tokens x G heads,
         row r -> token tile*TOK + r // G, query head kvh*G + r % G
     so every K/V tile read from the cache serves all G heads.
@@ -9,7 +11,18 @@ keys are the request's cached prefix plus the chunk itself, all read through the
     seq b:  keys  0 ............................................. L-1
             query rows sit at positions L-q_len .. L-1 (the chunk is the tail)
     key j is visible to a row at position p iff j <= p. Key tiles wholly below the tile's
-    first position need no mask (first loop); the rest (up to its last position) are masked.
+    first position need no mask (first loop); the rest (up to its last position) are masked;
+    key tiles past its last position are never read (causal block skipping).
+
+    Tiles run in reverse along the grid's slowest axis: the last tiles of a chunk see the
+    most keys, so the longest programs start first and the short ones fill the tail.
+
+Per-row state is FlashAttention-2's online softmax in the log2 domain (see _attention_tile):
+running max m, running sum l, unnormalised acc; one division at the end.
+
+Launch: on CUDA, chunks of at least TUNE_MIN_Q tokens pick their tile sizes and pipelining
+with triton.autotune (keyed on G, head dim and dtype; tuned once per process on the first such
+call); shorter chunks, and the interpreter, use _LAUNCH.
 """
 from __future__ import annotations
 
@@ -19,23 +32,31 @@ import triton.language as tl
 
 from ._attention_tile import _attend_tile
 from ._checks import (check_out, check_paged_attention, check_shape, check_tensor,
-                      dot_precision, upcast_dot)
+                      dot_precision, interpreting, upcast_dot)
 from .decode_attention import LOG2E
 
-# launch settings: the measured H200 default (215 TFLOP/s at 4 x 4096, 28% of matmul); untuned
-_LAUNCH = dict(block_m=64, block_n=64, num_warps=4, num_stages=3)
+# untuned launch: short chunks (launch-bound) and the interpreter
+_LAUNCH = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+TUNE_MIN_Q = 256
+MAX_GQA_GROUP = 64          # every tile holds at least one token's G heads
+# candidates for D <= 128 in 16-bit; the ones that do not fit in shared memory fail to
+# compile and the autotuner drops them
+_CONFIGS = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
+            for m, n, w, s in ((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                               (128, 32, 4, 4))]
 
 
 @triton.jit
 def _paged_prefill_attention_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, scale_log2,
         stride_qt, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
-        stride_ot, stride_oh, block_size, G, D,
-        TOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        stride_ot, stride_oh, block_size, D,
+        G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         PREC: tl.constexpr, UPCAST: tl.constexpr):
-    tile = tl.program_id(0)
+    TOK = BLOCK_M // G                               # tokens per tile
+    kvh = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    kvh = tl.program_id(2)
+    tile = tl.num_programs(2) - 1 - tl.program_id(2)  # longest tiles first
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
     if tile * TOK >= q_len:
@@ -78,6 +99,9 @@ def _paged_prefill_attention_kernel(
              o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
+_tuned_kernel = triton.autotune(_CONFIGS, key=["G", "D"])(_paged_prefill_attention_kernel)
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             context_lens: torch.Tensor, scale: float, *, max_q_len: int | None = None,
@@ -95,6 +119,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     check_shape("cu_seqlens_q", cu_seqlens_q, (nseq + 1,))
     check_tensor("context_lens", context_lens, 1, (torch.int32,), dev)
     check_shape("context_lens", context_lens, (nseq,))
+    g = hq // hkv
+    if g > MAX_GQA_GROUP:
+        raise ValueError(f"{hq} query heads per {hkv} KV heads: at most {MAX_GQA_GROUP} per KV head")
     if out is None:
         out = torch.empty_like(q)
     check_out("out", out, tuple(q.shape), q.dtype, dev)
@@ -102,15 +129,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    g = hq // hkv
-    block_m = max(_LAUNCH["block_m"] if d <= 128 else 32, triton.next_power_of_2(g))
-    tok = block_m // g
-    grid = (triton.cdiv(max_q_len, tok), nseq, hkv)
-    _paged_prefill_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, float(scale) * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), bs, g, d,
-        TOK=tok, BLOCK_M=block_m, BLOCK_N=_LAUNCH["block_n"] if d <= 128 else 32,
-        BLOCK_D=triton.next_power_of_2(d), PREC=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
-        num_warps=_LAUNCH["num_warps"], num_stages=_LAUNCH["num_stages"])
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, float(scale) * LOG2E,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1), bs, d)
+    consts = dict(G=g, BLOCK_D=triton.next_power_of_2(d), PREC=dot_precision(q.dtype),
+                  UPCAST=upcast_dot(q.dtype))
+
+    def grid(meta):
+        return hkv, nseq, triton.cdiv(max_q_len, meta["BLOCK_M"] // g)
+
+    if q.is_cuda and not interpreting() and max_q_len >= TUNE_MIN_Q and d <= 128:
+        _tuned_kernel[grid](*args, **consts)
+    else:
+        launch = dict(_LAUNCH, BLOCK_N=_LAUNCH["BLOCK_N"] if d <= 128 else 32)
+        _paged_prefill_attention_kernel[grid](*args, **consts, **launch)
     return out

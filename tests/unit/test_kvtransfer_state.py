@@ -253,14 +253,33 @@ def test_reserve_validates():
     run(main())
 
 
-def test_set_source_rebinds_before_the_first_push_only():
-    import pytest as _pytest
+def test_set_source_binds_chunks_but_never_moves_pushed_blocks():
     from kvtransfer.sender import TransferHandle
-    h = TransferHandle("t", "ep", [0, 1], [5, 6], None, torch.tensor([0, 1]))
-    h.set_source([3, 4])
-    assert h.src_block_ids == [3, 4] and h._src_index.tolist() == [3, 4]
-    with _pytest.raises(ValueError):
-        h.set_source([1])
-    h._futures.append(object())
-    with _pytest.raises(RuntimeError):
-        h.set_source([7, 8])
+    h = TransferHandle("t", "ep", [0, 1, 2], [5, 6, 7], None, torch.tensor([0, 1, 2]))
+    h.set_source([3, 4])                       # the first chunk's blocks
+    assert h.src_block_ids == [3, 4, 2] and h._src_index.tolist() == [3, 4, 2]
+    with pytest.raises(ValueError):
+        h.set_source([1, 2], start=2)          # past the destination blocks
+    h._bound_fixed = 2                         # as after pushing blocks [0, 2)
+    with pytest.raises(RuntimeError):
+        h.set_source([7], start=1)
+    h.set_source([9], start=2)                 # the next chunk's block
+    assert h._src_index.tolist() == [3, 4, 9]
+
+
+def test_staging_mismatch_is_refused_at_the_handshake():
+    async def main():
+        rx, tx, addr, src, dst = await pair()
+        tx.staging = "device"          # what a sender staging in GPU memory says in its HELLO
+        with pytest.raises(IncompatibleKV, match="staging: decode='host' prefill='device'"):
+            await tx.open("s", addr, [0], [0])
+        assert rx.rejected_connections == 1
+        await tx.close(); await rx.close()
+    run(main())
+
+
+def test_device_staging_needs_a_cuda_cache():
+    with pytest.raises(ValueError, match="CUDA"):
+        KVReceiver(cache(), key(cache()), LoopbackTransport(), staging="device")
+    with pytest.raises(ValueError, match="one of"):
+        KVSender(cache(), key(cache()), LoopbackTransport(), staging="gpu")
