@@ -73,14 +73,18 @@ for s in $SECTIONS; do
         step 150 "bench/decode_step.py" bench/decode_step.py python3 bench/decode_step.py --peer "$PEER"
         ;;
     prefill)
-        tests tests/kernels/test_prefill_attention.py 90
-        step 120 "bench/disagg_gpu.py" bench/disagg_gpu.py python3 bench/disagg_gpu.py
+        tests tests/kernels/test_prefill_attention.py 60
+        step 40 "pytest test_kvtransfer_state -k cuda" tests/unit/test_kvtransfer_state.py \
+            python3 -m pytest -q -rfEs -p no:cacheprovider tests/unit/test_kvtransfer_state.py -k cuda
+        step 80 "bench/disagg_gpu.py" bench/disagg_gpu.py python3 bench/disagg_gpu.py --budget-s 58
         ;;
     quant)
-        step 90 "bench/quant.py --gpu" bench/quant.py python3 bench/quant.py --gpu
+        tests tests/kernels/test_quant_matmul.py 60
+        step 60 "bench/quant.py --gpu" bench/quant.py python3 bench/quant.py --gpu
         ;;
     moe)
-        step 90 "bench/moe.py --gpu" bench/moe.py python3 bench/moe.py --gpu
+        tests tests/kernels/test_moe.py 60
+        step 60 "bench/moe.py --gpu" bench/moe.py python3 bench/moe.py --gpu
         ;;
     *)
         echo "unknown section $s (known: env kernels decode decode_step prefill quant moe)"

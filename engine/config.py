@@ -21,7 +21,50 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+_MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@dataclass
+class MoeConfig:
+    """The mixture-of-experts part of a model (engine/moe.py): which layers route, to how many
+    of how many experts, and how the chosen experts' weights are normalised."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int            # of one expert
+    norm_topk_prob: bool              # renormalise the top-k softmax weights to sum to 1
+    shared_intermediate_size: int     # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    sparse_layers: list[int]          # the layers with an MoE block; the others are dense
+
+    @classmethod
+    def parse(cls, kind: str, c: dict, num_layers: int, path) -> "MoeConfig":
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {c['hidden_act']!r} in {path}: MoE experts are SiLU-gated")
+        if kind == "mixtral":         # every layer routes; top-k always renormalised
+            e, inter, norm, shared, sparse = (c["num_local_experts"], c["intermediate_size"], True,
+                                              0, list(range(num_layers)))
+        else:                         # Qwen2-MoE / Qwen3-MoE: dense layers where configured
+            e = c["num_experts"] if "num_experts" in c else c["num_local_experts"]   # transformers 5 writes the latter
+            inter, norm = c["moe_intermediate_size"], bool(c.get("norm_topk_prob", False))
+            shared = c.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
+            step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
+            sparse = [i for i in range(num_layers) if i not in dense and e > 0 and (i + 1) % step == 0]
+        k = c["num_experts_per_tok"]
+        if not 1 <= k <= e:
+            raise ValueError(f"num_experts_per_tok {k} must be in 1..{e} (num_experts) in {path}")
+        return cls(e, k, inter, norm, shared, sparse)
+
+
+def _moe_config(kind: str, c: dict, path) -> MoeConfig | None:
+    if kind not in _MOE_KINDS:
+        return None
+    try:
+        return MoeConfig.parse(kind, c, c["num_hidden_layers"], path)
+    except KeyError as e:
+        raise ValueError(f"{path}: a {kind} config needs {e.args[0]!r}") from None
 
 
 @dataclass
@@ -46,6 +89,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
+    moe: MoeConfig | None = None
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and i in self.moe.sparse_layers
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, max_model_len: int | None = None) -> "ModelConfig":
@@ -82,7 +129,7 @@ class ModelConfig:
             if rtype == "default":
                 scaling = None
         max_pos = c.get("max_position_embeddings", 2048)
-        window = c.get("sliding_window") if c.get("use_sliding_window", kind == "mistral") else None
+        window = c.get("sliding_window") if c.get("use_sliding_window", kind in ("mistral", "mixtral")) else None
         limit = min(max_pos, window) if window else max_pos   # within the window, attention is full
         eos = c.get("eos_token_id")
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -95,13 +142,15 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             rope_scaling=scaling, max_position_embeddings=max_pos,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2" or bool(c.get("attention_bias", False)),
-            qk_norm=kind == "qwen3",
+            qkv_bias=(kind == "qwen2" or (kind == "qwen2_moe" and c.get("qkv_bias", True))
+                      or bool(c.get("attention_bias", False))),
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
             max_model_len=min(max_model_len or limit, limit),
             bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, name=d.name.removesuffix(".gguf"),
         )
         if cfg.num_heads % cfg.num_kv_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads")
+        cfg.moe = _moe_config(kind, c, path)
         return cfg
 
 

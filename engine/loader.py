@@ -17,6 +17,7 @@ from .config import ModelConfig
 from .gguf import find_gguf, open_gguf
 from .model import CausalLM
 from .kernels.rope import build_cos_sin_cache
+from .moe import expert_target, stack_experts
 
 # checkpoint name -> (our parameter, shard index within a fused parameter, or None)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -56,6 +57,8 @@ def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, str, Callab
 def _target(name: str) -> tuple[str, int | None]:
     """HF name -> (our name, shard). model.layers.0.self_attn.q_proj.weight -> qkv_proj."""
     name = name.removeprefix("model.")
+    if (expert := expert_target(name)) is not None:     # an MoE expert's: shard (expert, part)
+        return expert
     parts = name.split(".")
     for i, p in enumerate(parts):
         if p in _FUSED:
@@ -83,6 +86,9 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
         else:
             shards.setdefault(name, {})[shard] = t
     for name, parts in shards.items():
+        if ".experts." in name:
+            tensors[name] = stack_experts(name, parts, config.moe.num_experts)
+            continue
         n = 3 if "qkv" in name else 2
         if len(parts) != n:
             raise ValueError(f"checkpoint has {len(parts)} of {n} parts of {name!r}")

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and the MoE models Mixtral,
+Qwen2-MoE, Qwen3-MoE, whose MoE block is engine/moe.py's) over a paged KV cache.
 
 The forward pass takes a flat, ragged batch: every scheduled token of every request in one
 [T] row, with `AttentionMetadata` saying where each request's queries start, how long its
@@ -18,6 +19,7 @@ from torch import nn
 from . import kernels as K
 from .config import ModelConfig, check_kernel_backend
 from .kernels.rope import build_cos_sin_cache
+from .moe import SparseMoeBlock
 
 
 @dataclass
@@ -81,21 +83,30 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig, backend: str):
+    def __init__(self, c: ModelConfig, backend: str, intermediate_size: int | None = None):
         super().__init__()
         self.backend = backend
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        inter = intermediate_size or c.intermediate_size
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(K.silu_and_mul(self.gate_up_proj(x), backend=self.backend))
 
 
+def make_mlp(c: ModelConfig, layer: int, backend: str) -> nn.Module:
+    """Layer `layer`'s MLP: dense, or an MoE block (with Qwen2-MoE's shared expert)."""
+    if not c.is_moe_layer(layer):
+        return MLP(c, backend)
+    shared = c.moe.shared_intermediate_size
+    return SparseMoeBlock(c, backend, MLP(c, backend, shared) if shared else None)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, backend: str):
+    def __init__(self, c: ModelConfig, backend: str, layer: int):
         super().__init__()
         self.self_attn = Attention(c, backend)
-        self.mlp = MLP(c, backend)
+        self.mlp = make_mlp(c, layer, backend)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
 
@@ -115,7 +126,7 @@ class CausalLM(nn.Module):
         self.config = c
         self.backend = check_kernel_backend(backend)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, backend) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, backend, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.register_buffer("cos_sin", build_cos_sin_cache(

@@ -154,6 +154,8 @@ class KVReceiver:
             t.cancel()
         if readers:
             await asyncio.wait(readers, timeout=2.0)
+        if self._settling:            # side-stream writes finishing: bounded by the GPU
+            await asyncio.wait(list(self._settling), timeout=2.0)
         await self.transport.close()
 
     def counters(self) -> dict[str, int]:

@@ -11,7 +11,9 @@ COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def make_hf_model(kind: str, out: Path, **overrides) -> Path:
-    """kind: llama | llama3 (rope scaling) | llama-tied | mistral | qwen2 | qwen3."""
+    """kind: llama | llama3 (rope scaling) | llama-tied | mistral | qwen2 | qwen3, or an MoE
+    model: mixtral (top-2 of 8, a sliding window) | qwen2_moe (top-4 of 8 unnormalised, the
+    shared expert, layer 0 dense) | qwen3_moe (top-2 of 8 renormalised, q/k norm)."""
     import transformers as T
     kw = dict(COMMON, **overrides)
     if kind == "llama":
@@ -28,11 +30,23 @@ def make_hf_model(kind: str, out: Path, **overrides) -> Path:
         cfg = T.Qwen2Config(**kw)
     elif kind == "qwen3":
         cfg = T.Qwen3Config(**kw, head_dim=24)
+    elif kind == "mixtral":
+        cfg = T.MixtralConfig(**dict(kw, intermediate_size=48), num_local_experts=8,
+                              num_experts_per_tok=2, sliding_window=256)
+    elif kind == "qwen2_moe":
+        cfg = T.Qwen2MoeConfig(**kw, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=96, norm_topk_prob=False,
+                               mlp_only_layers=[0])
+    elif kind == "qwen3_moe":
+        cfg = T.Qwen3MoeConfig(**kw, head_dim=24, num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=32, norm_topk_prob=True)
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
     cls = {"mistral": T.MistralForCausalLM, "qwen2": T.Qwen2ForCausalLM,
-           "qwen3": T.Qwen3ForCausalLM}.get(kind, T.LlamaForCausalLM)
+           "qwen3": T.Qwen3ForCausalLM, "mixtral": T.MixtralForCausalLM,
+           "qwen2_moe": T.Qwen2MoeForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM,
+           }.get(kind, T.LlamaForCausalLM)
     model = cls(cfg).float().eval()
     with torch.no_grad():   # biases are zero-initialised: make them matter
         for name, p in model.named_parameters():

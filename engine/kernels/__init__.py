@@ -125,3 +125,14 @@ def silu_and_mul(x, *, out=None, backend: str = "auto"):
     if use_triton(x, backend):
         return _triton_op("activation", "silu_and_mul")(x, out=out)
     return _into(out, reference.silu_and_mul(x))
+
+
+__all__ += ["fused_moe"]
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, *, tiles=None, backend: str = "auto"):
+    """The experts of an MoE block (moe.py; the reference loops over the experts). `tiles`:
+    launch-config overrides for the Triton path."""
+    if use_triton(x, backend):
+        return _triton_op("moe", "fused_moe")(x, w13, w2, topk_weights, topk_ids, tiles=tiles)
+    return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)

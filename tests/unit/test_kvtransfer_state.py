@@ -283,3 +283,39 @@ def test_device_staging_needs_a_cuda_cache():
         KVReceiver(cache(), key(cache()), LoopbackTransport(), staging="device")
     with pytest.raises(ValueError, match="one of"):
         KVSender(cache(), key(cache()), LoopbackTransport(), staging="gpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side streams need CUDA")
+def test_cuda_side_streams_wait_for_the_layer_and_deliver_exactly():
+    """CUDA caches, host staging (pinned), loopback: each push is queued while the compute
+    stream is still busy writing the layer (a sleep, then the write); the side-stream gather
+    must see the written values, in two chunks per layer; the receiver's side-stream writes
+    are complete at DONE and every staging buffer is back in its pool."""
+    async def main():
+        src = cache(1).cuda()
+        want = src * 2
+        dst = torch.zeros_like(src)
+        rx = KVReceiver(dst, key(dst), LoopbackTransport(), 10.0)
+        addr = await rx.start()
+        tx = KVSender(src, key(src), LoopbackTransport())
+        srcb, dstb = [7, 2, 9, 4], [1, 5, 11, 0]
+        rx.reserve("c1", dstb, 10)
+        h = await tx.open("c1", addr, srcb, dstb)
+        for layer in range(L):
+            torch.cuda._sleep(2_000_000)          # the layer's kernels are still running ...
+            src[layer].mul_(2)                    # ... and write its KV last
+            await asyncio.to_thread(tx.push_layer_threadsafe, h, layer, 0, 2)
+            await asyncio.to_thread(tx.push_layer_threadsafe, h, layer, 2, 4)
+        await tx.finish(h, 10)
+        res = await rx.wait("c1", 10)
+        assert res.state is TransferState.DONE, res.reason
+        assert torch.equal(dst[:, :, dstb], want[:, :, srcb])
+        assert tx.pool.pin and rx.pool.pin
+        await settle(rx, "c1")
+        for _ in range(100):                      # the receiver's last buffers return after their events
+            if rx.pool.in_use == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert tx.pool.in_use == 0 and rx.pool.in_use == 0
+        await tx.close(); await rx.close()
+    run(main())

