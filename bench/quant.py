@@ -201,25 +201,32 @@ def cpu_linear_paths(n: int, k: int, rows: int) -> None:
             print(f"| {name} | FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]} | |", flush=True)
 
 
-def engine_decode(model: str, variants: list[str], tokens: int) -> None:
-    """The offline engine, one stream: decode tok/s and weight memory per --quantization."""
+def engine_decode(model: str, variants: list[str], tokens: int, rounds: int = 3) -> None:
+    """The offline engine, one stream: decode tok/s and weight memory per --quantization. The
+    variants take turns, `rounds` times (the median is reported), so a change in the machine's
+    load hits them alike."""
     from engine import LLM, SamplingParams
     from engine.quant import weight_bytes
     from pdserve.eval import _decode_tok_s
-    print(f"\n### Engine decode, one stream, {tokens} tokens: {model}\n")
-    print("| quantization | weights MB | decode tok/s | vs none |")
-    print("|---|---|---|---|")
-    base = None
+    print(f"\n### Engine decode, one stream, {tokens} tokens, median of {rounds} alternating rounds: {model}\n")
+    llms, speeds = {}, {}
     for q in variants:
         try:
-            llm = LLM(model, quantization=q, num_blocks=64)
-            llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4))     # warm-up
-            tok_s = _decode_tok_s(llm, list(range(5, 37)), tokens)
-            base = base or tok_s
-            print(f"| {q} | {weight_bytes(llm.engine.model) / 1e6:.1f} | {tok_s:.1f} | {tok_s / base:.2f}x |",
-                  flush=True)
+            llms[q] = LLM(model, quantization=q, num_blocks=64)
+            llms[q].generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4))     # warm-up
         except Exception as e:
-            print(f"| {q} | FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | |", flush=True)
+            print(f"{q}: FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+    for _ in range(rounds):
+        for q, llm in llms.items():
+            speeds.setdefault(q, []).append(_decode_tok_s(llm, list(range(5, 37)), tokens))
+    print("| quantization | weights MB | decode tok/s | vs none | rounds |")
+    print("|---|---|---|---|---|")
+    base = None
+    for q, llm in llms.items():
+        tok_s = statistics.median(speeds[q])
+        base = base or tok_s
+        print(f"| {q} | {weight_bytes(llm.engine.model) / 1e6:.1f} | {tok_s:.1f} | {tok_s / base:.2f}x | "
+              f"{' '.join(f'{v:.1f}' for v in speeds[q])} |", flush=True)
 
 
 def llama_cpp_decode(gguf: str, tokens: int, threads: int) -> None:

@@ -160,7 +160,8 @@ def _decode_tok_s(llm, prompt: list[int], n: int) -> float:
     """One stream: tokens/s from the first generated token to the n-th."""
     from engine import SamplingParams
     eng = llm.engine
-    eng.add_request("speed", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    eng.add_request(f"speed-{time.monotonic_ns()}", prompt,
+                    SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     t_first = None
     while eng.has_unfinished_requests():
         for o in eng.step():
