@@ -177,7 +177,7 @@ def cpu_linear_paths(n: int, k: int, rows: int) -> None:
     q8, q4 = quantize_int8(w), quantize_int4(w, 32)
     pack4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q4.packed), 1)
     sz = torch.stack((q4.scale.float().T, (q4.min.float() + 8 * q4.scale.float()).T), -1).contiguous()
-    iters = max(3, 2000 // (rows * 4))
+    iters = max(3, int(2e8 // (n * k * rows)))          # ~0.2 G multiply-adds of each path
     paths = {
         "float32 F.linear": lambda: torch.nn.functional.linear(x, w),
         "bfloat16 F.linear": lambda: torch.nn.functional.linear(x.bfloat16(), w.bfloat16()),
