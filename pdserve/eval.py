@@ -207,8 +207,8 @@ def _params(model) -> int:
 
 def variant_table(rows: list[Variant], data: str) -> str:
     base = rows[0]
-    head = (f"| quantization | KV cache | perplexity | vs none | identical greedy | agreeing tokens "
-            f"| weights MB | vs bf16 | KV bytes/token | decode tok/s | vs none |")
+    head = ("| quantization | KV cache | perplexity | vs none | identical greedy | agreeing tokens "
+            "| weights MB | vs bf16 | KV bytes/token | decode tok/s | vs none |")
     lines = [f"perplexity of {data} ({base.ppl.tokens} tokens, context {base.ppl.context}, stride "
              f"{base.ppl.stride}); greedy: {AGREE_PROMPTS} prompts of {AGREE_PROMPT_TOKENS} tokens from "
              f"the same text, {AGREE_TOKENS} tokens each; decode: one stream, {SPEED_TOKENS} tokens",

@@ -25,7 +25,8 @@ from torch import nn
 
 from engine.config import QUANTIZATIONS as METHODS
 
-from .quantize import FP8_MAX, Int4Weight, dequantize_int4, quantize_fp8, quantize_int4, quantize_int8, unpack_int4
+from .quantize import (FP8_MAX, Int4Weight, dequantize_int4, quantize_fp8, quantize_int4, quantize_int8,
+                       unpack_int4)
 
 SMALL_M = 16                    # up to this many rows: the weight-only kernels
 
