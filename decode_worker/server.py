@@ -378,7 +378,8 @@ class DecodeRole(worker_server.WorkerRole):
 
     async def open_kv(self, cfg: DecodeWorkerConfig, engine, transport, connector) -> KVReceiver:
         receiver = KVReceiver(engine.kv_cache, worker_server.model_compat(engine), transport,
-                              expiry_s=cfg.kv_expiry_s, staging=cfg.kv_staging)
+                              expiry_s=cfg.kv_expiry_s, staging=cfg.kv_staging,
+                              kv_scales=engine.kv_scales)
         log.info("decode KV endpoint %s", await receiver.start())
         return receiver
 

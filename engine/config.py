@@ -158,6 +158,8 @@ class ModelConfig:
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")    # what engine.kernels dispatches on
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "int4_g32", "int4_g128", "fp8", "fp8_tensor")   # engine.quant
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 
 
 def check_kernel_backend(name: str) -> str:
@@ -176,8 +178,14 @@ class CacheConfig:
         "help": "memory for the KV cache when num_blocks is unset"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV of prompt prefixes already in the cache"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "auto (the model dtype) | fp8_e4m3 | int8: 8-bit KV with a scale per block and "
+                "KV head"})
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}: expected one "
+                             f"of {KV_CACHE_DTYPES}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -212,6 +220,9 @@ class EngineOptions:
         "help": "auto (Triton on CUDA, torch references on CPU) | torch | triton"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length; unset: the model's (capped by it in any case)"})
+    quantization: str = field(default="none", metadata={
+        "help": "weights: none | int8 (per channel) | int4_g32 | int4_g128 (group-wise) | "
+                "fp8 (per channel) | fp8_tensor"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: str = field(default="", metadata={
@@ -225,6 +236,9 @@ class EngineOptions:
             raise ValueError(f"unsupported dtype {self.dtype!r}: expected one of {DTYPES}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unsupported quantization {self.quantization!r}: expected one of "
+                             f"{QUANTIZATIONS}")
 
     @classmethod
     def of(cls, **options) -> "EngineOptions":
@@ -248,6 +262,7 @@ class EngineConfig:
     dtype: str
     kernel_backend: str
     speculative: SpeculativeConfig | None
+    quantization: str = "none"
 
     @classmethod
     def build(cls, model_dir: str | Path, options: EngineOptions) -> "EngineConfig":
@@ -255,7 +270,8 @@ class EngineConfig:
         return cls(model=ModelConfig.from_dir(model_dir, options.max_model_len),
                    cache=options.cache, scheduler=options.scheduler, device=options.device,
                    dtype=options.dtype, kernel_backend=options.kernel_backend,
-                   speculative=SpeculativeConfig.parse(options.speculative))
+                   speculative=SpeculativeConfig.parse(options.speculative),
+                   quantization=options.quantization)
 
     @property
     def torch_dtype(self):
@@ -267,3 +283,10 @@ class EngineConfig:
                     "float16": torch.float16}[self.dtype]
         except KeyError:
             raise ValueError(f"unsupported dtype {self.dtype!r}") from None
+
+    @property
+    def kv_torch_dtype(self):
+        """The KV cache's element type: the model dtype, or an 8-bit type with scales."""
+        import torch
+        return {"auto": self.torch_dtype, "fp8_e4m3": torch.float8_e4m3fn,
+                "int8": torch.int8}[self.cache.kv_cache_dtype]

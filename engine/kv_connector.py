@@ -3,7 +3,7 @@
 The shape of vLLM v1's KV connector (worker side), reduced to what pdserve needs:
 
     LLMEngine(config, kv_connector=c)
-        the runner allocates the paged cache -> c.register_kv_caches(kv_cache, model_name)
+        the runner allocates the paged cache -> c.register_kv_caches(kv_cache, model_name, kv_scales)
     each step() that runs the model:
         layer 0's KV written      -> c.save_kv_layer(0, scheduler_output)
         ...                          (the next layer computes meanwhile)
@@ -30,10 +30,12 @@ from .scheduler import SchedulerOutput
 
 class KVConnector(abc.ABC):
     @abc.abstractmethod
-    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
+    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str,
+                           kv_scales: torch.Tensor | None = None) -> None:
         """Called once, from LLMEngine.__init__, when the cache exists:
         kv_cache [layers, K|V, blocks, block_size, kv heads, head_dim]; `model_name` names
-        the model in compatibility keys."""
+        the model in compatibility keys; `kv_scales` [layers, K|V, blocks, kv heads] fp32 are
+        an 8-bit cache's scales, which travel with their blocks."""
 
     @abc.abstractmethod
     def save_kv_layer(self, layer: int, scheduler_output: SchedulerOutput) -> None:

@@ -23,6 +23,7 @@ from .config import CacheConfig, EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_connector import KVConnector
 from .loader import load_model
+from .quant import quantize_model
 from .outputs import EngineStats, Prefix, RequestOutput
 from .request import Request, RequestStatus
 from .runner import ModelRunner
@@ -62,7 +63,8 @@ class LLMEngine:
         self.config = config
         mc = config.model
         self.dtype = config.torch_dtype
-        self.model = load_model(mc, self.dtype, config.device, config.kernel_backend)
+        self.model = quantize_model(load_model(mc, self.dtype, config.device, config.kernel_backend),
+                                    config.quantization)
         self.tokenizer = Tokenizer.from_dir(mc.model_dir) if has_tokenizer(mc.model_dir) else None
         eos = set(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self.eos_token_ids = eos
@@ -71,7 +73,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, config.device,
-                                  config.scheduler.max_num_seqs, decode_graphs)
+                                  config.scheduler.max_num_seqs, decode_graphs,
+                                  kv_dtype=config.kv_torch_dtype)
         # off the CPU, logits stay on the device and only the sampled ids come back
         self.sampler = Sampler(eos) if config.device == "cpu" else DeviceSampler(eos)
         # speculative verification runs per position on the host (spec logits are copied back)
@@ -82,7 +85,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.kv_connector = kv_connector
         if kv_connector is not None:
-            kv_connector.register_kv_caches(self.kv_cache, mc.name)
+            kv_connector.register_kv_caches(self.kv_cache, mc.name, self.kv_scales)
         self.step_observers = list(step_observers)
         self.spec_stats = SpecStats()
         self._spec_state: dict[str, SpecState] = {}
@@ -113,13 +116,18 @@ class LLMEngine:
     def _blocks_for_memory(self, cc: CacheConfig) -> int:
         mc = self.config.model
         per_block = (mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim
-                     * torch.empty((), dtype=self.dtype).element_size())
+                     * self.config.kv_torch_dtype.itemsize)
         enough = self.config.scheduler.max_num_seqs * cdiv(mc.max_model_len, cc.block_size)
         return max(1, min(int(cc.kv_cache_memory_gb * 2**30 // per_block), enough))
 
     @property
     def kv_cache(self) -> torch.Tensor:
         return self.runner.kv_cache
+
+    @property
+    def kv_scales(self) -> torch.Tensor | None:
+        """[layers, K|V, blocks, kv heads] fp32 scales of an 8-bit cache, else None."""
+        return self.runner.kv_scales
 
     # -- admission ----------------------------------------------------------------------
     def _make_request(self, request_id: str, prompt, params: SamplingParams | None,

@@ -58,6 +58,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps, backend) if c.qk_norm else None
         self.scale = self.hd ** -0.5
         self.k_cache = self.v_cache = None   # [num_blocks, block_size, nkv, hd], bound later
+        self.k_scales = self.v_scales = None # [num_blocks, nkv] fp32 for an 8-bit cache
 
     def forward(self, positions, x, meta: AttentionMetadata, cos_sin):
         T = x.shape[0]
@@ -67,16 +68,17 @@ class Attention(nn.Module):
         v = v.view(T, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        scales = dict(k_scales=self.k_scales, v_scales=self.v_scales, backend=self.backend)
         q = K.rotary_embedding_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
-                                        meta.slot_mapping, backend=self.backend)
+                                        meta.slot_mapping, **scales)
         if meta.decode_only:
             o = K.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                          meta.context_lens, self.scale,
-                                         max_context_len=meta.max_context_len, backend=self.backend)
+                                         max_context_len=meta.max_context_len, **scales)
         else:
             o = K.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                           meta.cu_seqlens_q, meta.context_lens, self.scale,
-                                          max_q_len=meta.max_q_len, backend=self.backend)
+                                          max_q_len=meta.max_q_len, **scales)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -130,10 +132,13 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin", build_cos_sin_cache(
             c.head_dim, c.max_model_len + 1, c.rope_theta, c.rope_scaling), persistent=False)
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """kv_cache: [num_layers, 2, num_blocks, block_size, nkv, hd]; each layer keeps views."""
+    def bind_kv_cache(self, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
+        """kv_cache: [num_layers, 2, num_blocks, block_size, nkv, hd]; kv_scales [num_layers,
+        2, num_blocks, nkv] fp32 when the cache is 8-bit; each layer keeps views."""
         for i, layer in enumerate(self.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            if kv_scales is not None:
+                layer.self_attn.k_scales, layer.self_attn.v_scales = kv_scales[i, 0], kv_scales[i, 1]
 
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -148,5 +153,6 @@ class CausalLM(nn.Module):
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(h, w).float()
+        if self.lm_head is None:
+            return nn.functional.linear(h, self.embed_tokens.weight).float()
+        return self.lm_head(h).float()      # nn.Linear, or engine.quant's QuantLinear

@@ -34,19 +34,26 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype, device="cpu",
-                 max_num_seqs: int = 256, decode_graphs: bool | None = None):
+                 max_num_seqs: int = 256, decode_graphs: bool | None = None,
+                 kv_dtype: torch.dtype | None = None):
         """`decode_graphs`: replay decode steps from CUDA graphs (None: on CUDA with the Triton
         kernels, whose launches never wait on the device, unlike the torch references; True
-        on CPU runs the same padded static-buffer path eagerly, for tests)."""
+        on CPU runs the same padded static-buffer path eagerly, for tests). `kv_dtype`: the
+        cache's dtype (default `dtype`); an 8-bit one comes with per-(block, head) scales."""
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         self.num_blocks = num_blocks
         # [layers, K|V, blocks, block_size, kv heads, head_dim]; zeros are lazily committed
+        kv_dtype = kv_dtype or dtype
         self.kv_cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads,
-                                    c.head_dim, dtype=dtype, device=device)
-        model.bind_kv_cache(self.kv_cache)
-        if decode_graphs is None:
-            decode_graphs = torch.device(device).type == "cuda" and model.backend != "torch"
+                                    c.head_dim, dtype=kv_dtype, device=device)
+        # [layers, K|V, blocks, kv heads] fp32, written with the blocks (kernels/reference.py)
+        self.kv_scales = None if kv_dtype.is_floating_point and kv_dtype.itemsize > 1 else \
+            torch.zeros(c.num_layers, 2, num_blocks, c.num_kv_heads, device=device)
+        model.bind_kv_cache(self.kv_cache, self.kv_scales)
+        if decode_graphs is None:   # the 8-bit cache's write path syncs: no graphs for it
+            decode_graphs = (torch.device(device).type == "cuda" and model.backend != "torch"
+                             and self.kv_scales is None)
         self.graphs = None
         if decode_graphs:
             self.graphs = DecodeGraphs(model, max_num_seqs, -(-c.max_model_len // block_size), device)

@@ -59,8 +59,8 @@ import torch
 from .staging import StagingPool
 from .transport import Connection, ConnectionClosed, Transport, TransportError
 from .wire import (HEADER_BYTES, MAX_HELLO_BYTES, PROTOCOL_VERSION, CompatKey, Header,
-                   IncompatibleKV, MsgType, WireError, block_bytes, check_cache_shape, hello_body,
-                   ids_bytes, layer_body_bytes)
+                   IncompatibleKV, MsgType, WireError, block_bytes, hello_body,
+                   ids_bytes, layer_body_bytes, payload_views)
 
 log = logging.getLogger(__name__)
 
@@ -114,22 +114,22 @@ class KVReceiver:
 
     def __init__(self, kv_cache: torch.Tensor, compat: CompatKey, transport: Transport,
                  expiry_s: float = 30.0, *, reap_interval_s: float = 0.05, keep_finished: int = 10_000,
-                 staging: str = "host"):
-        check_cache_shape(kv_cache)
-        CompatKey.from_cache(kv_cache, compat.model).check(compat, "kv_cache", "compat")
-        self.kv_cache = kv_cache
+                 staging: str = "host", kv_scales: torch.Tensor | None = None):
+        """`kv_scales`: the scales of an 8-bit cache, written with their blocks."""
+        CompatKey.from_cache(kv_cache, compat.model, kv_scales).check(compat, "kv_cache", "compat")
+        self.kv_cache, self.kv_scales = kv_cache, kv_scales
         self.compat = compat
         self.transport = transport
         self.expiry_s = expiry_s
         self.reap_interval_s = reap_interval_s
         self.keep_finished = keep_finished
         self.address: str | None = None
-        self._block_bytes = block_bytes(kv_cache)
+        self._block_bytes = block_bytes(kv_cache, kv_scales)
         self.staging = staging
         self.pool = StagingPool(kv_cache, staging)
         self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
         self._settling: set[asyncio.Task] = set()
-        self.max_body_bytes = layer_body_bytes(kv_cache, kv_cache.shape[2])
+        self.max_body_bytes = layer_body_bytes(kv_cache, kv_cache.shape[2], kv_scales)
         self._lock = threading.Lock()
         self._live: dict[str, _Transfer] = {}
         self._finished: OrderedDict[str, _Transfer] = OrderedDict()
@@ -423,16 +423,24 @@ class KVReceiver:
         return None
 
     def _write_locked(self, t: _Transfer, layer: int, off: int, n: int, body: torch.Tensor):
-        _, _, _, bs, h, d = self.kv_cache.shape
-        payload = body[ids_bytes(n):].view(self.kv_cache.dtype).view(2, n, bs, h, d)
-        dst = self.kv_cache[layer]
+        payload, scales = payload_views(body, self.kv_cache, self.kv_scales, n)
+        pairs = [(self.kv_cache[layer], payload)]
+        if scales is not None:
+            pairs.append((self.kv_scales[layer], scales))
         copied = None
         if self._stream is None:
-            dst.index_copy_(1, torch.tensor(t.block_ids[off:off + n], dtype=torch.long), payload)
+            idx = torch.tensor(t.block_ids[off:off + n], dtype=torch.long)
+            for dst, src in pairs:
+                if dst.element_size() == 1:     # torch's CPU index_copy_ has no float8 kernel
+                    dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+                dst.index_copy_(1, idx, src)
         else:
             with torch.cuda.stream(self._stream):
-                idx = torch.tensor(t.block_ids[off:off + n], dtype=torch.long, device=dst.device)
-                dst.index_copy_(1, idx, payload.to(dst.device, non_blocking=True))
+                idx = torch.tensor(t.block_ids[off:off + n], dtype=torch.long, device=self.kv_cache.device)
+                for dst, src in pairs:
+                    if dst.element_size() == 1:
+                        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+                    dst.index_copy_(1, idx, src.to(dst.device, non_blocking=True))
                 copied = self._stream.record_event()
         t.got[layer][off:off + n] = b"\x01" * n
         t.remaining -= n

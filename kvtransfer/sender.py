@@ -43,7 +43,7 @@ import torch
 from .staging import StagingPool
 from .transport import Connection, ConnectionClosed, Transport, TransportError
 from .wire import (HEADER_BYTES, CompatKey, Header, IncompatibleKV, MsgType, WireError,
-                   block_bytes, check_cache_shape, ids_bytes, parse_hello)
+                   block_bytes, ids_bytes, parse_hello, payload_views)
 
 log = logging.getLogger(__name__)
 
@@ -112,15 +112,16 @@ class _Peer:
 
 class KVSender:
     def __init__(self, kv_cache: torch.Tensor, compat: CompatKey, transport: Transport, *,
-                 connect_timeout_s: float = 5.0, max_inflight: int = 4, staging: str = "host"):
-        check_cache_shape(kv_cache)
-        CompatKey.from_cache(kv_cache, compat.model).check(compat, "kv_cache", "compat")
-        self.kv_cache = kv_cache
+                 connect_timeout_s: float = 5.0, max_inflight: int = 4, staging: str = "host",
+                 kv_scales: torch.Tensor | None = None):
+        """`kv_scales`: the scales of an 8-bit cache; they travel with their blocks."""
+        CompatKey.from_cache(kv_cache, compat.model, kv_scales).check(compat, "kv_cache", "compat")
+        self.kv_cache, self.kv_scales = kv_cache, kv_scales
         self.compat = compat
         self.transport = transport
         self.connect_timeout_s = connect_timeout_s
         self.max_inflight = max_inflight      # layer messages posted but not yet completed
-        self._block_bytes = block_bytes(kv_cache)
+        self._block_bytes = block_bytes(kv_cache, kv_scales)
         self.staging = staging
         self.pool = StagingPool(kv_cache, staging)
         self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
@@ -212,27 +213,31 @@ class KVSender:
         n = end - start
         if not 0 <= layer < self.compat.num_layers or not 0 <= start < end <= len(h.dst_block_ids):
             raise ValueError(f"bad push: layer {layer}, blocks [{start}, {end}) of {len(h.dst_block_ids)}")
-        _, _, _, bs, heads, dim = self.kv_cache.shape
         off = ids_bytes(n)
         body = self.pool.acquire(off + n * self._block_bytes)
         ids = torch.zeros(off // 4, dtype=torch.int32)
         ids[:n] = torch.tensor(h.dst_block_ids[start:end], dtype=torch.int32)
-        payload = body[off:].view(self.kv_cache.dtype).view(2, n, bs, heads, dim)
-        src, idx = self.kv_cache[layer], h._src_index[start:end]   # src: [2, num_blocks, bs, heads, dim]
+        payload, scales = payload_views(body, self.kv_cache, self.kv_scales, n)
+        idx = h._src_index[start:end]
+        pairs = [(self.kv_cache[layer], payload)]        # src: [2, num_blocks, bs, heads, dim]
+        if scales is not None:
+            pairs.append((self.kv_scales[layer], scales))
         ready = None
         if self._stream is None:     # CPU cache: gather straight into the message buffer
             body[:off].view(torch.int32).copy_(ids)
-            torch.index_select(src, 1, idx, out=payload)
+            for src, dst in pairs:
+                torch.index_select(src, 1, idx, out=dst)
         else:
-            after_layer = torch.cuda.current_stream(src.device).record_event()
+            after_layer = torch.cuda.current_stream(self.kv_cache.device).record_event()
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(after_layer)
                 idx.record_stream(self._stream)       # set_source may drop the handle's index
                 body[:off].view(torch.int32).copy_(ids, non_blocking=True)
-                if payload.is_cuda:                   # staging "device": one gather, no host copy
-                    torch.index_select(src, 1, idx, out=payload)
-                else:                                 # gather on the GPU, one copy to pinned host
-                    payload.copy_(src.index_select(1, idx), non_blocking=True)
+                for src, dst in pairs:
+                    if dst.is_cuda:                   # staging "device": one gather, no host copy
+                        torch.index_select(src, 1, idx, out=dst)
+                    else:                             # gather on the GPU, one copy to pinned host
+                        dst.copy_(src.index_select(1, idx), non_blocking=True)
                 ready = self._stream.record_event()
         hdr = Header(MsgType.LAYER, h.transfer_id, layer, start, n, body.numel()).pack()
         h._pushed_blocks += n

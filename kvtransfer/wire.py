@@ -25,7 +25,9 @@ BODY by msg_type
   REJECT     JSON {"error": str, "compat": receiver's CompatKey} (then the receiver closes)
   LAYER      int32 dst block ids [num_blocks], zero-padded to a multiple of 64 bytes, then
              the payload: K and V of those blocks for one layer, shape
-             [2, num_blocks, block_size, num_kv_heads, head_dim] in the cache dtype.
+             [2, num_blocks, block_size, num_kv_heads, head_dim] in the cache dtype; for an
+             8-bit cache (CompatKey.kv_scales "block_head_fp32") followed by the blocks'
+             scales, [2, num_blocks, num_kv_heads] float32.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 MAGIC = b"PDKV"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2     # 2: CompatKey.kv_scales, scales after an 8-bit LAYER payload
 HEADER = struct.Struct("<4sHH64sIIIQ4x")
 HEADER_BYTES = HEADER.size  # 96
 MAX_TRANSFER_ID_BYTES = 64
@@ -72,13 +74,17 @@ class CompatKey:
     num_kv_heads: int
     head_dim: int
     protocol_version: int = PROTOCOL_VERSION
+    kv_scales: str = "none"  # "none" | "block_head_fp32": a scale per block, K|V and KV head
 
     @classmethod
-    def from_cache(cls, kv_cache: torch.Tensor, model: str) -> "CompatKey":
-        """Derive the key from an engine cache [layers, 2, blocks, block_size, kv_heads, head_dim]."""
-        check_cache_shape(kv_cache)
+    def from_cache(cls, kv_cache: torch.Tensor, model: str,
+                   kv_scales: torch.Tensor | None = None) -> "CompatKey":
+        """Derive the key from an engine cache [layers, 2, blocks, block_size, kv_heads, head_dim]
+        and, for an 8-bit cache, its scales [layers, 2, blocks, kv_heads] fp32."""
+        check_cache_shape(kv_cache, kv_scales)
         layers, _, _, bs, heads, dim = kv_cache.shape
-        return cls(model, str(kv_cache.dtype).removeprefix("torch."), bs, layers, heads, dim)
+        return cls(model, str(kv_cache.dtype).removeprefix("torch."), bs, layers, heads, dim,
+                   kv_scales="none" if kv_scales is None else SCALE_LAYOUT)
 
     def check(self, other: "CompatKey", mine: str = "local", theirs: str = "remote") -> None:
         """Raise IncompatibleKV naming every differing field and both sides' values."""
@@ -139,12 +145,24 @@ def parse_hello(data) -> tuple[CompatKey, str]:
     return key, staging
 
 
-def check_cache_shape(kv_cache: torch.Tensor) -> None:
+SCALE_LAYOUT = "block_head_fp32"
+
+
+def check_cache_shape(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
         raise ValueError("kv_cache must have shape [num_layers, 2, num_blocks, block_size, "
                          f"num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
+    eight_bit = kv_cache.element_size() == 1
+    if eight_bit != (kv_scales is not None):
+        raise ValueError(f"a {kv_cache.dtype} kv_cache needs {'its' if eight_bit else 'no'} kv_scales")
+    if kv_scales is not None:
+        want = (*kv_cache.shape[:3], kv_cache.shape[4])
+        if (tuple(kv_scales.shape) != want or kv_scales.dtype != torch.float32
+                or not kv_scales.is_contiguous()):
+            raise ValueError(f"kv_scales must be contiguous float32 {want}, got "
+                             f"{kv_scales.dtype} {tuple(kv_scales.shape)}")
 
 
 @dataclass(frozen=True)
@@ -184,11 +202,24 @@ def ids_bytes(num_blocks: int) -> int:
     return (raw + IDS_ALIGN - 1) // IDS_ALIGN * IDS_ALIGN
 
 
-def block_bytes(kv_cache: torch.Tensor) -> int:
-    """Bytes of one block of one layer, K and V together."""
+def block_bytes(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> int:
+    """Bytes of one block of one layer, K and V together (with their scales, if any)."""
     _, _, _, bs, heads, dim = kv_cache.shape
-    return 2 * bs * heads * dim * kv_cache.element_size()
+    return 2 * bs * heads * dim * kv_cache.element_size() + (0 if kv_scales is None else 2 * heads * 4)
 
 
-def layer_body_bytes(kv_cache: torch.Tensor, num_blocks: int) -> int:
-    return ids_bytes(num_blocks) + num_blocks * block_bytes(kv_cache)
+def layer_body_bytes(kv_cache: torch.Tensor, num_blocks: int,
+                     kv_scales: torch.Tensor | None = None) -> int:
+    return ids_bytes(num_blocks) + num_blocks * block_bytes(kv_cache, kv_scales)
+
+
+def payload_views(body: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+                  n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The KV [2, n, bs, heads, dim] and scales [2, n, heads] (or None) parts of a LAYER body."""
+    _, _, _, bs, heads, dim = kv_cache.shape
+    off = ids_bytes(n)
+    kv_end = off + n * 2 * bs * heads * dim * kv_cache.element_size()
+    kv = body[off:kv_end].view(kv_cache.dtype).view(2, n, bs, heads, dim)
+    if kv_scales is None:
+        return kv, None
+    return kv, body[kv_end:kv_end + n * 2 * heads * 4].view(torch.float32).view(2, n, heads)

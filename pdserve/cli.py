@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from decode_worker.config import DecodeWorkerConfig
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from gateway.config import GatewayConfig
 from prefill_worker.config import PrefillWorkerConfig
 from services.cli_args import add_role_args, config_from_args, dataclass_args, role_config
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the first of /v1/models)")
     pp.add_argument("--device", default="cpu", help="local engine's torch device")
     pp.add_argument("--dtype", default="auto", help="local engine's dtype")
+    pp.add_argument("--quantization", nargs="+", choices=QUANTIZATIONS, help="weight variants to "
+                    "compare: one table with perplexity, greedy agreement, memory and decode "
+                    "speed against the unquantized model (local engine only)")
+    pp.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES,
+                    help="KV cache variants, crossed with --quantization")
     pp.set_defaults(func=_run_eval)
     return p
 

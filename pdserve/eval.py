@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -76,8 +77,13 @@ def perplexity(ids: list[int], context: int, stride: int, logprobs_of, source: s
 
 def engine_logprobs(model: str, **engine_kw):
     """A logprobs_of for windows scored by an engine in this process."""
-    from engine import LLM, SamplingParams
-    llm = LLM(model, **engine_kw)
+    from engine import LLM
+    return llm_logprobs(LLM(model, **engine_kw))
+
+
+def llm_logprobs(llm):
+    """A logprobs_of for windows scored by the offline engine `llm`."""
+    from engine import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
 
     def logprobs_of(prompts):
@@ -134,9 +140,101 @@ def table(results: list[Perplexity], data: str) -> str:
     return "\n".join([f"perplexity of {data}", head, *rows])
 
 
+@dataclass
+class Variant:
+    quantization: str
+    kv_cache_dtype: str
+    ppl: Perplexity
+    identical: int         # prompts whose greedy tokens all equal the baseline's
+    prefix_agree: float    # share of greedy tokens before the first difference from the baseline
+    weight_mb: float
+    bf16_mb: float         # the same parameters in bfloat16
+    kv_bytes_per_token: float
+    decode_tok_s: float
+
+
+AGREE_PROMPTS, AGREE_PROMPT_TOKENS, AGREE_TOKENS, SPEED_TOKENS = 16, 32, 32, 64
+
+
+def _decode_tok_s(llm, prompt: list[int], n: int) -> float:
+    """One stream: tokens/s from the first generated token to the n-th."""
+    from engine import SamplingParams
+    eng = llm.engine
+    eng.add_request(f"speed-{time.monotonic_ns()}", prompt,
+                    SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    t_first = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if t_first is None:
+                t_first = time.perf_counter()
+    return (n - 1) / (time.perf_counter() - t_first)
+
+
+def variants(model: str, ids: list[int], context: int, stride: int, quantizations: list[str],
+             kv_dtypes: list[str], **engine_kw) -> list[Variant]:
+    """Every (quantization, KV dtype) pair, the unquantized model first: perplexity, greedy
+    agreement with the unquantized model on prompts cut from the same text, weight and KV
+    memory, single-stream decode speed."""
+    from engine import LLM, SamplingParams
+    from engine.quant import weight_bytes
+    pairs = [("none", "auto")] + [(q, kv) for q in quantizations for kv in kv_dtypes
+                                  if (q, kv) != ("none", "auto")]
+    step = max(1, (len(ids) - AGREE_PROMPT_TOKENS) // AGREE_PROMPTS)
+    prompts = [ids[i:i + AGREE_PROMPT_TOKENS] for i in range(0, step * AGREE_PROMPTS, step)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=AGREE_TOKENS, ignore_eos=True)
+    out, base = [], None
+    for q, kv in pairs:
+        llm = LLM(model, quantization=q, kv_cache_dtype=kv, **engine_kw)
+        ppl = perplexity(ids, context, stride, llm_logprobs(llm), f"{q} / kv {kv}")
+        toks = [list(o.token_ids) for o in llm.generate(prompts, greedy)]
+        base = base or toks
+        same = [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), len(r)) for t, r in zip(toks, base)]
+        mc, cc = llm.engine.config.model, llm.engine.config.cache
+        kv_elt = llm.engine.kv_cache.element_size()
+        kv_tok = mc.num_layers * 2 * mc.num_kv_heads * (mc.head_dim * kv_elt
+                                                        + (4 / cc.block_size if kv_elt == 1 else 0))
+        out.append(Variant(q, kv, ppl, sum(n == len(r) for n, r in zip(same, base)),
+                           sum(same) / sum(map(len, base)), weight_bytes(llm.engine.model) / 1e6,
+                           out[0].bf16_mb if out else 2 * _params(llm.engine.model) / 1e6, kv_tok,
+                           _decode_tok_s(llm, prompts[0], SPEED_TOKENS)))
+        del llm
+    return out
+
+
+def _params(model) -> int:
+    return sum(t.numel() for t in model.state_dict().values())
+
+
+def variant_table(rows: list[Variant], data: str) -> str:
+    base = rows[0]
+    head = ("| quantization | KV cache | perplexity | vs none | identical greedy | agreeing tokens "
+            "| weights MB | vs bf16 | KV bytes/token | decode tok/s | vs none |")
+    lines = [f"perplexity of {data} ({base.ppl.tokens} tokens, context {base.ppl.context}, stride "
+             f"{base.ppl.stride}); greedy: {AGREE_PROMPTS} prompts of {AGREE_PROMPT_TOKENS} tokens from "
+             f"the same text, {AGREE_TOKENS} tokens each; decode: one stream, {SPEED_TOKENS} tokens",
+             "", head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.quantization} | {r.kv_cache_dtype} | {r.ppl.value:.4f} | "
+                     f"{100 * (r.ppl.value / base.ppl.value - 1):+.2f}% | {r.identical}/{AGREE_PROMPTS} | "
+                     f"{100 * r.prefix_agree:.1f}% | {r.weight_mb:.1f} | {r.weight_mb / r.bf16_mb:.2f}x | "
+                     f"{r.kv_bytes_per_token:.0f} | {r.decode_tok_s:.1f} | "
+                     f"{r.decode_tok_s / base.decode_tok_s:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(args) -> int:
     """`pdserve eval perplexity` (args from pdserve.cli)."""
     stride = args.stride or max(1, args.context // 2)
+    quants, kvs = getattr(args, "quantization", None), getattr(args, "kv_cache_dtype", None)
+    if (quants or kvs) and not args.url:
+        try:
+            rows = variants(args.model, text_ids(args.model, args.data, args.limit), args.context,
+                            stride, quants or ["none"], kvs or ["auto"], device=args.device,
+                            dtype=args.dtype)
+        except (ValueError, OSError, RuntimeError) as e:
+            raise SystemExit(f"pdserve eval perplexity: {e}")
+        print(variant_table(rows, args.data), flush=True)
+        return 0
     try:
         ids = text_ids(args.model, args.data, args.limit)
         if args.url:

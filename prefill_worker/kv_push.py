@@ -88,9 +88,11 @@ class KVPush(KVConnector):
         return self.sender.compat
 
     # -------------------------------------------------------------- engine thread
-    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
-        self.sender = KVSender(kv_cache, CompatKey.from_cache(kv_cache, model_name), self.transport,
-                               connect_timeout_s=self.connect_timeout_s, staging=self.staging)
+    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str,
+                           kv_scales: torch.Tensor | None = None) -> None:
+        self.sender = KVSender(kv_cache, CompatKey.from_cache(kv_cache, model_name, kv_scales),
+                               self.transport, connect_timeout_s=self.connect_timeout_s,
+                               staging=self.staging, kv_scales=kv_scales)
 
     def save_kv_layer(self, layer: int, scheduler_output: SchedulerOutput) -> None:
         last = self.sender.compat.num_layers - 1

@@ -155,7 +155,7 @@ class WorkerServer:
 
 def model_compat(engine) -> CompatKey:
     """This engine's compatibility key: the model is named by its directory's name."""
-    return CompatKey.from_cache(engine.kv_cache, engine.config.model.name)
+    return CompatKey.from_cache(engine.kv_cache, engine.config.model.name, engine.kv_scales)
 
 
 # ----------------------------------------------------------------------------- skeleton

@@ -11,6 +11,12 @@ They favour clarity over speed. Layouts (shared with the Triton kernels):
 
 Query row i of seq b (q_len = cu[b+1]-cu[b]) sits at position context_len - q_len + i and
 attends causally to cache positions 0..that position.
+
+An 8-bit cache (float8_e4m3fn or int8) comes with scales [num_blocks, num_kv_heads] fp32 for
+K and for V: element (block, offset, head, :) stands for q * scale[block, head]. The scale of
+a (block, head) is its amax / QMAX over the tokens written so far: set when the block's first
+slot is written and raised (the block's earlier entries requantized) when a later token
+exceeds it. No calibration; a block that is never rewritten keeps its first quantization.
 """
 from __future__ import annotations
 
@@ -29,16 +35,73 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(nb * bs, h, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """[length, H_kv, D] of one sequence, read through its block table."""
+KV_QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+
+
+def _to_code(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x already divided by its scale -> the cache's 8-bit code."""
+    qmax = KV_QMAX[dtype]
+    x = x.clamp(-qmax, qmax)
+    return (torch.round(x) if dtype == torch.int8 else x).to(dtype)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """An 8-bit tensor as int8 bytes: torch's CPU indexing ops have no float8 kernels."""
+    return t.view(torch.int8)
+
+
+def _rows(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """cache[idx] for any cache dtype."""
+    return _raw(cache)[idx].view(cache.dtype) if cache.element_size() == 1 else cache[idx]
+
+
+def write_kv_cache_quant(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, k_scales: torch.Tensor, v_scales: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    """write_kv_cache into an 8-bit cache, keeping each (block, head)'s scale (see above)."""
+    nb, bs, h, d = k_cache.shape
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    if slots.numel() == 0:
+        return
+    blocks, inv = torch.unique(slots // bs, return_inverse=True)
+    fresh = torch.zeros(len(blocks), dtype=torch.bool, device=slots.device)
+    fresh[inv[slots % bs == 0]] = True               # first slot written: the block is new
+    for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+        amax = torch.zeros(len(blocks), h, device=x.device).scatter_reduce_(
+            0, inv[:, None].expand(-1, h), x.float().abs().amax(-1), "amax")
+        old = torch.where(fresh[:, None], 0.0, scales[blocks])
+        new = torch.maximum(old, amax / KV_QMAX[cache.dtype])
+        grow = (new > old) & (old > 0)
+        if bool(grow.any()):                         # requantize what the block already holds
+            ratio = torch.where(grow, old / new, 1.0)[:, None, :, None]
+            _raw(cache)[blocks] = _raw(_to_code(_rows(cache, blocks).float() * ratio, cache.dtype))
+        scales[blocks] = new
+        s = new.clamp(min=torch.finfo(torch.float32).tiny)[inv]      # [T, H]
+        _raw(cache).view(nb * bs, h, d).index_copy_(
+            0, slots, _raw(_to_code(x.float() / s[..., None], cache.dtype)))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+            scales: torch.Tensor | None = None) -> torch.Tensor:
+    """[length, H_kv, D] of one sequence, read through its block table (dequantized to fp32
+    when the cache has scales)."""
     bs = cache.shape[1]
     nblk = (length + bs - 1) // bs
-    return cache[block_table[:nblk].long()].flatten(0, 1)[:length]
+    ids = block_table[:nblk].long()
+    blocks = _rows(cache, ids)
+    if scales is not None:
+        blocks = blocks.float() * scales[ids][:, None, :, None]
+    return blocks.flatten(0, 1)[:length]
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                            context_lens: torch.Tensor, scale: float,
+                            k_scales: torch.Tensor | None = None,
+                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch of query chunks over paged KV. q: [T, H_q, D]."""
     out = torch.empty_like(q)
     hq, hkv = q.shape[1], k_cache.shape[2]
@@ -49,8 +112,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if e == s:
             continue
         qb = q[s:e].float().transpose(0, 1)                       # [H_q, q_len, D]
-        kb = _gather(k_cache, block_tables[b], L).float().transpose(0, 1)  # [H_kv, L, D]
-        vb = _gather(v_cache, block_tables[b], L).float().transpose(0, 1)
+        kb = _gather(k_cache, block_tables[b], L, k_scales).float().transpose(0, 1)  # [H_kv, L, D]
+        vb = _gather(v_cache, block_tables[b], L, v_scales).float().transpose(0, 1)
         qpos = torch.arange(L - (e - s), L, device=q.device).unsqueeze(1)  # [q_len, 1]
         mask = torch.arange(L, device=q.device).unsqueeze(0) <= qpos      # [q_len, L]
         o = torch.nn.functional.scaled_dot_product_attention(
@@ -61,7 +124,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, k_scales: torch.Tensor | None = None,
+                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence (the last position). q: [B, H_q, D] -> [B, H_q, D].
 
     Batched: every sequence's blocks are gathered into a padded [B, M*bs] context and the
@@ -72,8 +136,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if nblk == 0:
         return torch.zeros_like(q)
     idx = block_tables[:, :nblk].long()
-    k = k_cache[idx].flatten(1, 2).transpose(1, 2)                # [B, H_kv, L, D]
-    v = v_cache[idx].flatten(1, 2).transpose(1, 2)
+    k, v = _rows(k_cache, idx), _rows(v_cache, idx)               # [B, M, bs, H_kv, D]
+    if k_scales is not None:
+        k = k.float() * k_scales[idx][:, :, None, :, None]
+        v = v.float() * v_scales[idx][:, :, None, :, None]
+    k = k.flatten(1, 2).transpose(1, 2)                           # [B, H_kv, L, D]
+    v = v.flatten(1, 2).transpose(1, 2)
     valid = torch.arange(nblk * bs, device=q.device) < context_lens.unsqueeze(1)  # [B, L]
     # query heads grouped by their KV head: [B, H_kv, H_q/H_kv, D]
     out = torch.nn.functional.scaled_dot_product_attention(

@@ -67,8 +67,10 @@ def _held(stats) -> int:
 class System:
     """Both workers and a gateway on one loop (running in a thread of its own)."""
 
-    def __init__(self, model_dir: str, decode_speculative: str = ""):
-        self.model_dir, self.decode_speculative = model_dir, decode_speculative
+    def __init__(self, model_dir: str, prefill_options: dict = {}, decode_options: dict = {}):
+        """`*_options`: more EngineOptions by name for that worker (test_quant_pd.py)."""
+        self.model_dir = model_dir
+        self.prefill_options, self.decode_options = prefill_options, decode_options
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="pd-inprocess", daemon=True)
         self.thread.start()
@@ -84,10 +86,10 @@ class System:
         dport = free_port()
         pcfg = PrefillWorkerConfig(port=free_port(), decode=f"127.0.0.1:{dport}", **common,
                                    engine=EngineOptions.of(block_size=BS, num_blocks=64,
-                                                           max_num_batched_tokens=16))  # chunked
-        dcfg = DecodeWorkerConfig(port=dport, kv_expiry_s=10, **common,
-                                  engine=EngineOptions.of(block_size=BS, num_blocks=64,
-                                                          speculative=self.decode_speculative))
+                                                           max_num_batched_tokens=16,  # chunked
+                                                           **self.prefill_options))
+        dcfg = DecodeWorkerConfig(port=dport, kv_expiry_s=10, **common, engine=EngineOptions.of(
+            block_size=BS, num_blocks=64, **self.decode_options))
         ready = [asyncio.Event(), asyncio.Event()]
         self.tasks = [
             asyncio.create_task(serve(pcfg, PREFILL, transport=LoopbackTransport(), ready=ready[0],

@@ -310,7 +310,7 @@ def test_greedy_unchanged_over_prefill_decode(model_dir, monkeypatch):
 
     prompts = _prompts()[:3]
     ref = LLM(model_dir, block_size=BS, num_blocks=64).generate(prompts, _greedy(24))
-    system = System(model_dir, decode_speculative="ngram:n=3,k=4")
+    system = System(model_dir, decode_options={"speculative": "ngram:n=3,k=4"})
     accepted = []                 # the decode worker's engine runs in this process
     verify = LLMEngine._verify
 
