@@ -43,16 +43,23 @@ def _wq_matmul_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, y_ptr, M, N, K, stride_xm, st
         k_ok = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wmask = n_ok[:, None] & k_ok[None, :]
         if INT4:
-            byte = tl.load(w_ptr + rn[:, None] * stride_w + (rk // 2)[None, :], mask=wmask, other=0)
-            q = ((byte >> ((rk % 2) * 4)[None, :]) & 15).to(tl.float32)
-            g = rn[:, None] * stride_s + (rk // GROUP)[None, :]
-            s = tl.load(s_ptr + g, mask=wmask, other=0.0).to(tl.float32)
-            mn = tl.load(mn_ptr + g, mask=wmask, other=0.0).to(tl.float32)
-            w = q * s + mn
+            # each packed byte once (coalesced), both nibbles interleaved back into k order;
+            # each group's scale and min once, broadcast over the group (BLOCK_K % GROUP == 0)
+            rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            byte = tl.load(w_ptr + rn[:, None] * stride_w + rb[None, :],
+                           mask=n_ok[:, None] & (rb < K // 2)[None, :], other=0)
+            q = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
+            rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            gmask = n_ok[:, None] & (rg < K // GROUP)[None, :]
+            g = rn[:, None] * stride_s + rg[None, :]
+            s = tl.load(s_ptr + g, mask=gmask, other=0.0).to(tl.float32)
+            mn = tl.load(mn_ptr + g, mask=gmask, other=0.0).to(tl.float32)
+            w = tl.reshape(tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None]
+                           + mn[:, :, None], (BLOCK_N, BLOCK_K))
         else:
-            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=wmask, other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if UPCAST:     # the interpreter's bf16 dot and bf16 casts are wrong: fp32 there
             x, w = x.to(tl.float32), w.to(tl.float32)
         else:
@@ -119,6 +126,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mn: 
     n, k = packed.shape[0], 2 * packed.shape[1]
     if k % group:
         raise ValueError(f"K={k} is not a multiple of the group size {group}")
+    if BLOCK_K % group:
+        raise ValueError(f"group size {group} must divide {BLOCK_K} (32, 64 or 128)")
     for name, t in (("scale", scale), ("min", mn)):
         check_tensor(name, t, 2, (torch.float16,), x.device)
         check_shape(name, t, (n, k // group))

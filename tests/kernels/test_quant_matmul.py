@@ -50,7 +50,15 @@ def test_int4_matmul(group, m, n, k, dtype):
     want = x.float() @ deq.T
     got = qm.int4_matmul(*on_device(x, qw.packed, qw.scale, qw.min), group)
     assert got.dtype == dtype and got.shape == (m, n)
-    assert_close(got, want, dtype, seed, f"int4 g{group} {m}x{n}x{k}")
+    if dtype == torch.bfloat16:
+        # tensor cores take the dequantized weight in bf16: each product may be off by the
+        # weight's rounding (unit roundoff 2^-8), the result by its own; the x40 columns make
+        # that far larger than a flat tolerance (seen on an H200, not under the interpreter)
+        bound = (x.float().abs() @ deq.abs().T) * 2**-8 + want.abs() * 2**-8 + 1e-3
+        err = (got.float().cpu() - want).abs()
+        assert (err <= bound).all(), f"int4 g{group} {m}x{n}x{k} seed={seed}: {(err - bound).max()}"
+    else:
+        assert_close(got, want, dtype, seed, f"int4 g{group} {m}x{n}x{k}")
     assert_close(qm.int4_matmul_reference(x, qw.packed, qw.scale, qw.min, group), want, dtype, seed, "reference")
 
 
