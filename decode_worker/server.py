@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import sys
 import time
 import uuid
@@ -159,7 +160,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             transfers=common_pb2.TransferCounters(
                 transfers_done=r.transfers_done, blocks=r.blocks_received, bytes=r.bytes_received,
                 failures=r.failed, expirations=r.expired + c.token_expirations),
-            compat=protoconv.compat_to_proto(self.compat))
+            compat=protoconv.compat_to_proto(self.compat), kv_endpoint=self.receiver.address)
 
     # -------------------------------------------------------------- Decode body
     def _validate(self, request, span) -> _Pending:
@@ -224,7 +225,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if pend.aborted:
             return
         if pend.fill:
-            tid = uuid.uuid4().hex
+            tid = secrets.token_hex(24)       # the KV handshake's token: unguessable
             self.receiver.reserve(tid, pend.fill, pend.timeout)
             pend.transfer_id, pend.queued_tokens = tid, len(pend.prompt) - n_cached
         tracing.record_span("pdserve.decode.reservation", pend.span, pend.t_reserve, time.monotonic(),

@@ -1,7 +1,9 @@
 """The choices of an n > 1 request: one `generate()` each, merged back into one stream.
 
     fan_out(rid, prompts, params, n)  ->  GenerateInput per (prompt k, choice j):
-        index k * n + j, request id rid-index (rid alone when there is one), seed + j
+        index k * n + j, seed + j; public id rid-index (rid alone when there is one), and
+        an internal request id of its own, random: a response id or a client's request_id
+        names nothing a worker accepts, and two clients' equal ids never collide
     merge_streams(generate() per input) ->  (index, GenerateEvent) as they come
 
 Both fronts use these: the gRPC API (one prompt) and the OpenAI shim (completions may send
@@ -10,6 +12,7 @@ several prompts).
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import replace
 from typing import AsyncIterator
 
@@ -27,8 +30,9 @@ def fan_out(rid: str, prompts: list[list[int]], params: SamplingParams, n: int,
         for j in range(n):
             p = params if n == 1 else replace(
                 params, n=1, seed=None if params.seed is None else params.seed + j)
-            inputs.append(GenerateInput(rid if total == 1 else f"{rid}-{k * n + j}", list(ids),
-                                        p, trace_parent=trace_parent))
+            public = rid if total == 1 else f"{rid}-{k * n + j}"
+            inputs.append(GenerateInput(f"req-{uuid.uuid4().hex}", list(ids), p,
+                                        trace_parent=trace_parent, public_id=public))
     return inputs
 
 

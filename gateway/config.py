@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.security import mtls_triple, tls_pair
+
 
 @dataclass
 class GatewayConfig:
@@ -17,7 +19,25 @@ class GatewayConfig:
     grpc_port: int = field(default=50051, metadata={"help": "public gRPC port (0: any free)"})
     http_port: int = field(default=0, metadata={"help": "OpenAI REST port (0: disabled)"})
     api_key: str = field(default="", metadata={
-        "help": "require 'Authorization: Bearer KEY' on the REST /v1 routes (empty: open)"})
+        "help": "an accepted API key: REST 'Authorization: Bearer KEY', gRPC metadata "
+                "'authorization: Bearer KEY' (no key and no key file: open)"})
+    api_key_file: str = field(default="", metadata={
+        "help": "API keys, one a line ('KEY [rpm=N] [concurrency=N]', # comments), re-read "
+                "when the file changes"})
+    api_key_rpm: int = field(default=0, metadata={
+        "help": "requests per minute per key, unless its line says (0: unlimited; over: 429)"})
+    api_key_concurrency: int = field(default=0, metadata={
+        "help": "requests in flight per key, unless its line says (0: unlimited; over: 429)"})
+    tls_cert: str = field(default="", metadata={
+        "help": "PEM certificate chain of the public gRPC and REST ports (with --tls-key: TLS)"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
+    mtls_ca: str = field(default="", metadata={
+        "help": "the operator's CA (PEM): workers are reached over mTLS, verified against it"})
+    mtls_cert: str = field(default="", metadata={
+        "help": "this gateway's client certificate (PEM, signed by --mtls-ca)"})
+    mtls_key: str = field(default="", metadata={"help": "PEM private key of --mtls-cert"})
+    mtls_server_name: str = field(default="", metadata={
+        "help": "name to verify in worker certificates (empty: the address's host)"})
     metrics_port: int = field(default=0, metadata={
         "help": "serve Prometheus /metrics (plain text) on this port (0: off; the REST app "
                 "serves /metrics too)"})
@@ -55,6 +75,10 @@ class GatewayConfig:
         for pool in ("prefill", "decode"):
             if getattr(self, pool) and getattr(self, pool + "_dns"):
                 raise ValueError(f"give --{pool} or --{pool}-dns, not both")
+        if self.api_key_rpm < 0 or self.api_key_concurrency < 0:
+            raise ValueError("api_key_rpm and api_key_concurrency must be >= 0")
+        tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
+        mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
         if not all(0 <= p < 65536 for p in (self.grpc_port, self.http_port, self.metrics_port)):
             raise ValueError("ports must be in 0-65535")
 

@@ -25,6 +25,7 @@ from engine.tokenizer import Tokenizer
 from protos.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from services import tracing
 from services.metrics import Metrics
+from services.security import MTLS
 
 from .config import GatewayConfig
 from .discovery import WorkerSet, resolver_from_args
@@ -46,10 +47,11 @@ class Gateway:
         self.max_model_len = cfg.context_length(model_dir)
         self.vocab_size = cfg.vocab_size(model_dir)
         self.metrics = Metrics("gateway")    # the caller serves metrics.registry
+        mtls = MTLS.from_config(cfg)         # workers over mTLS when configured
         self.prefill = WorkerPool("prefill", prefill_pb2_grpc.PrefillWorkerStub,
-                                  cfg.health_interval_s, cfg.probe_timeout_s)
+                                  cfg.health_interval_s, cfg.probe_timeout_s, mtls)
         self.decode = WorkerPool("decode", decode_pb2_grpc.DecodeWorkerStub,
-                                 cfg.health_interval_s, cfg.probe_timeout_s)
+                                 cfg.health_interval_s, cfg.probe_timeout_s, mtls)
         self._sets = [
             (WorkerSet(resolver_from_args(cfg.prefill, cfg.prefill_dns, cfg.discovery_interval_s),
                        name="prefill"), self.prefill),
@@ -72,6 +74,10 @@ class Gateway:
         await self._segments.drain()
         for _, pool in self._sets:
             await pool.stop()
+
+    def worker_addresses(self) -> list[str]:
+        """Every worker address this gateway knows (kept out of client-facing errors)."""
+        return [a for pool in (self.prefill, self.decode) for a in pool.workers]
 
     def check_prompt(self, ids: list[int], max_tokens: int | None = None) -> None:
         """Raise prompt.PromptError unless this model can continue `ids` (see check_prompt)."""
@@ -107,7 +113,8 @@ class Gateway:
             raise
         timeout = inp.deadline_s or self.cfg.request_timeout_s
         span = tracing.start_span("pdserve.generate", inp.trace_parent, tracing.tracing_enabled() and {
-            "request_id": inp.request_id, "model": self.model_name,
+            "request_id": inp.public_id or inp.request_id, "internal_id": inp.request_id,
+            "model": self.model_name,
             "prompt_tokens": len(inp.prompt_token_ids)})
         return RequestState(
             inp, OutputProcessor(self.tokenizer, inp.prompt_token_ids, inp.params, self.max_model_len),

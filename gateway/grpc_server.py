@@ -21,16 +21,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services import metrics
+from services import metrics, security
 from services import tracing
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from services.protoconv import FINISH_TO_PROTO, sampling_from_proto
 
+from .auth import GrpcAuth, KeyStore
 from .choices import fan_out, merge_streams
 from .config import GatewayConfig
 from .core import Gateway
 from .prompt import chat_prompt_ids
+from .redact import public_message
 from .request import GatewayError, GenerateEvent, GenerateInput, Usage
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async for resp in self._generate(request, tracing.extract_context(context)):
                 yield resp
         except GatewayError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, public_message(e, request.request_id,
+                                                       self.gw.worker_addresses()))
 
     def _inputs(self, request, trace_parent) -> tuple[str, list[int], list[GenerateInput]]:
         """(request id, prompt ids, one GenerateInput per choice)."""
@@ -181,13 +184,21 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
     if cfg.metrics_port:
         metrics_server, _ = metrics.start_metrics_server(gw.metrics.registry, cfg.host, cfg.metrics_port)
     await gw.start()
-    server, health_servicer = _grpc_server(gw)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    keys = KeyStore(cfg.api_key, cfg.api_key_file, cfg.api_key_rpm, cfg.api_key_concurrency)
+    server, health_servicer = _grpc_server(gw, keys)
+    port = security.add_port(server, f"{cfg.host}:{cfg.grpc_port}",
+                             security.server_tls(cfg.tls_cert, cfg.tls_key))
     await server.start()
     http = None
     if cfg.http_port:      # the OpenAI REST shim, in this loop (SERVING waits for it too)
         from .openai import start_http
-        http = await start_http(gw, cfg.host, cfg.http_port, cfg.api_key)
+        http = await start_http(gw, cfg.host, cfg.http_port, keys,
+                                (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None)
+    for line in security.exposed(cfg.host, {"gRPC": (port, bool(cfg.tls_cert)),
+                                            "REST": (cfg.http_port, bool(cfg.tls_cert))}):
+        log.warning("public %s listens in plain text beyond loopback (no --tls-cert)", line)
+    if not keys.enabled and not security.is_loopback(cfg.host):
+        log.warning("the public APIs on %s need no API key (no --api-key/--api-key-file)", cfg.host)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{cfg.host}:{port}"
@@ -214,9 +225,11 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
         tracing.shutdown_tracing()
 
 
-def _grpc_server(gw: Gateway):
-    """The grpc.aio server with Generation, health (serve() sets its statuses) and reflection."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+def _grpc_server(gw: Gateway, keys: KeyStore | None = None):
+    """The grpc.aio server with Generation (behind `keys`), health (serve() sets its
+    statuses) and reflection."""
+    interceptors = [GrpcAuth(keys, (SERVICE,))] if keys is not None and keys.enabled else []
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.pdserve.v1 import common_pb2
+from services.security import MTLS, channel
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,10 @@ _SERVICE_NAMES = {"prefill": "pdserve.v1.PrefillWorker", "decode": "pdserve.v1.D
 
 
 class Worker:
-    def __init__(self, kind: str, address: str, stub_cls):
+    def __init__(self, kind: str, address: str, stub_cls, mtls: MTLS | None = None):
         self.kind = kind
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[
+        self.channel = channel(address, mtls, [
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.enable_retries", 0)])
         self.stub = stub_cls(self.channel)
@@ -64,9 +65,11 @@ class Worker:
 class WorkerPool:
     """The workers of one role; kept in sync with a WorkerSet and probed periodically."""
 
-    def __init__(self, kind: str, stub_cls, health_interval_s: float, probe_timeout_s: float):
+    def __init__(self, kind: str, stub_cls, health_interval_s: float, probe_timeout_s: float,
+                 mtls: MTLS | None = None):
         self.kind = kind
         self._stub_cls = stub_cls
+        self._mtls = mtls
         self.health_interval_s = health_interval_s
         self.probe_timeout_s = probe_timeout_s
         self.workers: dict[str, Worker] = {}
@@ -78,7 +81,7 @@ class WorkerPool:
             w = self.workers.pop(a, None)
             if w is not None:
                 await w.close()
-        new = [self.workers.setdefault(a, Worker(self.kind, a, self._stub_cls)) for a in added]
+        new = [self.workers.setdefault(a, Worker(self.kind, a, self._stub_cls, self._mtls)) for a in added]
         await asyncio.gather(*(self.probe(w) for w in new))
 
     async def start(self) -> None:

@@ -36,11 +36,12 @@ class Usage:
 
 @dataclass
 class GenerateInput:
-    request_id: str
+    request_id: str                      # internal: what workers see (never a client's id)
     prompt_token_ids: list[int]
     params: SamplingParams
     deadline_s: float | None = None      # seconds the whole request may take; None: config
     trace_parent: object = None          # the caller's trace context (tracing.extract_context)
+    public_id: str = ""                  # the id the client knows (logs, traces)
 
 
 @dataclass

@@ -23,6 +23,12 @@ must equal reserved[offset:offset + n] (the whole list, a suffix, or a chunk of 
 prefill); each (layer, block) may arrive once. Its payload is written with one indexed copy
 per message: kv_cache[layer].index_copy_(1, ids, payload.view(2, n, bs, h, d)).
 
+Who may send: a connection's HELLO carries a token, the id of a transfer live on this
+receiver (the decode worker makes ids unguessable and hands them out only with a
+reservation, over its mTLS-protected gRPC), or it is REJECTed. Sizes are checked before any
+buffer is sized: a HELLO body above MAX_HELLO_BYTES or a LAYER body above the largest
+possible layer message (every block of the cache) drops the connection unread.
+
 Threading: the connection readers, the reaper and `wait` run on the event loop `start()`
 was awaited on. `reserve`, `abort` and `poll` may be called from any thread; a lock makes
 "check state, write blocks" atomic, so once `abort` returns no write to its blocks is in
@@ -42,8 +48,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .transport import Connection, ConnectionClosed, Transport, TransportError
-from .wire import (HEADER_BYTES, PROTOCOL_VERSION, CompatKey, Header, IncompatibleKV, MsgType,
-                   WireError, block_bytes, check_cache_shape, ids_bytes)
+from .wire import (HEADER_BYTES, MAX_HELLO_BYTES, PROTOCOL_VERSION, CompatKey, Header,
+                   IncompatibleKV, MsgType, WireError, block_bytes, check_cache_shape, ids_bytes,
+                   layer_body_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +114,7 @@ class KVReceiver:
         self.keep_finished = keep_finished
         self.address: str | None = None
         self._block_bytes = block_bytes(kv_cache)
+        self.max_body_bytes = layer_body_bytes(kv_cache, kv_cache.shape[2])
         self._lock = threading.Lock()
         self._live: dict[str, _Transfer] = {}
         self._finished: OrderedDict[str, _Transfer] = OrderedDict()
@@ -256,6 +264,9 @@ class KVReceiver:
                 hdr = Header.unpack(await conn.recv(HEADER_BYTES))
                 if hdr.msg_type is not MsgType.LAYER:
                     raise WireError(f"unexpected {hdr.msg_type.name} after the handshake")
+                if hdr.body_bytes > self.max_body_bytes:
+                    raise WireError(f"LAYER body of {hdr.body_bytes} bytes: the largest possible "
+                                    f"is {self.max_body_bytes}")
                 if staging.numel() < hdr.body_bytes:
                     staging = torch.empty(hdr.body_bytes, dtype=torch.uint8)
                 body = staging[:hdr.body_bytes]
@@ -274,15 +285,23 @@ class KVReceiver:
 
     async def _handshake(self, conn: Connection) -> bool:
         hdr = Header.unpack(await conn.recv(HEADER_BYTES))
-        body = await conn.recv(hdr.body_bytes) if hdr.body_bytes else b""
         if hdr.msg_type is not MsgType.HELLO:
             raise WireError(f"expected HELLO, got {hdr.msg_type.name}")
+        if hdr.body_bytes > MAX_HELLO_BYTES:
+            self.rejected_connections += 1
+            raise WireError(f"HELLO body of {hdr.body_bytes} bytes (at most {MAX_HELLO_BYTES})")
+        body = await conn.recv(hdr.body_bytes) if hdr.body_bytes else b""
         error = ""
         if hdr.version != PROTOCOL_VERSION:
             error = f"protocol version: sender={hdr.version} receiver={PROTOCOL_VERSION}"
         else:
             try:
-                self.compat.check(CompatKey.from_json(body), "decode", "prefill")
+                hello = CompatKey.parse_hello(body)
+                self.compat.check(CompatKey.from_dict(hello), "decode", "prefill")
+                with self._lock:
+                    known = hello.get("token") in self._live
+                if not known:
+                    error = "the HELLO names no reservation of this receiver (bad token)"
             except (IncompatibleKV, WireError) as e:
                 error = str(e)
         if error:

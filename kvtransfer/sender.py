@@ -6,7 +6,8 @@
     ...
     stats = await sender.finish(handle, timeout=5)   # every message sent (or an error)
 
-Connections are cached per endpoint; the HELLO handshake (protocol version + CompatKey)
+Connections are cached per endpoint; the HELLO handshake (protocol version + CompatKey +
+the token of the first transfer, see receiver.py)
 happens once per connection. Each pushed layer is ONE message: all its blocks' K and V are
 gathered into a single contiguous buffer (small per-block messages are slow over UCX).
 One writer task per connection sends queued messages in push order, so messages of
@@ -115,7 +116,7 @@ class KVSender:
                              f"{len(src_block_ids)} vs {len(dst_block_ids)}")
         Header(MsgType.LAYER, transfer_id).pack()  # validates the id's length
         self._loop = asyncio.get_running_loop()
-        peer = await self._peer(endpoint)
+        peer = await self._peer(endpoint, transfer_id)
         idx = torch.tensor(src_block_ids, dtype=torch.long, device=self.kv_cache.device)
         return TransferHandle(transfer_id, endpoint, list(src_block_ids), list(dst_block_ids), peer, idx)
 
@@ -205,7 +206,9 @@ class KVSender:
         else:
             peer.queue.put_nowait((h, hdr, body, fut))
 
-    async def _peer(self, endpoint: str) -> _Peer:
+    async def _peer(self, endpoint: str, token: str) -> _Peer:
+        """The cached connection to `endpoint`, or a new one whose HELLO carries `token` (the
+        id of a transfer the receiver reserved: it refuses HELLOs without one)."""
         peer = self._peers.get(endpoint)
         if peer is not None and peer.error is None:
             return peer
@@ -221,7 +224,7 @@ class KVSender:
                 self.failures += 1
                 raise TransportError(f"cannot reach decode KV endpoint {endpoint}: {e or type(e).__name__}") from e
             try:
-                await asyncio.wait_for(self._handshake(conn, endpoint), self.connect_timeout_s)
+                await asyncio.wait_for(self._handshake(conn, endpoint, token), self.connect_timeout_s)
             except BaseException as e:
                 await conn.close()
                 self.failures += 1
@@ -237,8 +240,8 @@ class KVSender:
             self._peers[endpoint] = peer
             return peer
 
-    async def _handshake(self, conn: Connection, endpoint: str) -> None:
-        hello = self.compat.to_json()
+    async def _handshake(self, conn: Connection, endpoint: str, token: str) -> None:
+        hello = self.compat.hello(token)
         await conn.send(Header(MsgType.HELLO, body_bytes=len(hello)).pack())
         await conn.send(hello)
         hdr = Header.unpack(await conn.recv(HEADER_BYTES))

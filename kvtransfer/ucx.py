@@ -13,14 +13,24 @@ own UCX_* values always win; they are standard UCX variables, not pdserve config
                                 the default "thread" mode is slow on few cores.
   UCX_WARN_UNUSED_ENV_VARS=n    silence UCX's warning about variables it does not use.
 
-Addresses look like "ucx://HOST:PORT". ucxx's listener takes only a port (UCX binds every
-interface); HOST is what this process advertises (`host`, default 127.0.0.1).
+Addresses look like "ucx://HOST:PORT"; HOST is what this process advertises (`host`,
+default 127.0.0.1). Binding: UCX's TCP transport listens on every network device unless
+UCX_NET_DEVICES says otherwise, so a transport whose host is an address of one device pins
+UCX to that device (`UCX_NET_DEVICES=<its device>`, unless the operator set it): with
+host 127.0.0.1 nothing of UCX's data path listens beyond loopback. ucxx 0.52's Python API
+still binds the connection listener (the port in the address) to every address (its C++
+ListenerBuilder has a host, its Python binding does not): the receiver's handshake token
+(kvtransfer/receiver.py) keeps strangers out of it.
 """
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
 import logging
 import os
+import socket
+import struct
 from typing import Any
 
 for _k, _v in (("UCX_TLS", "tcp"), ("UCX_RNDV_SCHEME", "put_zcopy"),
@@ -43,6 +53,27 @@ def parse_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise TransportError(f"bad UCX address {address!r} (expected ucx://HOST:PORT)")
     return host.strip("[]"), int(port)
+
+
+def device_of(host: str) -> str | None:
+    """The network device holding IPv4 address `host` (None: not a local address of one
+    device, e.g. 0.0.0.0 or a name)."""
+    try:
+        packed = socket.inet_aton(host)
+    except OSError:
+        return None
+    if packed == bytes(4):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            req = array.array("B", struct.pack("256s", name.encode()[:15]))
+            try:
+                fcntl.ioctl(s.fileno(), 0x8915, req)      # SIOCGIFADDR
+            except OSError:
+                continue
+            if req.tobytes()[20:24] == packed:
+                return name
+    return None
 
 
 class UcxConnection(Connection):
@@ -90,6 +121,9 @@ class UcxConnection(Connection):
 
 class UcxTransport(Transport):
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        device = device_of(host)
+        if device is not None:      # read when ucxx makes its context (first listen/connect)
+            os.environ.setdefault("UCX_NET_DEVICES", device)
         self.host = host
         self.port = port
         self._listener: Any = None

@@ -17,7 +17,8 @@ HEADER (struct "<4sHH64sIIIQ4x", 96 bytes)
       92    4 (padding)
 
 BODY by msg_type
-  HELLO      JSON of the sender's CompatKey                      (sender -> receiver, once)
+  HELLO      JSON of the sender's CompatKey and "token": the id of a transfer the receiver
+             reserved (sender -> receiver, once; at most MAX_HELLO_BYTES)
   HELLO_ACK  JSON of the receiver's CompatKey                    (receiver -> sender)
   REJECT     JSON {"error": str, "compat": receiver's CompatKey} (then the receiver closes)
   LAYER      int32 dst block ids [num_blocks], zero-padded to a multiple of 64 bytes, then
@@ -40,6 +41,7 @@ HEADER = struct.Struct("<4sHH64sIIIQ4x")
 HEADER_BYTES = HEADER.size  # 96
 MAX_TRANSFER_ID_BYTES = 64
 IDS_ALIGN = 64
+MAX_HELLO_BYTES = 4096
 
 
 class MsgType(enum.IntEnum):
@@ -97,6 +99,20 @@ class CompatKey:
         if missing:
             raise WireError(f"compat key lacks {sorted(missing)}")
         return cls(**{k: d[k] for k in names})
+
+    def hello(self, token: str) -> bytes:
+        """A HELLO body: this key and the token of a transfer the receiver reserved."""
+        return json.dumps({**dataclasses.asdict(self), "token": token}, sort_keys=True).encode()
+
+    @staticmethod
+    def parse_hello(data: bytes) -> dict:
+        try:
+            d = json.loads(bytes(data))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WireError(f"bad HELLO: {e}") from e
+        if not isinstance(d, dict):
+            raise WireError("bad HELLO: not a JSON object")
+        return d
 
     @classmethod
     def from_json(cls, data: bytes) -> "CompatKey":

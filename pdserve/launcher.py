@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineOptions
 from services.cli_args import config_argv
+from services.security import exposed, mtls_triple, tls_pair
 
 SERVICES = {"prefill": "pdserve.v1.PrefillWorker", "decode": "pdserve.v1.DecodeWorker",
             "gateway": "pdserve.v1.Generation"}
@@ -105,6 +106,9 @@ class Launcher:
     decode_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     engine: EngineOptions = field(default_factory=EngineOptions)   # every worker's engine
+    mtls: tuple[str, str, str] | None = None  # (CA, cert, key) PEM paths every process uses
+    tls_cert: str = ""                      # the gateway's public TLS (cert, key) PEM paths;
+    tls_key: str = ""                       # the launcher's probe trusts the cert file
     children: list[Child] = field(default_factory=list)
 
     @property
@@ -121,14 +125,16 @@ class Launcher:
         self._cancel = cancel or threading.Event()
         engine_args = config_argv(self.engine)   # before extra: a role's own args win
         try:
-            for role, n, extra in (("prefill", self.num_prefill, self.prefill_args),
-                                   ("decode", self.num_decode, self.decode_args)):
-                for i in range(n):
-                    port = free_port(self.host)
+            ports = {r: [free_port(self.host) for _ in range(n)]
+                     for r, n in (("prefill", self.num_prefill), ("decode", self.num_decode))}
+            decoders = ",".join(f"{self.host}:{p}" for p in ports["decode"])
+            for role, extra in (("prefill", ["--decode", decoders, *self.prefill_args]),
+                                ("decode", self.decode_args)):
+                for i, port in enumerate(ports[role]):
                     self._spawn(Child(role, f"{self.host}:{port}", [
                         role, "--model-dir", str(self.model_dir), "--host", self.host,
                         "--port", str(port), "--worker-id", f"{role}-{i}", *engine_args,
-                        *extra]))
+                        *self._mtls_args(), *extra]))
             for c in list(self.children):
                 self._wait_serving(c, deadline)
             port = self.grpc_port or free_port(self.host)
@@ -139,6 +145,8 @@ class Launcher:
                 "--decode", ",".join(c.address for c in self.workers("decode")),
                 *(["--max-model-len", str(self.engine.max_model_len)]
                   if self.engine.max_model_len else []),
+                *self._mtls_args(),
+                *(["--tls-cert", self.tls_cert, "--tls-key", self.tls_key] if self.tls_cert else []),
                 *self.gateway_args]
             self._spawn(Child("gateway", f"{self.host}:{port}", gw))
             self._wait_serving(self.children[-1], deadline)
@@ -159,8 +167,25 @@ class Launcher:
                                    stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
         self.children.append(c)
 
+    def _mtls_args(self) -> list[str]:
+        if self.mtls is None:
+            return []
+        ca, cert, key = self.mtls
+        return ["--mtls-ca", ca, "--mtls-cert", cert, "--mtls-key", key]
+
+    def probe_channel(self, c: Child) -> grpc.Channel:
+        """A channel the launcher's health probe of `c` can use (mTLS/TLS as configured)."""
+        read = lambda p: Path(p).read_bytes()  # noqa: E731
+        if c.role == "gateway" and self.tls_cert:
+            return grpc.secure_channel(c.address, grpc.ssl_channel_credentials(read(self.tls_cert)))
+        if c.role != "gateway" and self.mtls is not None:
+            ca, cert, key = self.mtls
+            return grpc.secure_channel(c.address, grpc.ssl_channel_credentials(
+                read(ca), private_key=read(key), certificate_chain=read(cert)))
+        return grpc.insecure_channel(c.address)
+
     def _wait_serving(self, c: Child, deadline: float) -> None:
-        with grpc.insecure_channel(c.address) as ch:
+        with self.probe_channel(c) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while True:
                 if self._cancel.is_set():
@@ -215,11 +240,38 @@ class UpConfig:
         "help": "gateway OpenAI-compatible REST port (-1: off)"})
     ready_timeout: float = field(default=300.0, metadata={
         "help": "seconds to wait for every process to be SERVING"})
+    api_key: str = field(default="", metadata={"help": "the gateway's --api-key"})
+    api_key_file: str = field(default="", metadata={"help": "the gateway's --api-key-file"})
+    tls_cert: str = field(default="", metadata={"help": "the gateway's --tls-cert (public ports)"})
+    tls_key: str = field(default="", metadata={"help": "the gateway's --tls-key"})
+    mtls_ca: str = field(default="", metadata={
+        "help": "internal mTLS for every process: the operator's CA (PEM)"})
+    mtls_cert: str = field(default="", metadata={
+        "help": "the certificate every process presents (signed by --mtls-ca)"})
+    mtls_key: str = field(default="", metadata={"help": "PEM private key of --mtls-cert"})
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self):
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("--prefill and --decode must be >= 1")
+        tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
+        mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
+
+
+def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
+    """One warning per port that listens beyond loopback without TLS (none on loopback)."""
+    tls, mtls = bool(cfg.tls_cert), bool(cfg.mtls_ca)
+    ports = {"gateway gRPC": (int(launcher.grpc_address.rpartition(":")[2]), tls),
+             "gateway REST": (launcher.http_port, tls)}
+    for c in launcher.children:
+        if c.role != "gateway":
+            ports[f"{c.role} worker gRPC ({c.argv[c.argv.index('--worker-id') + 1]})"] = \
+                (int(c.address.rpartition(":")[2]), mtls)
+    lines = [f"{p} listens in plain text beyond loopback" for p in exposed(cfg.host, ports)]
+    if lines:    # UCX carries KV without encryption: the KV ports too
+        lines.append(f"decode workers' KV (UCX) ports on {cfg.host} are never encrypted: "
+                     "keep them on a private network")
+    return lines
 
 
 def main(cfg: UpConfig) -> int:
@@ -231,8 +283,12 @@ def main(cfg: UpConfig) -> int:
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port = 0 if cfg.http_port < 0 else cfg.http_port
+    gateway_args = [*(["--api-key", cfg.api_key] if cfg.api_key else []),
+                    *(["--api-key-file", cfg.api_key_file] if cfg.api_key_file else [])]
     launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
-                        engine=cfg.engine)
+                        gateway_args=gateway_args, engine=cfg.engine,
+                        mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
+                        tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
     try:
         try:
             launcher.start(cfg.ready_timeout, cancel=stop)
@@ -243,6 +299,8 @@ def main(cfg: UpConfig) -> int:
         http = f" http=http://{cfg.host}:{http_port}/v1" if http_port else ""
         print(f"pdserve ready: grpc={launcher.grpc_address}{http} prefill={w['prefill']} "
               f"decode={w['decode']} model={model}", flush=True)
+        for line in plain_text_ports(cfg, launcher):
+            print(f"pdserve up: WARNING: {line}", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             dead = launcher.dead_child()
             if dead is not None:

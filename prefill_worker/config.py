@@ -1,7 +1,7 @@
 """Typed configuration of a prefill worker (validated where it is built)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.worker_config import WorkerConfig
 
@@ -11,6 +11,18 @@ class PrefillWorkerConfig(WorkerConfig):
     port: int = 50061
     kv_connect_timeout_s: float = 5.0    # connect + handshake to a decode KV endpoint
     kv_send_timeout_s: float = 30.0      # all layers sent after compute finished
+    decode: str = field(default="", metadata={
+        "help": "decode workers (gRPC host:port,...) this worker may push KV to: it sends only "
+                "to the KV endpoints they announce"})
+    decode_dns: str = field(default="", metadata={
+        "help": "the decode workers as one DNS name:port (e.g. a headless Service)"})
+    mtls_server_name: str = field(default="", metadata={
+        "help": "name to verify in decode workers' certificates (empty: the address's host)"})
 
     _positive = ("kv_connect_timeout_s", "kv_send_timeout_s", "drain_timeout_s")
     _ports = ("port", "metrics_port")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.decode and self.decode_dns:
+            raise ValueError("give --decode or --decode-dns, not both")

@@ -1,11 +1,13 @@
 """The prefill worker's KV connector: pushes each layer of a request's blocks to its decode
 worker while the next layer computes.
 
-    KVPush(transport)                     made before the engine (it is the engine's seam)
+    KVPush(transport, decoders)           made before the engine (it is the engine's seam)
     LLMEngine(cfg, kv_connector=push)  -> push.register_kv_caches(cache, model): KVSender
     per Prefill call, on the loop:
         p = await push.open(rid, transfer_id, endpoint, dst_block_ids, first_block)
-                                          connect + HELLO on first use of the endpoint
+                                          refused (DestinationRefused) unless a known decode
+                                          worker announces the endpoint (decoders.py); connect
+                                          + HELLO on first use of the endpoint
         engine thread, inside step():
             save_kv_layer(i, sched)       the request's FINAL chunk ran layer i: bind the
                                           transfer to the request's blocks (first layer),
@@ -39,6 +41,12 @@ from kvtransfer.transport import Transport, TransportError
 from kvtransfer.wire import CompatKey
 from services import tracing
 
+from .decoders import KnownDecoders
+
+
+class DestinationRefused(Exception):
+    """The Prefill names a KV endpoint no known decode worker announces."""
+
 
 @dataclass
 class Push:
@@ -52,8 +60,9 @@ class Push:
 
 
 class KVPush(KVConnector):
-    def __init__(self, transport: Transport, connect_timeout_s: float = 5.0):
+    def __init__(self, transport: Transport, decoders: KnownDecoders, connect_timeout_s: float = 5.0):
         self.transport = transport
+        self.decoders = decoders
         self.connect_timeout_s = connect_timeout_s
         self.sender: KVSender | None = None      # made in register_kv_caches
         self._pushes: dict[str, Push] = {}       # loop writes, engine thread reads (GIL-atomic)
@@ -88,7 +97,11 @@ class KVPush(KVConnector):
     async def open(self, request_id: str, transfer_id: str, endpoint: str,
                    dst_block_ids: list[int], first_block: int) -> Push:
         """Connect (first use of `endpoint`) and register the request's transfer, before the
-        request enters the engine. Raises IncompatibleKV, TransportError or ValueError."""
+        request enters the engine. Raises DestinationRefused (before any connection is
+        opened), IncompatibleKV, TransportError or ValueError."""
+        if not await self.decoders.allowed(endpoint):
+            raise DestinationRefused("the destination's KV endpoint is not announced by any decode "
+                                     "worker this prefill worker knows (--decode/--decode-dns)")
         t_open = time.time_ns()
         handle = await self.sender.open(transfer_id, endpoint, dst_block_ids, dst_block_ids)
         span = tracing.start_span("pdserve.kv.send", None, tracing.tracing_enabled() and {
@@ -123,6 +136,7 @@ class KVPush(KVConnector):
             self.sender.cancel(push.handle)
 
     async def close(self) -> None:
+        await self.decoders.close()
         if self.sender is not None:
             await self.sender.close()
         else:

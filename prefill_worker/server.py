@@ -39,10 +39,12 @@ from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services import protoconv, tracing, worker_server
+from services.security import MTLS
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .config import PrefillWorkerConfig
-from .kv_push import KVPush, Push
+from .decoders import KnownDecoders
+from .kv_push import DestinationRefused, KVPush, Push
 
 log = logging.getLogger(__name__)
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
@@ -171,6 +173,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         try:
             call.push = await self.kv.open(call.request_id, dest.transfer_id, dest.kv_endpoint,
                                            list(dest.dst_block_ids), call.num_cached // self.block_size)
+        except DestinationRefused as e:
+            raise RpcStatus(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
         except IncompatibleKV as e:
             raise RpcStatus(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         except TransportError as e:
@@ -261,7 +265,8 @@ class PrefillRole(worker_server.WorkerRole):
         return cfg.host, 0
 
     def kv_connector(self, cfg: PrefillWorkerConfig, transport) -> KVPush:
-        return KVPush(transport, cfg.kv_connect_timeout_s)
+        return KVPush(transport, KnownDecoders(cfg.decode, cfg.decode_dns, MTLS.from_config(cfg)),
+                      cfg.kv_connect_timeout_s)
 
     async def open_kv(self, cfg, engine, transport, connector: KVPush) -> KVPush:
         return connector                 # bound to the cache by the engine's construction

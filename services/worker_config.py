@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineOptions
 
+from .security import mtls_triple
+
 
 @dataclass
 class WorkerConfig:
@@ -23,6 +25,11 @@ class WorkerConfig:
         "help": "serve /metrics (plain text) on this port (0: off)"})
     trace_file: str = field(default="", metadata={
         "help": "append finished spans as JSON lines (tests); OTLP export: OTEL_* env"})
+    mtls_ca: str = field(default="", metadata={
+        "help": "the operator's CA (PEM): internal RPCs only from peers with a certificate it signed"})
+    mtls_cert: str = field(default="", metadata={
+        "help": "this worker's certificate (PEM, signed by --mtls-ca)"})
+    mtls_key: str = field(default="", metadata={"help": "PEM private key of --mtls-cert"})
 
     # fields each subclass checks as positive seconds / as ports
     _positive = ("drain_timeout_s",)
@@ -39,6 +46,7 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
 
     def build_engine(self, kv_connector=None, step_observers=()):
         """The LLMEngine this config describes (loads the model: call it off the event loop),

@@ -42,6 +42,7 @@ from . import telemetry
 from .cli_args import config_from_argv
 from .energy import EnergyMeter
 from .metrics import Metrics
+from .security import MTLS, add_port
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ class RpcStatus(Exception):
 class WorkerServer:
     """grpc.aio server + health + reflection + in-flight counting + drain."""
 
-    def __init__(self, service_names: list[str], host: str, port: int, drain_timeout_s: float):
+    def __init__(self, service_names: list[str], host: str, port: int, drain_timeout_s: float,
+                 mtls: MTLS | None = None):
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -76,9 +78,9 @@ class WorkerServer:
         reflection.enable_server_reflection(
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                   reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {host}:{port}")
+        # with mTLS, a peer without a certificate of the operator's CA fails the handshake
+        self.port = add_port(self.server, f"{host}:{port}",
+                             None if mtls is None else mtls.server_credentials())
         self.drain_timeout_s = drain_timeout_s
         self.draining = False
         self.in_flight = 0
@@ -213,7 +215,8 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
     try:
         connector = role.kv_connector(cfg, transport)
         engine = await asyncio.to_thread(cfg.build_engine, connector, tel.step_observers())
-        srv = WorkerServer([role.service_name], cfg.host, cfg.port, cfg.drain_timeout_s)
+        srv = WorkerServer([role.service_name], cfg.host, cfg.port, cfg.drain_timeout_s,
+                           MTLS.from_config(cfg))
         worker_id = cfg.worker_id or f"{role.name}-{cfg.host}:{srv.port}"
         kv = await role.open_kv(cfg, engine, transport, connector)
         ae = AsyncEngine(engine, name=f"{role.name}-engine")

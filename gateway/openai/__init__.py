@@ -1,6 +1,6 @@
 """OpenAI-compatible REST shim served by the gateway process (see app.py for its layout).
 
-`start_http(gw, host, port, api_key)` runs uvicorn inside the gateway's own event loop
+`start_http(gw, host, port, keys, ssl)` runs uvicorn inside the gateway's own event loop
 (uvloop), beside the gRPC server; `await server.stop()` shuts it down.
 """
 from __future__ import annotations
@@ -35,10 +35,11 @@ class HttpServer:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
-async def start_http(gw, host: str, port: int, api_key: str = "",
+async def start_http(gw, host: str, port: int, keys=None, tls: tuple[str, str] | None = None,
                      timeout: float = 30.0) -> HttpServer:
-    """Serve the REST app on host:port (0: any free port) in the running loop; returns once
-    it is listening. Raises RuntimeError if it could not bind."""
+    """Serve the REST app on host:port (0: any free port) in the running loop, with API keys
+    (a gateway.auth.KeyStore) and TLS (cert, key PEM paths) when given; returns once it is
+    listening. Raises RuntimeError if it could not bind."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -46,8 +47,9 @@ async def start_http(gw, host: str, port: int, api_key: str = "",
         def capture_signals(self):        # the gateway owns SIGINT/SIGTERM
             yield
 
-    config = uvicorn.Config(create_app(gw, api_key), host=host, port=port, log_level="warning",
-                            lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+    ssl = dict(ssl_certfile=tls[0], ssl_keyfile=tls[1]) if tls else {}
+    config = uvicorn.Config(create_app(gw, keys), host=host, port=port, log_level="warning",
+                            lifespan="off", access_log=False, timeout_graceful_shutdown=5, **ssl)
     server = _Server(config)
     task = asyncio.create_task(server.serve(), name="openai-http")
     loop = asyncio.get_running_loop()

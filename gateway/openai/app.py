@@ -13,10 +13,11 @@ import time
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 
 from services import tracing
 
+from ..auth import KeyStore, rest_middleware
 from ..core import Gateway
 from .chat import Chat
 from .completions import Completion
@@ -24,11 +25,17 @@ from .errors import OpenAIError, install_handlers, unknown_model
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 
-def create_app(gw: Gateway, api_key: str = "") -> FastAPI:
+def create_app(gw: Gateway, keys: KeyStore | None = None) -> FastAPI:
+    """The REST app; with `keys`, /v1 routes need an API key and keep its limits
+    (gateway/auth.py checks them in an ASGI middleware, around the whole response)."""
     app = FastAPI(title="pdserve OpenAI-compatible API", version="1",
                   description="OpenAI chat/completions over pdserve's disaggregated gateway")
     install_handlers(app)
-    auth = [Depends(_bearer_auth(api_key))]
+    if keys is not None and keys.enabled:
+        app.add_middleware(rest_middleware(keys, lambda status, msg: OpenAIError(
+            status, msg, *_AUTH_ERRORS[status]).response()))
+    # documents the scheme in /openapi.json; the middleware above does the checking
+    auth = [Depends(HTTPBearer(auto_error=False, description="an API key of the gateway"))]
     card = {"id": gw.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "pdserve", "max_model_len": gw.max_model_len}
 
@@ -66,18 +73,5 @@ def create_app(gw: Gateway, api_key: str = "") -> FastAPI:
     return app
 
 
-def _bearer_auth(api_key: str):
-    """A dependency: 401 unless the request carries `Authorization: Bearer <api_key>` (no
-    key configured: open)."""
-    bearer = HTTPBearer(auto_error=False, description="the gateway's --api-key, when set")
-
-    async def auth(cred: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if not api_key:
-            return
-        if cred is None:
-            raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                              "authentication_error", None, "invalid_api_key")
-        if cred.credentials != api_key:
-            raise OpenAIError(401, "incorrect API key provided", "authentication_error", None,
-                              "invalid_api_key")
-    return auth
+_AUTH_ERRORS = {401: ("authentication_error", None, "invalid_api_key"),
+                429: ("rate_limit_error", None, "rate_limit_exceeded")}

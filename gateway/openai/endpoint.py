@@ -24,6 +24,7 @@ from engine.structured import StructuredOutput, validate as validate_structured
 from ..choices import fan_out, merge_streams
 from ..core import Gateway
 from ..prompt import PromptError
+from ..redact import public_message
 from ..request import GatewayError, GenerateEvent, GenerateInput
 from .errors import OpenAIError, bad, from_prompt, unknown_model
 
@@ -143,7 +144,7 @@ class Run:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.close()
             if isinstance(e, GatewayError):
-                raise OpenAIError.from_gateway(e) from None
+                raise self._public(e) from None
             raise
 
     async def events(self) -> AsyncIterator[tuple[int, GenerateEvent]]:
@@ -157,9 +158,14 @@ class Run:
             async for i, ev in merge_streams([resume(f, g) for g, f in zip(self.gens, self.firsts)]):
                 yield i, ev
         except GatewayError as e:
-            raise OpenAIError.from_gateway(e) from None
+            raise self._public(e) from None
         finally:
             await self.close()
+
+    def _public(self, e: GatewayError) -> OpenAIError:
+        """The error as the client sees it: no internal addresses (logged with the id)."""
+        rid = self.inputs[0].public_id if self.inputs else ""
+        return OpenAIError.from_gateway(e, public_message(e, rid, self.gw.worker_addresses()))
 
     async def close(self) -> None:
         for g in self.gens:

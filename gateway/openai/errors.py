@@ -33,9 +33,11 @@ class OpenAIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     @classmethod
-    def from_gateway(cls, e: GatewayError) -> "OpenAIError":
+    def from_gateway(cls, e: GatewayError, message: str | None = None) -> "OpenAIError":
+        """`message`: the client's version of e.message (gateway/redact.py)."""
         status, type_ = _STATUS.get(e.code, (500, "internal_error"))
-        return cls(status, e.message, type_, None, e.code.name.lower())
+        return cls(status, e.message if message is None else message, type_, None,
+                   e.code.name.lower())
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

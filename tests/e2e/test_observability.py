@@ -73,9 +73,11 @@ def test_one_trace_across_three_processes(system):
     # CPU workers have no power reading: energy is absent, not zero.
     assert not usage.HasField("energy_joules")
     gw = wait_spans(files["gateway"], "pdserve.generate", rid)
-    pf = wait_spans(files["prefill"], "pdserve.prefill", rid)
-    dc = wait_spans(files["decode"], "pdserve.decode", rid)
     root = next(s for s in gw if s["name"] == "pdserve.generate" and s["attributes"]["request_id"] == rid)
+    internal = root["attributes"]["internal_id"]     # what the workers know it by
+    assert internal != rid
+    pf = wait_spans(files["prefill"], "pdserve.prefill", internal)
+    dc = wait_spans(files["decode"], "pdserve.decode", internal)
     trace = root["trace_id"]
     assert root["parent_span_id"] is None and root["service"] == "pdserve-gateway"
     assert root["attributes"]["prompt_tokens"] == 40 and root["attributes"]["completion_tokens"] == 4
@@ -95,7 +97,7 @@ def test_one_trace_across_three_processes(system):
                   "pdserve.decode.generate"):
         assert [s["parent_span_id"] for s in by_name[child]] == [decode["span_id"]], child
     # Nothing of this request leaked into another trace.
-    assert not [s for s in pf + dc if s["attributes"].get("request_id") == rid and s["trace_id"] != trace]
+    assert not [s for s in pf + dc if s["attributes"].get("request_id") == internal and s["trace_id"] != trace]
 
 
 def test_scraped_counters_equal_what_was_sent(system):

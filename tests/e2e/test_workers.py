@@ -89,14 +89,15 @@ def workers(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     started = []
     try:
-        pre = Worker("prefill_worker.server", model_dir, logs / "prefill.log", block_size=BS, num_blocks=64,
-                     max_num_batched_tokens=16)      # prompts > 16 tokens: chunked prefill
-        started.append(pre)
         dec = Worker("decode_worker.server", model_dir, logs / "decode.log", block_size=BS, num_blocks=64,
                      kv_expiry_s=10)
         started.append(dec)
         bad = Worker("decode_worker.server", model_dir, logs / "decode_bs16.log", block_size=16, num_blocks=32)
         started.append(bad)
+        pre = Worker("prefill_worker.server", model_dir, logs / "prefill.log", block_size=BS, num_blocks=64,
+                     max_num_batched_tokens=16,      # prompts > 16 tokens: chunked prefill
+                     decode=f"127.0.0.1:{dec.port},127.0.0.1:{bad.port}")
+        started.append(pre)
         for w in started:
             w.wait_serving()
         yield pre, dec, bad

@@ -143,6 +143,8 @@ def test_abort_mid_transfer_drops_late_data_and_leaves_cache_untouched():
 def test_unknown_transfer_id_is_dropped():
     async def main():
         rx, tx, addr, src, dst = await pair()
+        rx.reserve("ok", [0])
+        ok = await tx.open("ok", addr, [5], [0])         # the connection's HELLO names "ok"
         before = dst.clone()
         h = await tx.open("nobody-reserved-this", addr, [0], [0])
         for layer in range(L):
@@ -152,13 +154,21 @@ def test_unknown_transfer_id_is_dropped():
             await asyncio.sleep(0)
         assert rx.dropped_messages == L and torch.equal(dst, before)
         assert rx.poll("nobody-reserved-this") is None
-        # the connection survives: a real transfer still works afterwards
-        rx.reserve("ok", [0])
-        h = await tx.open("ok", addr, [5], [0])
+        # the connection survives: the real transfer still works afterwards
         for layer in range(L):
-            await tx.push_layer(h, layer)
-        await tx.finish(h, 5)
+            await tx.push_layer(ok, layer)
+        await tx.finish(ok, 5)
         assert (await rx.wait("ok", 5)).state is TransferState.DONE
+        await tx.close(); await rx.close()
+    run(main())
+
+
+def test_hello_without_a_reserved_token_is_rejected():
+    async def main():
+        rx, tx, addr, src, dst = await pair()
+        with pytest.raises(IncompatibleKV, match="bad token"):
+            await tx.open("forged-token", addr, [0], [0])
+        assert rx.rejected_connections == 1
         await tx.close(); await rx.close()
     run(main())
 

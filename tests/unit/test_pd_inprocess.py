@@ -81,9 +81,11 @@ class System:
     async def start(self) -> None:
         self.stop_event = asyncio.Event()
         common = dict(model_dir=self.model_dir, drain_timeout_s=5.0)
-        pcfg = PrefillWorkerConfig(port=free_port(), **common, engine=EngineOptions.of(
-            block_size=BS, num_blocks=64, max_num_batched_tokens=16))              # chunked
-        dcfg = DecodeWorkerConfig(port=free_port(), kv_expiry_s=10, **common,
+        dport = free_port()
+        pcfg = PrefillWorkerConfig(port=free_port(), decode=f"127.0.0.1:{dport}", **common,
+                                   engine=EngineOptions.of(block_size=BS, num_blocks=64,
+                                                           max_num_batched_tokens=16))  # chunked
+        dcfg = DecodeWorkerConfig(port=dport, kv_expiry_s=10, **common,
                                   engine=EngineOptions.of(block_size=BS, num_blocks=64))
         ready = [asyncio.Event(), asyncio.Event()]
         self.tasks = [

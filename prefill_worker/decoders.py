@@ -1,0 +1,86 @@
+"""The decode workers a prefill worker may push KV to, and the KV endpoints they announce.
+
+A Prefill names its destination's KV endpoint, copied by the gateway from the decode
+worker's KvReady. The prefill worker does not take that address on trust: it connects only
+to endpoints that decode workers it knows (--decode host:port,... or --decode-dns name:port)
+announce in their Stats (`kv_endpoint`). An endpoint not (yet) known triggers one refresh
+(at most one every `min_refresh_s`, shared by concurrent callers) before the Prefill is
+refused, so a decode worker that just started or restarted is found without a wait.
+With neither option set, nothing is known and every destination is refused.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+
+import grpc
+
+from protos.pdserve.v1 import common_pb2, decode_pb2_grpc
+from services.security import MTLS, channel
+
+log = logging.getLogger(__name__)
+
+
+async def resolve(addresses: str, dns: str) -> list[str]:
+    """host:port of every decode worker: the static list, or every address of the name."""
+    if addresses:
+        return [a.strip() for a in addresses.split(",") if a.strip()]
+    if not dns:
+        return []
+    host, _, port = dns.rpartition(":")
+    try:
+        infos = await asyncio.to_thread(socket.getaddrinfo, host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError) as e:
+        log.warning("cannot resolve decode workers %s: %s", dns, e)
+        return []
+    return sorted({f"[{i[4][0]}]:{i[4][1]}" if ":" in i[4][0] else f"{i[4][0]}:{i[4][1]}"
+                   for i in infos})
+
+
+class KnownDecoders:
+    def __init__(self, addresses: str, dns: str, mtls: MTLS | None, rpc_timeout_s: float = 2.0,
+                 min_refresh_s: float = 1.0):
+        self.addresses, self.dns, self.mtls = addresses, dns, mtls
+        self.rpc_timeout_s, self.min_refresh_s = rpc_timeout_s, min_refresh_s
+        self.endpoints: set[str] = set()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._refreshed = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def allowed(self, endpoint: str) -> bool:
+        """Whether a known decode worker announces `endpoint` (refreshing once if needed)."""
+        if endpoint in self.endpoints:
+            return True
+        async with self._lock:
+            if endpoint not in self.endpoints and time.monotonic() - self._refreshed >= self.min_refresh_s:
+                await self._refresh()
+        return endpoint in self.endpoints
+
+    async def _refresh(self) -> None:
+        targets = await resolve(self.addresses, self.dns)
+        for gone in set(self._channels) - set(targets):
+            await self._channels.pop(gone).close()
+
+        async def announced(address: str) -> str:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = channel(address, self.mtls)
+            try:
+                st = await decode_pb2_grpc.DecodeWorkerStub(ch).Stats(
+                    common_pb2.StatsRequest(), timeout=self.rpc_timeout_s)
+                return st.kv_endpoint
+            except grpc.RpcError as e:
+                log.info("decode worker %s did not answer Stats: %s", address, e.code().name)
+                return ""
+
+        found = await asyncio.gather(*(announced(a) for a in targets))
+        self.endpoints = {e for e in found if e}
+        self._refreshed = time.monotonic()
+        log.info("known decode KV endpoints: %s", sorted(self.endpoints) or "none")
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
