@@ -25,6 +25,9 @@ class WorkerConfig:
         "help": "serve /metrics (plain text) on this port (0: off)"})
     trace_file: str = field(default="", metadata={
         "help": "append finished spans as JSON lines (tests); OTLP export: OTEL_* env"})
+    health_port: int = field(default=0, metadata={
+        "help": "also serve grpc.health.v1 alone, plain text, on this port (0: off): for "
+                "probes that cannot present the client certificate mTLS requires (the kubelet's)"})
     mtls_ca: str = field(default="", metadata={
         "help": "the operator's CA (PEM): internal RPCs only from peers with a certificate it signed"})
     mtls_cert: str = field(default="", metadata={
@@ -33,7 +36,7 @@ class WorkerConfig:
 
     # fields each subclass checks as positive seconds / as ports
     _positive = ("drain_timeout_s",)
-    _ports = ("metrics_port",)
+    _ports = ("metrics_port", "health_port")
 
     def __post_init__(self):
         if not self.model_dir:

@@ -11,8 +11,9 @@ what cannot be had without a cluster made explicit:
 - volumes: each mount path is a directory of the pod (emptyDir: fresh; a PVC: one directory
   shared by every pod; a Secret: its files, from the test) and arguments naming a path under
   a mount are rewritten to that directory;
-- the image's ENTRYPOINT (`pdserve`, deploy/Dockerfile) is `python -m pdserve` from this
-  checkout; init containers run to completion first;
+- the image's ENTRYPOINT (`pdserve`, deploy/Dockerfile) is `pdserve.cli.main` from this
+  checkout, run through tests/e2e/cluster_dns_shim.py (cluster DNS); init containers run to
+  completion first;
 - probes as the kubelet sends them: gRPC health Check (service "") or HTTP GET at the pod IP
   and the probe's port, each with the probe's timeoutSeconds.
 
@@ -41,7 +42,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
-ENTRYPOINT = [sys.executable, "-m", "pdserve"]          # deploy/Dockerfile: ENTRYPOINT ["pdserve"]
 DNS_SHIM = [sys.executable, str(Path(__file__).with_name("cluster_dns_shim.py"))]
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -146,9 +146,9 @@ class Pod:
         if "--kv-host" in argv:
             argv = kv_loopback(argv, self.ip)
         assert "command" not in container, "the manifests use the image's entrypoint"
-        # The gateway resolves cluster DNS names through the test's endpoints file.
-        prefix = DNS_SHIM + [str(self.hosts_file)] if argv[0] == "gateway" else ENTRYPOINT
-        return prefix + argv
+        # Cluster DNS names resolve through the test's endpoints file (make-tiny-model, an
+        # init container, resolves none).
+        return DNS_SHIM + [str(self.hosts_file)] + argv
 
     def _popen(self, container: dict, log) -> subprocess.Popen:
         env = self._env(container)

@@ -36,6 +36,7 @@ K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 NUM_STREAMS = 20
 CONCURRENCY = 4
+API_KEY = "sk-test-manifests"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -92,8 +93,8 @@ class Cluster:
     """The dev overlay's Deployments as pods, a readiness/liveness loop as the kubelet runs
     it, and the headless Services' endpoints."""
 
-    def __init__(self, docs: list[dict], workdir: Path):
-        self.docs, self.workdir = docs, workdir
+    def __init__(self, docs: list[dict], workdir: Path, secrets: dict[str, dict[str, bytes]]):
+        self.docs, self.workdir, self.secrets = docs, workdir, secrets
         self.deployments = by_kind(docs, "Deployment")
         self.services = by_kind(docs, "Service")
         self.endpoints = Endpoints([s for s in self.services.values()
@@ -110,7 +111,7 @@ class Cluster:
     def start_pod(self, deployment: str) -> Pod:
         dep = self.deployments[deployment]
         n = sum(p.deployment is dep for p in self.pods)
-        pod = Pod(dep, f"{deployment}-{n}", next(self._ips), self.workdir, {}, {},
+        pod = Pod(dep, f"{deployment}-{n}", next(self._ips), self.workdir, {}, self.secrets,
                   self.endpoints.path)
         with self._lock:
             self.pods.append(pod)
@@ -174,9 +175,21 @@ class Cluster:
 
 
 
+def secrets(workdir: Path) -> dict[str, dict[str, bytes]]:
+    """The Secrets deploy/README.md has the operator create: an mTLS identity for every pod
+    (one certificate named pdserve-worker, from a CA made here) and the API key file."""
+    from tests.certs import CA
+    ca = CA(workdir / "ca")
+    cert, key = ca.issue("pdserve-worker", ips=(), dns=("pdserve-worker",))
+    return {"pdserve-mtls": {"ca.crt": Path(ca.cert_path).read_bytes(),
+                             "tls.crt": Path(cert).read_bytes(), "tls.key": Path(key).read_bytes()},
+            "pdserve-api-keys": {"api-keys": f"# test keys\n{API_KEY}\n".encode()}}
+
+
 @pytest.fixture(scope="module")
 def cluster(rendered, tmp_path_factory):
-    c = Cluster(rendered["dev"], tmp_path_factory.mktemp("cluster"))
+    workdir = tmp_path_factory.mktemp("cluster")
+    c = Cluster(rendered["dev"], workdir, secrets(workdir))
     c.start()
     try:
         for name in ("pdserve-prefill", "pdserve-decode", "pdserve-gateway"):
@@ -200,9 +213,11 @@ def wait_for_log(pod: Pod, pattern: str, timeout_s: float) -> None:
 
 def test_requests_through_the_gateway_service(cluster):
     import openai
-    client = openai.OpenAI(base_url=gateway_url(cluster), api_key="unused", timeout=60)
+    client = openai.OpenAI(base_url=gateway_url(cluster), api_key=API_KEY, timeout=60)
     models = client.models.list().data
     assert [m.id for m in models] == ["M"]
+    with pytest.raises(openai.AuthenticationError):     # the key file from the Secret is in force
+        openai.OpenAI(base_url=gateway_url(cluster), api_key="sk-wrong", max_retries=0).models.list()
     r = client.chat.completions.create(model="M", messages=[{"role": "user", "content": "Hi"}],
                                        max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -219,7 +234,24 @@ def test_servers_bind_the_pod_ip_and_kv_is_advertised_on_it(cluster):
         in decode.container["env"]
     # moved to 127.0.0.1 by the emulation (tests/e2e/kubelet.py: kv_loopback)
     assert re.search(r"decode KV endpoint ucx://127\.0\.0\.1:\d+", decode.tail(1 << 20))
-    assert "decode worker pdserve-decode-0 stopped" not in decode.tail(1 << 20)
+
+
+def test_worker_rpcs_need_the_mtls_certificate(cluster):
+    """The workers' gRPC ports (mTLS from the mounted Secret) refuse a plain-text caller; the
+    health port the kubelet probes answers without a certificate."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    for pod in cluster.pods:
+        if pod.name.startswith("pdserve-gateway"):
+            continue
+        ports = {p["name"]: p["containerPort"] for p in pod.container["ports"]}
+        with grpc.insecure_channel(f"{pod.ip}:{ports['grpc']}") as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        with grpc.insecure_channel(f"{pod.ip}:{ports['health']}") as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def scrape(pod: Pod) -> dict:
@@ -245,7 +277,7 @@ def adapter_rules() -> dict[str, dict]:
 
 def stream_chat(url: str, i: int) -> tuple[str, int]:
     import openai
-    client = openai.OpenAI(base_url=url, api_key="unused", timeout=120, max_retries=0)
+    client = openai.OpenAI(base_url=url, api_key=API_KEY, timeout=120, max_retries=0)
     stream = client.chat.completions.create(
         model="M", messages=[{"role": "user", "content": f"Request {i}: count to twenty."}],
         max_tokens=48, temperature=0, stream=True, stream_options={"include_usage": True},

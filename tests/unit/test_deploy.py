@@ -137,8 +137,20 @@ def test_overlay_renders_and_validates(rendered, overlay):
         pod = dep["spec"]["template"]["spec"]
         container = pod["containers"][0]
         port = WORKER_GRPC_PORTS[name]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["grpc"] == port
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == port, (name, probe)
+            # workers: the plain-text health port (the gRPC port requires a client certificate)
+            expected = ports["grpc"] if name == "pdserve-gateway" else ports["health"]
+            if "grpc" in container[probe]:
+                assert container[probe]["grpc"]["port"] == expected, (name, probe)
+            else:   # prod's gateway speaks TLS: probed over HTTPS / TCP on its REST port
+                assert (overlay, name) == ("prod", "pdserve-gateway")
+                assert {**container[probe].get("httpGet", {}), **container[probe].get(
+                    "tcpSocket", {})}["port"] == ports["http"]
+        if name != "pdserve-gateway":
+            args = container["args"]
+            assert args[args.index("--health-port") + 1] == str(ports["health"])
         assert container["image"] != "pdserve", f"{overlay} must set a real image"
         assert pod["terminationGracePeriodSeconds"] > DRAIN_TIMEOUT_S
         args = container["args"]
@@ -374,3 +386,38 @@ def test_network_policies_let_only_the_gateway_reach_workers(rendered, overlay):
         for src, (src_labels, src_ns) in sources.items():
             got = _allowed(policies, labels[dst], port, src_labels, src_ns, ns)
             assert got == (src in allowed), f"{src} -> {dst}:{port}: allowed={got}"
+
+
+def _mounted_file(dep, path):
+    """The Secret (name, key) that `path` is inside the container, via its volume mounts."""
+    spec = dep["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for m in _container(dep)["volumeMounts"]:
+        if path.startswith(m["mountPath"] + "/"):
+            secret = volumes[m["name"]].get("secret")
+            assert secret, f"{path} is not on a Secret volume"
+            assert m.get("readOnly") is True
+            return secret["secretName"], path[len(m["mountPath"]) + 1:]
+    raise AssertionError(f"{path} is not mounted")
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_keys_and_certificates_come_from_mounted_secrets(rendered, overlay):
+    """Every role has its mTLS identity from the pdserve-mtls Secret; the gateway its API
+    key file (and in prod, its public certificate); callers check the workers' shared name."""
+    for name, dep in _by_kind(rendered[overlay], "Deployment").items():
+        args = _container(dep)["args"]
+        flag = {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--")}
+        for opt, key in (("--mtls-ca", "ca.crt"), ("--mtls-cert", "tls.crt"), ("--mtls-key", "tls.key")):
+            assert _mounted_file(dep, flag[opt]) == ("pdserve-mtls", key), (name, opt)
+        if name != "pdserve-decode":
+            assert flag["--mtls-server-name"] == "pdserve-worker", name
+        if name == "pdserve-prefill":
+            assert flag["--decode-dns"] == "pdserve-decode.$(POD_NAMESPACE).svc.cluster.local:50071"
+        if name == "pdserve-gateway":
+            assert _mounted_file(dep, flag["--api-key-file"]) == ("pdserve-api-keys", "api-keys")
+            if overlay == "prod":
+                assert _mounted_file(dep, flag["--tls-cert"]) == ("pdserve-gateway-tls", "tls.crt")
+                assert _mounted_file(dep, flag["--tls-key"]) == ("pdserve-gateway-tls", "tls.key")
+            else:
+                assert "--tls-cert" not in flag
