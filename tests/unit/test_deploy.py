@@ -376,6 +376,9 @@ def test_network_policies_let_only_the_gateway_reach_workers(rendered, overlay):
         ("decode", ports["decode"]["kv"]): {"prefill"},
         ("prefill", ports["prefill"]["metrics"]): {"prometheus"},
         ("decode", ports["decode"]["metrics"]): {"prometheus"},
+        # plain-text health: for the kubelet (node traffic), no pod
+        ("prefill", ports["prefill"]["health"]): set(),
+        ("decode", ports["decode"]["health"]): set(),
     }
     for port in (ucx_range[0], ucx_range[1], (ucx_range[0] + ucx_range[1]) // 2):
         may[("decode", port)] = {"prefill"}
