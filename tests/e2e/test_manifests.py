@@ -264,8 +264,8 @@ def scrape(pod: Pod) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
-def running(pod: Pod) -> float:
-    return sum(s.value for s in scrape(pod)["pdserve:num_requests_running"].samples)
+def running(families: dict) -> float:
+    return sum(s.value for s in families["pdserve:num_requests_running"].samples)
 
 
 def adapter_rules() -> dict[str, dict]:
@@ -292,9 +292,9 @@ def stream_chat(url: str, i: int) -> tuple[str, int]:
 
 
 def test_scale_decode_1_2_1_under_streaming_load_and_hpa_metrics(cluster):
-    """20 streaming requests, CONCURRENCY at a time, handed out in phases: while the first
-    run, a second decode pod starts; once the gateway routes to it, more; then the first
-    decode pod gets SIGTERM while it has streams in flight, and the rest run. No request
+    """20 streaming requests, at most CONCURRENCY at a time, handed out in phases: while the
+    first run, a second decode pod starts; once the gateway knows it, more, until the first
+    decode pod is seen with a stream in flight; then it gets SIGTERM, and the rest run. No request
     fails, the terminated pod drains and exits by itself. Meanwhile the HPAs' metrics are
     scraped from the workers under load."""
     url = gateway_url(cluster)
@@ -327,14 +327,21 @@ def test_scale_decode_1_2_1_under_streaming_load_and_hpa_metrics(cluster):
         wait_done(CONCURRENCY)
         hpa_scrapes = {}
         released = CONCURRENCY
-        # phase 2: more requests until decode-0 has one in flight (both pods have work)
-        while running(decode1) == 0:
-            assert released < NUM_STREAMS - CONCURRENCY, "decode-0 never got a request"
-            tickets.release()
-            released += 1
-            time.sleep(0.05)
+        # phase 2: CONCURRENCY more at a time (the gateway spreads them over both decode
+        # pods by requests in flight) until decode-0 is seen with one in flight
+        while True:
+            assert released + CONCURRENCY < NUM_STREAMS, "decode-0 was never seen busy"
+            for _ in range(CONCURRENCY):
+                tickets.release()
+            released += CONCURRENCY
+            while len(done) < released:
+                hpa_scrapes["decode"] = scrape(decode1)
+                if running(hpa_scrapes["decode"]):
+                    break
+                time.sleep(0.02)
+            if len(done) < released:
+                break
         prefill = next(p for p in cluster.pods if p.name.startswith("pdserve-prefill"))
-        hpa_scrapes["decode"] = scrape(decode1)
         hpa_scrapes["prefill"] = scrape(prefill)
         terminating = threading.Thread(target=lambda: hpa_scrapes.setdefault(
             "rc", cluster.terminate(decode1)))
@@ -349,7 +356,7 @@ def test_scale_decode_1_2_1_under_streaming_load_and_hpa_metrics(cluster):
         pool.shutdown(wait=True, cancel_futures=True)
     assert all(f in ("stop", "length") and n >= 1 for f, n in results), results
     assert hpa_scrapes["rc"] == 0, f"decode-0 did not drain and exit:\n{decode1.tail()}"
-    assert running(decode2) == 0
+    assert running(scrape(decode2)) == 0
     assert not any(cluster.liveness_failures.get(p.name, 0) >= p.container["livenessProbe"].get(
         "failureThreshold", 3) for p in cluster.pods), cluster.liveness_failures
     check_hpa_contract(cluster, hpa_scrapes)
