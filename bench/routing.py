@@ -51,16 +51,20 @@ class System:
         self.workers = {role: [(free_port(), free_port()) for _ in range(2)]
                         for role in ("prefill", "decode")}
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        decode = ",".join(f"127.0.0.1:{p}" for p, _ in self.workers["decode"])
         for role, ports in self.workers.items():
             for i, (port, mport) in enumerate(ports):
+                # prefill workers send KV only to the decode workers they are told of
+                extra = ["--decode", decode] if role == "prefill" else []
                 self._spawn(f"{role}-{i}", [role, "--model", model, "--port", str(port),
-                                            "--metrics-port", str(mport)], env)
+                                            "--metrics-port", str(mport), *extra], env)
         self.grpc = free_port()
-        self._wait(lambda: all(self._scrape(m) for ports in self.workers.values() for _, m in ports))
+        self._wait(lambda: all(self._serving(p) for ports in self.workers.values() for p, _ in ports))
         self._spawn("gateway", ["gateway", "--model", model, "--grpc-port", str(self.grpc),
                                 "--prefill", ",".join(f"127.0.0.1:{p}" for p, _ in self.workers["prefill"]),
-                                "--decode", ",".join(f"127.0.0.1:{p}" for p, _ in self.workers["decode"]),
+                                "--decode", decode,
                                 *gateway_args], env)
+        self._wait(lambda: self._serving(self.grpc))
 
     def _spawn(self, name, args, env):
         log = open(self.log_dir / f"{name}.log", "wb")
@@ -73,6 +77,17 @@ class System:
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
                 raise SystemExit(f"system did not start: see {self.log_dir}")
             time.sleep(0.5)
+
+    @staticmethod
+    def _serving(port) -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            try:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            except grpc.RpcError:
+                return False
+        return r.status == health_pb2.HealthCheckResponse.SERVING
 
     @staticmethod
     def _scrape(port) -> dict[str, float] | None:
@@ -151,7 +166,6 @@ def run(model, name, gateway_args, args) -> dict:
     log_dir = Path(tempfile.mkdtemp(prefix=f"routing-{name}-"))
     system = System(model, gateway_args, log_dir)
     try:
-        time.sleep(2.0)                      # the gateway's first probe of every worker
         before = system.counters()
         t0 = time.perf_counter()
         ttfts = asyncio.run(conversations(f"127.0.0.1:{system.grpc}", args))
