@@ -39,10 +39,10 @@ def test_models_and_limits_follow_the_workers(system, model_dir):
     assert str(SERVED) in e.value.message
 
 
-# Needs the decode reservation policy of the overload branch (issue 14 item 2: admission
-# reserves the prompt plus a small reserve, not the whole context). Until it is merged the
-# engine refuses the request ("needs up to 256 KV blocks, the cache has 32"): strict xfail,
-# so the merge that fixes it turns this into a failure to remove the mark.
+# Needs the decode admission of the overload branch (d4acc6f: a request without max_tokens
+# is capped at what the cache holds). Until it is merged the engine refuses the request
+# ("needs up to 256 KV blocks, the cache has 32"): strict xfail, so the merge that fixes it
+# turns this into a failure to remove the mark (checked: with d4acc6f cherry-picked it passes).
 @pytest.mark.xfail(strict=True, reason="decode reservation policy: branch overload (issue 14 item 2)")
 def test_chat_without_max_tokens_when_the_full_context_does_not_fit_the_cache(start_system):
     import openai
