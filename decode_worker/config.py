@@ -17,7 +17,7 @@ class DecodeWorkerConfig(WorkerConfig):
     kv_failure_policy: str = "fail"      # fail | recompute (requests may override)
 
     _positive = ("kv_expiry_s", "drain_timeout_s")
-    _ports = ("port", "kv_port", "metrics_port")
+    _ports = ("port", "kv_port", "metrics_port", "health_port")
 
     def __post_init__(self):
         super().__post_init__()

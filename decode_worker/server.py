@@ -165,7 +165,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             transfers=common_pb2.TransferCounters(
                 transfers_done=r.transfers_done, blocks=r.blocks_received, bytes=r.bytes_received,
                 failures=r.failed, expirations=r.expired + c.token_expirations),
-            compat=protoconv.compat_to_proto(self.compat), kv_endpoint=self.receiver.address)
+            compat=protoconv.compat_to_proto(self.compat), kv_endpoint=self.receiver.address,
+            max_model_len=self.ae.max_model_len)
 
     # -------------------------------------------------------------- Decode body
     def _validate(self, request, span) -> _Pending:

@@ -176,6 +176,10 @@ class CacheConfig:
         "help": "KV cache blocks; unset: as many as kv_cache_memory_gb holds"})
     kv_cache_memory_gb: float = field(default=0.5, metadata={
         "help": "memory for the KV cache when num_blocks is unset"})
+    gpu_memory_utilization: float = field(default=0.0, metadata={
+        "help": "when num_blocks is unset: the KV cache takes this fraction (0-1) of the "
+                "device memory free once the weights are loaded (CUDA only); 0: "
+                "kv_cache_memory_gb"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV of prompt prefixes already in the cache"})
     kv_cache_dtype: str = field(default="auto", metadata={
@@ -191,6 +195,9 @@ class CacheConfig:
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 (unset: sized from kv_cache_memory_gb), "
                              f"got {self.num_blocks}")
+        if not 0 <= self.gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must be in [0, 1), got "
+                             f"{self.gpu_memory_utilization}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

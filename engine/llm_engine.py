@@ -12,6 +12,7 @@ Not thread-safe: call it from one thread (the async wrapper owns that thread).
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from . import memory
 from .config import CacheConfig, EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_connector import KVConnector
@@ -35,6 +37,8 @@ from .step_observer import StepObserver
 from .structured import StructuredOutputs
 from .output_processor import OutputProcessor
 from .tokenizer import Tokenizer, has_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int) -> None:
@@ -114,11 +118,24 @@ class LLMEngine:
                    kv_connector, step_observers, decode_graphs)
 
     def _blocks_for_memory(self, cc: CacheConfig) -> int:
+        """Blocks for kv_cache_memory_gb, or for gpu_memory_utilization of the device memory
+        free now that the weights are loaded; never more than max_num_seqs full contexts."""
         mc = self.config.model
         per_block = (mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim
                      * self.config.kv_torch_dtype.itemsize)
+        if cc.gpu_memory_utilization:
+            budget = memory.kv_cache_bytes(self.config.device, cc.gpu_memory_utilization)
+            source = f"{cc.gpu_memory_utilization:.0%} of the free device memory"
+        else:
+            budget, source = int(cc.kv_cache_memory_gb * 2**30), f"{cc.kv_cache_memory_gb} GiB"
         enough = self.config.scheduler.max_num_seqs * cdiv(mc.max_model_len, cc.block_size)
-        return max(1, min(int(cc.kv_cache_memory_gb * 2**30 // per_block), enough))
+        blocks = min(budget // per_block, enough)
+        if blocks < 1:
+            raise ValueError(f"no room for one KV block ({per_block} bytes) in {source} "
+                             f"({budget} bytes)")
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, from %s)", blocks, cc.block_size,
+                 blocks * per_block / 2**30, source)
+        return blocks
 
     @property
     def kv_cache(self) -> torch.Tensor:

@@ -91,9 +91,10 @@ class OutputProcessor:
 
     def remaining_params(self) -> SamplingParams:
         """Sampling parameters for producing the rest after the tokens so far (the same
-        request continued elsewhere: a migrated stream)."""
+        request continued elsewhere: a migrated stream). No max_tokens asked stays unset:
+        the worker caps it by the context and by what its cache holds."""
         p, n = self.params, len(self.token_ids)
-        return replace(p, max_tokens=None if self.max_tokens is None else self.max_tokens - n,
+        return replace(p, max_tokens=None if p.max_tokens is None else self.max_tokens - n,
                        min_tokens=max(0, p.min_tokens - n))
 
     def _check(self, token: int) -> None:

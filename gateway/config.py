@@ -61,7 +61,8 @@ class GatewayConfig:
     kv_timeout_ms: int = field(default=0, metadata={
         "help": "KV reservation timeout asked of decode workers (0: their default)"})
     max_model_len: int = field(default=0, metadata={
-        "help": "context length; 0: max_position_embeddings from config.json"})
+        "help": "context length until the workers report theirs (Stats); 0: "
+                "max_position_embeddings from config.json"})
     migrate_on_decode_failure: bool = field(default=True, metadata={
         "help": "if a decode worker dies mid-stream, re-prefill prompt + tokens so far on "
                 "another pair and continue the stream"})

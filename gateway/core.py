@@ -44,7 +44,7 @@ class Gateway:
         model_dir = cfg.resolved_model_dir()
         self.tokenizer = tokenizer or Tokenizer.from_dir(model_dir)
         self.model_name = cfg.model_name(model_dir)
-        self.max_model_len = cfg.context_length(model_dir)
+        self._configured_len = cfg.context_length(model_dir)
         self.vocab_size = cfg.vocab_size(model_dir)
         self.metrics = Metrics("gateway")    # the caller serves metrics.registry
         mtls = MTLS.from_config(cfg)         # workers over mTLS when configured
@@ -59,6 +59,14 @@ class Gateway:
                        name="decode"), self.decode)]
         self._segments = Segments(Router(self.prefill, self.decode, cfg.affinity_slack),
                                   cfg, self.metrics)
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length the workers serve: the smallest their Stats report (a prompt
+        must fit any worker it may be routed to); until Stats arrive, the configured one."""
+        served = [w.stats.max_model_len for pool in (self.prefill, self.decode)
+                  for w in pool.workers.values() if w.stats is not None and w.stats.max_model_len]
+        return min(served) if served else self._configured_len
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:

@@ -28,6 +28,7 @@ from services.security import MTLS, channel
 
 log = logging.getLogger(__name__)
 
+RETIRE_TIMEOUT_S = 600.0
 _SERVICE_NAMES = {"prefill": "pdserve.v1.PrefillWorker", "decode": "pdserve.v1.DecodeWorker"}
 
 
@@ -74,13 +75,16 @@ class WorkerPool:
         self.probe_timeout_s = probe_timeout_s
         self.workers: dict[str, Worker] = {}
         self._task: asyncio.Task | None = None
+        self._retiring: dict[Worker, asyncio.Task] = {}    # removed, requests still on them
         self._service = _SERVICE_NAMES[kind]
 
     async def on_change(self, added: list[str], removed: list[str]) -> None:
         for a in removed:
             w = self.workers.pop(a, None)
             if w is not None:
-                await w.close()
+                # Out of routing now; its channel stays open for the requests still on it (a
+                # worker that left DNS is usually draining them) and closes once they end.
+                self._retiring[w] = asyncio.create_task(self._retire(w), name=f"retire-{a}")
         new = [self.workers.setdefault(a, Worker(self.kind, a, self._stub_cls, self._mtls)) for a in added]
         await asyncio.gather(*(self.probe(w) for w in new))
 
@@ -93,8 +97,22 @@ class WorkerPool:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        await asyncio.gather(*(w.close() for w in self.workers.values()), return_exceptions=True)
+        for t in self._retiring.values():
+            t.cancel()
+        await asyncio.gather(*self._retiring.values(), return_exceptions=True)
+        await asyncio.gather(*(w.close() for w in [*self.workers.values(), *self._retiring]),
+                             return_exceptions=True)
         self.workers.clear()
+        self._retiring.clear()
+
+    async def _retire(self, w: Worker) -> None:
+        """Close a removed worker's channel once no request is on it (each has a deadline;
+        RETIRE_TIMEOUT_S bounds the wait regardless)."""
+        deadline = asyncio.get_running_loop().time() + RETIRE_TIMEOUT_S
+        while w.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(self.health_interval_s)
+        self._retiring.pop(w, None)
+        await w.close()
 
     async def _run(self) -> None:
         while True:

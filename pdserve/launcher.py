@@ -143,8 +143,6 @@ class Launcher:
                 "--grpc-port", str(port), "--http-port", str(self.http_port),
                 "--prefill", ",".join(c.address for c in self.workers("prefill")),
                 "--decode", ",".join(c.address for c in self.workers("decode")),
-                *(["--max-model-len", str(self.engine.max_model_len)]
-                  if self.engine.max_model_len else []),
                 *self._mtls_args(),
                 *(["--tls-cert", self.tls_cert, "--tls-key", self.tls_key] if self.tls_cert else []),
                 *self.gateway_args]

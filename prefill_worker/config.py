@@ -20,7 +20,7 @@ class PrefillWorkerConfig(WorkerConfig):
         "help": "name to verify in decode workers' certificates (empty: the address's host)"})
 
     _positive = ("kv_connect_timeout_s", "kv_send_timeout_s", "drain_timeout_s")
-    _ports = ("port", "metrics_port")
+    _ports = ("port", "metrics_port", "health_port")
 
     def __post_init__(self):
         super().__post_init__()

@@ -114,7 +114,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             total_kv_blocks=st.num_total_blocks,
             transfers=common_pb2.TransferCounters(transfers_done=c.transfers_done, blocks=c.blocks_sent,
                                                   bytes=c.bytes_sent, failures=c.failures),
-            compat=protoconv.compat_to_proto(self.compat))
+            compat=protoconv.compat_to_proto(self.compat),
+            max_model_len=self.ae.max_model_len)
 
     # -------------------------------------------------------------- Prefill body
     def _validate(self, request) -> _Call:

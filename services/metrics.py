@@ -115,6 +115,8 @@ class Metrics:
         self.num_requests_waiting = gauge("num_requests_waiting",
                                           "Requests waiting to be scheduled (incl. remote KV)")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        self.kv_cache_blocks = gauge("kv_cache_blocks",
+                                     "KV cache blocks the engine holds (its sizing's choice)")
         self.prefill_queue_tokens = gauge("prefill_queue_tokens",
                                           "Prompt tokens queued and not yet computed")
         self.prefix_cache_queries = counter("prefix_cache_queries",
@@ -222,6 +224,7 @@ class Metrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting + getattr(stats, "num_waiting_for_remote_kv", 0))
         total = stats.num_total_blocks
+        self.kv_cache_blocks.set(total)
         self.kv_cache_usage.set(1.0 - stats.num_free_blocks / total if total else 0.0)
         self.prefill_queue_tokens.set(stats.queued_prefill_tokens)
         for attr, c in (("num_preemptions", self.num_preemptions),

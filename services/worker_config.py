@@ -28,6 +28,9 @@ class WorkerConfig:
     kv_staging: str = field(default="host", metadata={
         "help": "where KV messages are staged: host (pinned host memory, any UCX transport) or "
                 "device (GPU memory over UCX cuda_ipc/cuda_copy, one node; both workers alike)"})
+    health_port: int = field(default=0, metadata={
+        "help": "also serve grpc.health.v1 alone, plain text, on this port (0: off): for "
+                "probes that cannot present the client certificate mTLS requires (the kubelet's)"})
     mtls_ca: str = field(default="", metadata={
         "help": "the operator's CA (PEM): internal RPCs only from peers with a certificate it signed"})
     mtls_cert: str = field(default="", metadata={
@@ -36,7 +39,7 @@ class WorkerConfig:
 
     # fields each subclass checks as positive seconds / as ports
     _positive = ("drain_timeout_s",)
-    _ports = ("metrics_port",)
+    _ports = ("metrics_port", "health_port")
 
     def __post_init__(self):
         if not self.model_dir:

@@ -71,7 +71,7 @@ class WorkerServer:
     """grpc.aio server + health + reflection + in-flight counting + drain."""
 
     def __init__(self, service_names: list[str], host: str, port: int, drain_timeout_s: float,
-                 mtls: MTLS | None = None):
+                 mtls: MTLS | None = None, health_port: int = 0):
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
                                       interceptors=[MalformedRequests(tuple(service_names))])
         self.health = health_aio.HealthServicer()
@@ -83,6 +83,12 @@ class WorkerServer:
         # with mTLS, a peer without a certificate of the operator's CA fails the handshake
         self.port = add_port(self.server, f"{host}:{port}",
                              None if mtls is None else mtls.server_credentials())
+        # The same health statuses, alone and in plain text, for probes without a certificate.
+        self.health_server = None
+        if health_port:
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            add_port(self.health_server, f"{host}:{health_port}", None)
         self.drain_timeout_s = drain_timeout_s
         self.draining = False
         self.in_flight = 0
@@ -117,6 +123,8 @@ class WorkerServer:
         """Start, warm up, serve until SIGTERM/SIGINT or `stop`, then drain and stop."""
         await self.set_serving(False)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         loop = asyncio.get_running_loop()
         installed = []
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -142,6 +150,8 @@ class WorkerServer:
             for sig in installed:
                 loop.remove_signal_handler(sig)
             await self.server.stop(grace=1.0)
+            if self.health_server is not None:
+                await self.health_server.stop(grace=None)
 
     async def drain(self) -> None:
         self.draining = True
@@ -227,7 +237,7 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         gc.collect()
         gc.freeze()
         srv = WorkerServer([role.service_name], cfg.host, cfg.port, cfg.drain_timeout_s,
-                           MTLS.from_config(cfg))
+                           MTLS.from_config(cfg), cfg.health_port)
         worker_id = cfg.worker_id or f"{role.name}-{cfg.host}:{srv.port}"
         kv = await role.open_kv(cfg, engine, transport, connector)
         ae = AsyncEngine(engine, name=f"{role.name}-engine")

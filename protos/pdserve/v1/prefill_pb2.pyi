@@ -62,7 +62,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., blocks_transferred: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., compute_ms: _Optional[float] = ..., transfer_wait_ms: _Optional[float] = ..., energy_joules: _Optional[float] = ...) -> None: ...
 
 class PrefillStats(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_running", "queued_prefill_tokens", "free_kv_blocks", "total_kv_blocks", "transfers", "compat")
+    __slots__ = ("worker_id", "num_waiting", "num_running", "queued_prefill_tokens", "free_kv_blocks", "total_kv_blocks", "transfers", "compat", "max_model_len")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class PrefillStats(_message.Message):
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_running: int
@@ -79,4 +80,5 @@ class PrefillStats(_message.Message):
     total_kv_blocks: int
     transfers: _common_pb2.TransferCounters
     compat: _common_pb2.KvCompat
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferCounters, _Mapping]] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferCounters, _Mapping]] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
