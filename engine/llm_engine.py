@@ -78,6 +78,9 @@ class LLMEngine:
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache, mc.name)
         self.step_observers = list(step_observers)
+        # the last step scheduled nothing (every waiting request lacks blocks or a slot):
+        # until a command frees blocks or adds work, another step would do nothing either
+        self.stalled = False
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, options: EngineOptions | None = None, *,
@@ -182,6 +185,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.stalled = not sched and not sched.preempted
         if not sched:
             return []
         now = time.monotonic()
