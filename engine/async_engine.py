@@ -292,8 +292,8 @@ class AsyncEngine:
                         self._set_failures(0)
                 except Exception as e:
                     log.exception("%s step failed; aborting every request", self.name)
-                    self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
                     self._set_failures(self.step_failures + 1)
+                    self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
                     outs = []
                 for out in outs:
                     self._deliver(out)
