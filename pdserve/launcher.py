@@ -8,10 +8,16 @@
 (`--device`, `--block-size`, ... from engine.config.EngineOptions), which the launcher hands
 to every worker as options (only those that differ from the defaults the workers share).
 
-Supervision: SIGINT/SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period)
-and exits 0; a child that dies on its own stops the rest and exits non-zero. Children also
-get SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so none is
-ever orphaned. Every wait has a deadline.
+Supervision (`Launcher.supervise`): SIGINT/SIGTERM stops every child (SIGTERM, then SIGKILL
+after a grace period) and exits 0. A worker that dies on its own is restarted on the same
+ports and arguments after an exponential backoff (restart_backoff_s, doubling per crash up
+to max_backoff_s; a worker that then ran for restart_window_s starts over), logged with its
+restart count, which the worker also exports as the `pdserve:process_restarts` gauge
+(environment PDSERVE_RESTARTS); the gateway probes it back in while the others keep
+serving. Only the gateway's death, or a worker crashing more than max_restarts times within
+restart_window_s (a crash loop), stops everything and exits non-zero. Children also get
+SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so none is ever
+orphaned. Every wait has a deadline.
 """
 from __future__ import annotations
 
@@ -85,6 +91,9 @@ class Child:
     argv: list[str]
     popen: subprocess.Popen | None = None
     log: IO | None = None
+    restarts: int = 0                       # by the supervisor, in all
+    crashes: list[float] = field(default_factory=list)   # monotonic times, within the window
+    restart_at: float | None = None         # a restart is due then (the child is dead)
 
     @property
     def pid(self) -> int:
@@ -105,6 +114,10 @@ class Launcher:
     decode_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     engine: EngineOptions = field(default_factory=EngineOptions)   # every worker's engine
+    restart_backoff_s: float = 1.0          # first restart delay; doubles per recent crash
+    max_backoff_s: float = 30.0
+    restart_window_s: float = 60.0          # crashes older than this are forgotten
+    max_restarts: int = 5                   # crashes within the window before giving up
     children: list[Child] = field(default_factory=list)
 
     @property
@@ -147,17 +160,20 @@ class Launcher:
             raise
 
     def _spawn(self, c: Child) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        out = None
         if self.log_dir is not None:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
             n = sum(1 for x in self.children if x.role == c.role)
-            c.log = open(Path(self.log_dir) / f"{c.role}-{n}.log", "wb")
-            out = c.log
+            c.log = open(Path(self.log_dir) / f"{c.role}-{n}.log", "ab")
+        self._popen(c)
+        self.children.append(c)
+
+    def _popen(self, c: Child) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PDSERVE_RESTARTS=str(c.restarts))
+        out = c.log
         c.popen = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *c.argv], env=env,
                                    stdout=out, stderr=subprocess.STDOUT if out else None,
                                    stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
-        self.children.append(c)
 
     def _wait_serving(self, c: Child, deadline: float) -> None:
         with grpc.insecure_channel(c.address) as ch:
@@ -181,8 +197,41 @@ class Launcher:
                 # a bounded pause between probes (the probe itself has its own deadline)
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
-    def dead_child(self) -> Child | None:
-        return next((c for c in self.children if c.popen.poll() is not None), None)
+    def supervise(self, stop: threading.Event, interval_s: float = 0.2) -> int:
+        """Restart crashed workers until `stop` is set (returns 0) or the gateway dies or a
+        worker crash-loops (returns 1; the caller stops everything)."""
+        while not stop.wait(interval_s):
+            problem = self.check_children(time.monotonic())
+            if problem is not None:
+                _say(f"pdserve up: {problem}; stopping everything")
+                return 1
+        return 0
+
+    def check_children(self, now: float) -> str | None:
+        """One supervision pass: note new crashes, restart workers whose backoff is over.
+        Returns why everything must stop, or None."""
+        for c in self.children:
+            if c.restart_at is not None:
+                if now >= c.restart_at:
+                    c.restart_at = None
+                    c.restarts += 1
+                    _say(f"pdserve up: restarting {c.role} on {c.address} (restart #{c.restarts})")
+                    self._popen(c)
+                continue
+            code = c.popen.poll()
+            if code is None:
+                continue
+            if c.role == "gateway":
+                return f"the gateway on {c.address} exited with code {code}"
+            c.crashes = [t for t in c.crashes if now - t < self.restart_window_s] + [now]
+            if len(c.crashes) > self.max_restarts:
+                return (f"{c.role} on {c.address} crashed {len(c.crashes)} times within "
+                        f"{self.restart_window_s:g}s (last exit code {code})")
+            delay = min(self.restart_backoff_s * 2 ** (len(c.crashes) - 1), self.max_backoff_s)
+            c.restart_at = now + delay
+            _say(f"pdserve up: {c.role} on {c.address} exited with code {code}; restart "
+                 f"#{c.restarts + 1} in {delay:g}s")
+        return None
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child (gateway first), SIGKILL what is left after grace_s."""
@@ -202,6 +251,10 @@ class Launcher:
                 c.log.close()
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 @dataclass
 class UpConfig:
     """`pdserve up`: the system's shape and ports, and the engine options of every worker."""
@@ -215,11 +268,17 @@ class UpConfig:
         "help": "gateway OpenAI-compatible REST port (-1: off)"})
     ready_timeout: float = field(default=300.0, metadata={
         "help": "seconds to wait for every process to be SERVING"})
+    restart_backoff: float = field(default=1.0, metadata={
+        "help": "seconds before a crashed worker is restarted (doubles per recent crash)"})
+    max_restarts: int = field(default=5, metadata={
+        "help": "crashes of one worker within a minute before `up` gives up (a crash loop)"})
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self):
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("--prefill and --decode must be >= 1")
+        if self.restart_backoff <= 0 or self.max_restarts < 0:
+            raise ValueError("--restart-backoff must be > 0 and --max-restarts >= 0")
 
 
 def main(cfg: UpConfig) -> int:
@@ -232,7 +291,8 @@ def main(cfg: UpConfig) -> int:
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port = 0 if cfg.http_port < 0 else cfg.http_port
     launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
-                        engine=cfg.engine)
+                        engine=cfg.engine, restart_backoff_s=cfg.restart_backoff,
+                        max_restarts=cfg.max_restarts)
     try:
         try:
             launcher.start(cfg.ready_timeout, cancel=stop)
@@ -243,13 +303,7 @@ def main(cfg: UpConfig) -> int:
         http = f" http=http://{cfg.host}:{http_port}/v1" if http_port else ""
         print(f"pdserve ready: grpc={launcher.grpc_address}{http} prefill={w['prefill']} "
               f"decode={w['decode']} model={model}", flush=True)
-        while not stop.wait(0.5):
-            dead = launcher.dead_child()
-            if dead is not None:
-                print(f"pdserve up: {dead.role} on {dead.address} exited with code "
-                      f"{dead.popen.returncode}; stopping everything", file=sys.stderr, flush=True)
-                return 1
-        return 0
+        return launcher.supervise(stop)
     finally:
         launcher.stop()
         for s, h in previous.items():
