@@ -51,6 +51,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async for resp in self._generate(request, tracing.extract_context(context)):
                 yield resp
         except GatewayError as e:
+            if e.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", str(e.retry_after_s)),))
             await context.abort(e.code, e.message)
 
     def _inputs(self, request, trace_parent) -> tuple[str, list[int], list[GenerateInput]]:
