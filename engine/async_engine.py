@@ -178,17 +178,25 @@ class AsyncEngine:
                 self._put(q, RequestOutput(request_id, [], [], [], "", True, "abort"))
             return found
         self._unclaimed.pop(request_id, None)      # an unclaimed stream is dropped
-        return await self.call(cmd)
+        found = await self.call(cmd)
+        # an add awaited concurrently ran first (commands are FIFO) and registered its
+        # stream after that pop (its continuation runs before this one): drop it too
+        self._unclaimed.pop(request_id, None)
+        return found
 
     async def recompute_locally(self, request_id: str, prompt: list[int],
-                                params: SamplingParams | None = None) -> None:
+                                params: SamplingParams | None = None,
+                                generated: list[int] = ()) -> None:
         """Turn a request that waits for remote KV into a local one: drop its reservation
         (blocks freed) and add it again with `prompt`, which this engine computes itself.
-        Its stream, opened or not, stays and carries the new request's outputs. Raises
-        ValueError (the reservation is dropped then too)."""
+        `generated`: the tail of `prompt` that was already generated (the first token), fed
+        to the request's grammar so its output continues it. Its stream, opened or not,
+        stays and carries the new request's outputs. Raises ValueError (the reservation is
+        dropped then too)."""
         def cmd():
             self.engine.abort_request(request_id)
             self.engine.add_request(request_id, prompt, params)
+            self.engine.structured.prime(request_id, generated)
         await self.call(cmd)
 
     async def request_times(self, request_id: str) -> RequestTimes | None:

@@ -93,9 +93,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             await context.abort(e.code, e.message)
         except asyncio.CancelledError:
             if rid in self._aborted:
-                self._aborted.discard(rid)
                 await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
             raise
+        finally:
+            self._aborted.discard(rid)     # also when the call ended before the cancel landed
 
     async def Abort(self, request, context):
         task = self._tasks.get(request.request_id)

@@ -246,3 +246,44 @@ def test_consecutive_step_failures_make_the_engine_unhealthy(model_dir):
         finally:
             await ae.shutdown()
     asyncio.run(main())
+
+
+def test_recompute_with_the_first_token_keeps_the_grammar(model_dir):
+    """A decode worker's recompute fallback knows the first token (prompt + [first]): the
+    grammar is fed it, so the rest equals the offline engine's constrained output."""
+    from engine.structured import StructuredOutput
+    spec = StructuredOutput(regex=r"(yes|no), [0-9]{3}")
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured=spec)
+    prompt = _prompts()[1]
+    ref = LLM(model_dir, num_blocks=64, block_size=8).generate([prompt], params)[0].token_ids
+    assert len(ref) > 2
+
+    async def main():
+        ae = AsyncEngine(_engine(model_dir))
+        ae.start()
+        try:
+            assert await ae.add_remote_request("s", prompt, params) is not None
+            rest = SamplingParams(temperature=0.0, max_tokens=39, structured=spec)
+            await ae.recompute_locally("s", prompt + ref[:1], rest, ref[:1])
+            return (await _collect(ae, "s"))[-1]
+        finally:
+            await ae.shutdown()
+    out = asyncio.run(main())
+    assert out.finish_reason == "stop" and out.token_ids == ref[1:]
+
+
+def test_abort_racing_an_add_leaves_no_stream_behind(model_dir):
+    async def main():
+        ae = AsyncEngine(_engine(model_dir))
+        ae.start()
+        try:
+            add = asyncio.ensure_future(ae.add_remote_request("race", _prompts()[0], GREEDY))
+            await asyncio.sleep(0)                    # the add's command is queued first
+            assert await ae.abort("race")
+            assert await add is not None
+            assert ae._unclaimed == {} and not ae._streams
+            await ae.call(lambda: None)
+            assert ae.engine.kv.num_held_blocks() == 0
+        finally:
+            await ae.shutdown()
+    asyncio.run(main())
