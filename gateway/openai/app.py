@@ -20,6 +20,7 @@ from services import tracing
 from ..core import Gateway
 from .chat import Chat
 from .completions import Completion
+from .disconnect import CancelOnDisconnect
 from .errors import OpenAIError, install_handlers, unknown_model
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -28,6 +29,7 @@ def create_app(gw: Gateway, api_key: str = "") -> FastAPI:
     app = FastAPI(title="pdserve OpenAI-compatible API", version="1",
                   description="OpenAI chat/completions over pdserve's disaggregated gateway")
     install_handlers(app)
+    app.add_middleware(CancelOnDisconnect)
     auth = [Depends(_bearer_auth(api_key))]
     card = {"id": gw.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "pdserve", "max_model_len": gw.max_model_len}

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -32,8 +33,9 @@ def llm(model_dir):
 @pytest.fixture(scope="module")
 def supervised(start_system):
     """1 prefill + 2 decode workers and a gateway, supervised as `pdserve up` does."""
+    from pdserve.launcher import free_port
     launcher = start_system(1, 2, gateway_args=["--health-interval-s", "0.5"],
-                            restart_backoff_s=0.5)
+                            restart_backoff_s=0.5, http_port=free_port())
     stop = threading.Event()
     result = {}
     th = threading.Thread(target=lambda: result.update(rc=launcher.supervise(stop, 0.1)),
@@ -111,6 +113,20 @@ def test_sigkill_decode_under_supervision(supervised, llm):
     assert time.monotonic() - t_kill < 120
     assert all(c.popen.poll() is None for c in supervised.children)
     pools_full(supervised)
+
+
+def test_unstreamed_request_aborted_when_its_client_leaves(supervised):
+    """A non-streaming request whose client disconnects (here: its read timeout) is aborted
+    on both workers: every block is free within 2 s, long before it would have finished."""
+    base = f"http://127.0.0.1:{supervised.http_port}"
+    name = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": name, "prompt": "The quick brown fox", "max_tokens": 2000,
+            "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
+    t0 = time.monotonic()
+    pools_full(supervised, timeout_s=2.0)
+    assert time.monotonic() - t0 < 2.0
 
 
 def _cpu_seconds(pid: int) -> float:
