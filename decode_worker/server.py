@@ -351,7 +351,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 params, max_tokens=None if params.max_tokens is None else max(params.max_tokens - 1, 1),
                 min_tokens=max(min(params.min_tokens - 1, (params.max_tokens or 2) - 2), 0))
         try:
-            await self.ae.recompute_locally(pend.request_id, prompt, p)
+            await self.ae.recompute_locally(pend.request_id, prompt, p,
+                                            [] if first is None else [first.token_id])
         except ValueError as e:
             raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, f"cannot recompute: {e}") from None
         return 0 if first is None else 1

@@ -12,7 +12,12 @@ Rules:
     an asyncio future. Commands run in submission order, so an abort submitted after an add
     always finds the request, even if the caller was cancelled while awaiting the add.
   * The thread sleeps on the condition variable when there are no commands and no runnable
-    requests (requests waiting for remote KV are not runnable): no busy spin.
+    requests (requests waiting for remote KV are not runnable): no busy spin. A step that
+    scheduled nothing (waiting requests lack blocks or slots) stalls the engine: only a
+    command (abort, release, remote KV done, a new request) can change that, so the thread
+    sleeps until one arrives, re-checking at most every STALL_RECHECK_S.
+  * `max_step_failures` consecutive failed steps make the engine unhealthy (`healthy` false,
+    `on_health(False)` called on the loop); a step that succeeds makes it healthy again.
   * Each streamed request has an asyncio.Queue fed with `loop.call_soon_threadsafe`. The
     stream ends with the request's finished output; an abort ends it with a synthetic
     finished output whose finish_reason is "abort". If a step raises, every request of the
@@ -50,12 +55,17 @@ class EngineError(RuntimeError):
 
 
 _END = object()   # stream sentinel: closed without a finished output
+STALL_RECHECK_S = 1.0
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, name: str = "engine"):
+    def __init__(self, engine: LLMEngine, *, name: str = "engine", max_step_failures: int = 3,
+                 on_health: Callable[[bool], None] | None = None):
         self.engine = engine
         self.name = name
+        self.max_step_failures = max_step_failures
+        self.on_health = on_health           # called on the loop when `healthy` changes
+        self.step_failures = 0               # consecutive
         self._inbox: deque[tuple[Callable, tuple, concurrent.futures.Future]] = deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -94,6 +104,10 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def healthy(self) -> bool:
+        return self.running and self.step_failures < self.max_step_failures
 
     # ------------------------------------------------------------------ commands
     def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
@@ -164,17 +178,25 @@ class AsyncEngine:
                 self._put(q, RequestOutput(request_id, [], [], [], "", True, "abort"))
             return found
         self._unclaimed.pop(request_id, None)      # an unclaimed stream is dropped
-        return await self.call(cmd)
+        found = await self.call(cmd)
+        # an add awaited concurrently ran first (commands are FIFO) and registered its
+        # stream after that pop (its continuation runs before this one): drop it too
+        self._unclaimed.pop(request_id, None)
+        return found
 
     async def recompute_locally(self, request_id: str, prompt: list[int],
-                                params: SamplingParams | None = None) -> None:
+                                params: SamplingParams | None = None,
+                                generated: list[int] = ()) -> None:
         """Turn a request that waits for remote KV into a local one: drop its reservation
         (blocks freed) and add it again with `prompt`, which this engine computes itself.
-        Its stream, opened or not, stays and carries the new request's outputs. Raises
-        ValueError (the reservation is dropped then too)."""
+        `generated`: the tail of `prompt` that was already generated (the first token), fed
+        to the request's grammar so its output continues it. Its stream, opened or not,
+        stays and carries the new request's outputs. Raises ValueError (the reservation is
+        dropped then too)."""
         def cmd():
             self.engine.abort_request(request_id)
             self.engine.add_request(request_id, prompt, params)
+            self.engine.structured.prime(request_id, generated)
         await self.call(cmd)
 
     async def request_times(self, request_id: str) -> RequestTimes | None:
@@ -253,6 +275,8 @@ class AsyncEngine:
         eng = self.engine
         while True:
             with self._cv:
+                if eng.stalled and not self._inbox and not self._stopping:
+                    self._cv.wait(STALL_RECHECK_S)
                 while not self._inbox and not self._stopping and not eng.has_unfinished_requests():
                     self._cv.wait()
                 if self._stopping:
@@ -261,19 +285,31 @@ class AsyncEngine:
                     break
                 cmds = list(self._inbox)
                 self._inbox.clear()
+            results = []
             for fn, args, fut in cmds:
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
-                    fut.set_result(fn(*args))
+                    results.append((fut, fn(*args), None))
                 except BaseException as e:   # the caller gets it; the thread goes on
-                    fut.set_exception(e)
+                    results.append((fut, None, e))
+            if results:
+                # a caller that awaited a command (release, abort) reads stats that include it
+                self._stats = eng.stats()
+                for fut, value, err in results:
+                    if err is None:
+                        fut.set_result(value)
+                    else:
+                        fut.set_exception(err)
             if eng.has_unfinished_requests():
                 try:
                     outs = eng.step()
                     self.num_steps += 1
+                    if self.step_failures:
+                        self._set_failures(0)
                 except Exception as e:
                     log.exception("%s step failed; aborting every request", self.name)
+                    self._set_failures(self.step_failures + 1)
                     self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
                     outs = []
                 for out in outs:
@@ -283,6 +319,12 @@ class AsyncEngine:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineError(f"{self.name} shut down"))
         self._fail_all(EngineError(f"{self.name} shut down"))
+
+    def _set_failures(self, n: int) -> None:
+        was = self.healthy
+        self.step_failures = n
+        if self.healthy != was and self.on_health is not None:
+            self._loop.call_soon_threadsafe(self.on_health, self.healthy)
 
     def _fail_all(self, err: EngineError) -> None:
         for rid in list(self.engine.requests):

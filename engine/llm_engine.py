@@ -104,6 +104,9 @@ class LLMEngine:
                 raise ValueError(f"draft model {sc.draft_model}: vocabulary of "
                                  f"{draft.config.model.vocab_size}, the target's is {mc.vocab_size}")
             self.draft = DraftProposer(draft)
+        # the last step scheduled nothing (every waiting request lacks blocks or a slot):
+        # until a command frees blocks or adds work, another step would do nothing either
+        self.stalled = False
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, options: EngineOptions | None = None, *,
@@ -161,6 +164,11 @@ class LLMEngine:
         L = self.config.model.max_model_len
         check_prompt_ids(ids, self.config.model.vocab_size, L)
         max_tokens = min(params.max_tokens or L, L - len(ids))
+        if params.max_tokens is None:
+            # no limit asked: up to the context or what the whole cache holds, whichever is
+            # less (a model whose full context does not fit the cache still serves; the
+            # request finishes with "length" when the cache is full)
+            max_tokens = max(min(max_tokens, self.num_blocks * self.kv.block_size - len(ids)), 1)
         # a prefill-only request computes the prompt and samples one token, nothing more
         need = cdiv(len(ids) + (1 if prefill_only else max_tokens), self.kv.block_size)
         if need > self.num_blocks:
@@ -230,6 +238,7 @@ class LLMEngine:
         if self.config.speculative is not None:
             self._propose()
         sched = self.scheduler.schedule()
+        self.stalled = not sched and not sched.preempted
         if not sched:
             return []
         now = time.monotonic()

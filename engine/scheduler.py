@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .config import SchedulerConfig
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager, cdiv
 from .request import Request, RequestStatus
 
 
@@ -62,15 +62,29 @@ class Scheduler:
 
     def reserve_remote(self, req: Request) -> bool:
         """Decode side: reserve blocks for the whole prompt, reusing local prefix hits; the
-        rest is filled by a KV transfer. False if the blocks are not there."""
+        rest is filled by a KV transfer. False (nothing reserved) when max_num_seqs requests
+        are running or reserved, or when the reservation would leave fewer free blocks than
+        the watermark the running requests grow into: a refusal the caller can retry
+        elsewhere beats preempting and recomputing a running request later."""
+        if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
+            return False
         hits, n_hit = self.kv.get_computed_blocks(req, leave_one=False)
         req.num_computed_tokens = 0
+        need = cdiv(req.num_tokens, self.kv.block_size) - len(hits)
+        need += sum(1 for b in hits if b.ref_cnt == 0)        # cached but free: revived
+        if self.kv.num_free_blocks - need < self.watermark_blocks():
+            return False
         if not self.kv.allocate_slots(req, req.num_tokens - n_hit, hits):
             return False
         req.num_cached_tokens = n_hit
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.remote[req.request_id] = req
         return True
+
+    def watermark_blocks(self) -> int:
+        """Free blocks kept for running requests to grow into: one per request running or
+        reserved (its next block), and at least 1% of the cache."""
+        return max(len(self.running) + len(self.remote), cdiv(self.kv.pool.num_blocks, 100))
 
     def remote_ready(self, req: Request) -> None:
         """The transferred KV covers the whole prompt: cache it and start decoding."""

@@ -152,6 +152,14 @@ class StructuredOutputs:
     def __len__(self) -> int:
         return len(self._states)
 
+    def prime(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Feed tokens the grammar's output began with before this request's own outputs
+        (a decode worker recomputing a prompt that ends with the first generated token)."""
+        st = self._states.get(request_id)
+        if st is not None:
+            for t in token_ids:
+                st.matcher.consume_token(int(t))
+
     def advance(self, request_id: str, output_token_ids: Sequence[int]) -> bool:
         """Feed the tokens the matcher has not seen; True when the grammar is complete (the
         request should stop). A token the grammar rejects (only possible for a token sampled

@@ -7,7 +7,9 @@ yields `GenerateEvent`s and raises `GatewayError(grpc.StatusCode, message)`:
              deadline, output processor, metrics timer and trace span
     run      segments on (decode, prefill) pairs, migrating when a decode worker dies
              (gateway/segment.py; workers picked by gateway/routing.py)
-    finish   the deadline becomes DEADLINE_EXCEEDED; metrics and the span record the end
+    finish   the deadline becomes DEADLINE_EXCEEDED; metrics and the span record the end;
+             a refusal (RESOURCE_EXHAUSTED: every worker full) carries a retry hint, the
+             seconds the requests in flight take to drain at the measured completion rate
 
 When the caller goes away (generator closed, task cancelled) or anything fails, the open
 segment's cleanup cancels its calls and aborts the request on both workers.
@@ -15,6 +17,9 @@ segment's cleanup cancels its calls and aborts the request on both workers.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
+from collections import deque
 from contextlib import aclosing
 from typing import AsyncIterator
 
@@ -34,6 +39,29 @@ from .registry import WorkerPool
 from .request import GatewayError, GenerateEvent, GenerateInput, RequestState
 from .routing import Router
 from .segment import Segments
+
+
+class DrainRate:
+    """Completions per second over the last `window_s`, and the retry hint derived from it."""
+
+    def __init__(self, window_s: float = 10.0, max_events: int = 10_000):
+        self.window_s = window_s
+        self._done: deque[float] = deque(maxlen=max_events)
+
+    def completed(self, now: float | None = None) -> None:
+        self._done.append(time.monotonic() if now is None else now)
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self._done and now - self._done[0] > self.window_s:
+            self._done.popleft()
+        return len(self._done) / self.window_s
+
+    def retry_after_s(self, in_flight: int, now: float | None = None) -> int:
+        """Seconds until the requests in flight have drained at the measured rate, in
+        [1, 60] (1 with nothing measured yet)."""
+        r = self.rate(now)
+        return 1 if r <= 0 else min(max(math.ceil(in_flight / r), 1), 60)
 
 
 class Gateway:
@@ -59,6 +87,8 @@ class Gateway:
                        name="decode"), self.decode)]
         self._segments = Segments(Router(self.prefill, self.decode, cfg.affinity_slack),
                                   cfg, self.metrics)
+        self.drain_rate = DrainRate()
+        self.in_flight = 0
 
     @property
     def max_model_len(self) -> int:
@@ -95,20 +125,25 @@ class Gateway:
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
         """Stream the completion of one prompt (params.n must be 1)."""
         req = self._admit(inp)
+        self.in_flight += 1
         try:
             async with aclosing(self._segments.run(req)) as events:
                 async for ev in events:
                     req.timer.token(len(ev.token_ids))
                     yield ev
             req.ok = True
+            self.drain_rate.completed()
         except asyncio.TimeoutError:
             req.error = grpc.StatusCode.DEADLINE_EXCEEDED.name
             raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"request exceeded its deadline of {req.timeout_s:.1f}s") from None
         except GatewayError as e:
             req.error = e.code.name
+            if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.retry_after_s is None:
+                e.retry_after_s = self.drain_rate.retry_after_s(self.in_flight)
             raise
         finally:
+            self.in_flight -= 1
             self._observe_end(req)
 
     def _admit(self, inp: GenerateInput) -> RequestState:

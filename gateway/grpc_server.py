@@ -54,6 +54,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async for resp in self._generate(request, tracing.extract_context(context)):
                 yield resp
         except GatewayError as e:
+            if e.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", str(e.retry_after_s)),))
             await context.abort(e.code, public_message(e, request.request_id,
                                                        self.gw.worker_addresses()))
 

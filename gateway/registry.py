@@ -36,9 +36,14 @@ class Worker:
     def __init__(self, kind: str, address: str, stub_cls, mtls: MTLS | None = None):
         self.kind = kind
         self.address = address
+        # A restarted worker is probed back in within a health interval: gRPC's default
+        # reconnect backoff would grow to ~20 s while it was down.
         self.channel = channel(address, mtls, [
             ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.enable_retries", 0)])
+            ("grpc.enable_retries", 0),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)])
         self.stub = stub_cls(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False

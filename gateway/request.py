@@ -20,10 +20,11 @@ from engine.sampling_params import SamplingParams
 class GatewayError(Exception):
     """A request failed; `code` is the grpc.StatusCode the caller should see."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s   # a refusal's hint: REST Retry-After, gRPC trailer
 
 
 @dataclass

@@ -268,7 +268,8 @@ class Segments:
         dest = prefill_pb2.KvDestination(
             decode_worker_id=kv.decode_worker_id, kv_endpoint=kv.kv_endpoint,
             transfer_id=kv.transfer_id, dst_block_ids=kv.block_ids,
-            num_cached_tokens=kv.num_cached_tokens, compat=kv.compat)
+            num_cached_tokens=kv.num_cached_tokens, compat=kv.compat,
+            expires_at_unix_ms=kv.expires_at_unix_ms)
         req = prefill_pb2.PrefillRequest(request_id=seg.rid, prompt_token_ids=prompt,
                                          sampling=sampling_to_proto(params), destination=dest)
         seg.prefill_call = w.stub.Prefill(req, timeout=_remaining(deadline), metadata=seg.metadata)

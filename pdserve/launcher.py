@@ -8,10 +8,16 @@
 (`--device`, `--block-size`, ... from engine.config.EngineOptions), which the launcher hands
 to every worker as options (only those that differ from the defaults the workers share).
 
-Supervision: SIGINT/SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period)
-and exits 0; a child that dies on its own stops the rest and exits non-zero. Children also
-get SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so none is
-ever orphaned. Every wait has a deadline.
+Supervision (`Launcher.supervise`): SIGINT/SIGTERM stops every child (SIGTERM, then SIGKILL
+after a grace period) and exits 0. A worker that dies on its own is restarted on the same
+ports and arguments after an exponential backoff (restart_backoff_s, doubling per crash up
+to max_backoff_s; a worker that then ran for restart_window_s starts over), logged with its
+restart count, which the worker also exports as the `pdserve:process_restarts` gauge
+(environment PDSERVE_RESTARTS); the gateway probes it back in while the others keep
+serving. Only the gateway's death, or a worker crashing more than max_restarts times within
+restart_window_s (a crash loop), stops everything and exits non-zero. Children also get
+SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so none is ever
+orphaned. Every wait has a deadline.
 """
 from __future__ import annotations
 
@@ -86,6 +92,9 @@ class Child:
     argv: list[str]
     popen: subprocess.Popen | None = None
     log: IO | None = None
+    restarts: int = 0                       # by the supervisor, in all
+    crashes: list[float] = field(default_factory=list)   # monotonic times, within the window
+    restart_at: float | None = None         # a restart is due then (the child is dead)
 
     @property
     def pid(self) -> int:
@@ -109,6 +118,10 @@ class Launcher:
     mtls: tuple[str, str, str] | None = None  # (CA, cert, key) PEM paths every process uses
     tls_cert: str = ""                      # the gateway's public TLS (cert, key) PEM paths;
     tls_key: str = ""                       # the launcher's probe trusts the cert file
+    restart_backoff_s: float = 1.0          # first restart delay; doubles per recent crash
+    max_backoff_s: float = 30.0
+    restart_window_s: float = 60.0          # crashes older than this are forgotten
+    max_restarts: int = 5                   # crashes within the window before giving up
     children: list[Child] = field(default_factory=list)
 
     @property
@@ -153,17 +166,20 @@ class Launcher:
             raise
 
     def _spawn(self, c: Child) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        out = None
         if self.log_dir is not None:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
             n = sum(1 for x in self.children if x.role == c.role)
-            c.log = open(Path(self.log_dir) / f"{c.role}-{n}.log", "wb")
-            out = c.log
+            c.log = open(Path(self.log_dir) / f"{c.role}-{n}.log", "ab")
+        self._popen(c)
+        self.children.append(c)
+
+    def _popen(self, c: Child) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PDSERVE_RESTARTS=str(c.restarts))
+        out = c.log
         c.popen = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *c.argv], env=env,
                                    stdout=out, stderr=subprocess.STDOUT if out else None,
                                    stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
-        self.children.append(c)
 
     def _mtls_args(self) -> list[str]:
         if self.mtls is None:
@@ -204,8 +220,41 @@ class Launcher:
                 # a bounded pause between probes (the probe itself has its own deadline)
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
-    def dead_child(self) -> Child | None:
-        return next((c for c in self.children if c.popen.poll() is not None), None)
+    def supervise(self, stop: threading.Event, interval_s: float = 0.2) -> int:
+        """Restart crashed workers until `stop` is set (returns 0) or the gateway dies or a
+        worker crash-loops (returns 1; the caller stops everything)."""
+        while not stop.wait(interval_s):
+            problem = self.check_children(time.monotonic())
+            if problem is not None:
+                _say(f"pdserve up: {problem}; stopping everything")
+                return 1
+        return 0
+
+    def check_children(self, now: float) -> str | None:
+        """One supervision pass: note new crashes, restart workers whose backoff is over.
+        Returns why everything must stop, or None."""
+        for c in self.children:
+            if c.restart_at is not None:
+                if now >= c.restart_at:
+                    c.restart_at = None
+                    c.restarts += 1
+                    _say(f"pdserve up: restarting {c.role} on {c.address} (restart #{c.restarts})")
+                    self._popen(c)
+                continue
+            code = c.popen.poll()
+            if code is None:
+                continue
+            if c.role == "gateway":
+                return f"the gateway on {c.address} exited with code {code}"
+            c.crashes = [t for t in c.crashes if now - t < self.restart_window_s] + [now]
+            if len(c.crashes) > self.max_restarts:
+                return (f"{c.role} on {c.address} crashed {len(c.crashes)} times within "
+                        f"{self.restart_window_s:g}s (last exit code {code})")
+            delay = min(self.restart_backoff_s * 2 ** (len(c.crashes) - 1), self.max_backoff_s)
+            c.restart_at = now + delay
+            _say(f"pdserve up: {c.role} on {c.address} exited with code {code}; restart "
+                 f"#{c.restarts + 1} in {delay:g}s")
+        return None
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child (gateway first), SIGKILL what is left after grace_s."""
@@ -223,6 +272,10 @@ class Launcher:
                 c.popen.wait(5)
             if c.log is not None:
                 c.log.close()
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -248,6 +301,10 @@ class UpConfig:
     mtls_cert: str = field(default="", metadata={
         "help": "the certificate every process presents (signed by --mtls-ca)"})
     mtls_key: str = field(default="", metadata={"help": "PEM private key of --mtls-cert"})
+    restart_backoff: float = field(default=1.0, metadata={
+        "help": "seconds before a crashed worker is restarted (doubles per recent crash)"})
+    max_restarts: int = field(default=5, metadata={
+        "help": "crashes of one worker within a minute before `up` gives up (a crash loop)"})
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self):
@@ -255,6 +312,8 @@ class UpConfig:
             raise ValueError("--prefill and --decode must be >= 1")
         tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
+        if self.restart_backoff <= 0 or self.max_restarts < 0:
+            raise ValueError("--restart-backoff must be > 0 and --max-restarts >= 0")
 
 
 def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
@@ -287,7 +346,8 @@ def main(cfg: UpConfig) -> int:
     launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
                         gateway_args=gateway_args, engine=cfg.engine,
                         mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
-                        tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+                        tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
+                        restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts)
     try:
         try:
             launcher.start(cfg.ready_timeout, cancel=stop)
@@ -300,13 +360,7 @@ def main(cfg: UpConfig) -> int:
               f"decode={w['decode']} model={model}", flush=True)
         for line in plain_text_ports(cfg, launcher):
             print(f"pdserve up: WARNING: {line}", file=sys.stderr, flush=True)
-        while not stop.wait(0.5):
-            dead = launcher.dead_child()
-            if dead is not None:
-                print(f"pdserve up: {dead.role} on {dead.address} exited with code "
-                      f"{dead.popen.returncode}; stopping everything", file=sys.stderr, flush=True)
-                return 1
-        return 0
+        return launcher.supervise(stop)
     finally:
         launcher.stop()
         for s, h in previous.items():

@@ -5,14 +5,16 @@ One Prefill call (see protos/pdserve/v1/prefill.proto for the whole lifecycle), 
 object holding its state, in four phases:
 
     validate params, prompt and destination (INVALID_ARGUMENT); compat check against the
-    decoder's KvCompat (FAILED_PRECONDITION naming both sides)
+    decoder's KvCompat (FAILED_PRECONDITION naming both sides); a reservation already
+    expired (destination.expires_at_unix_ms) is DEADLINE_EXCEEDED
     open transfer:   KVPush.open(transfer to destination.kv_endpoint): connect + HELLO
                      handshake (UNAVAILABLE if unreachable, FAILED_PRECONDITION if the
                      decoder rejects us)
     compute:         engine.add_request(prefill_only=True); on the engine thread, inside
                      step(), KVPush.save_kv_layer pushes layer i of the blocks the decoder
                      lacks (blocks >= num_cached_tokens // block_size) once it is written;
-                     the first token is sampled
+                     the first token is sampled. Bounded by the reservation's deadline:
+                     past it the request is dropped (DEADLINE_EXCEEDED), queued or not
     finish transfer: await every send (bounded by kv_send_timeout_s)
     respond:         engine.release(): blocks back to the pool -> PrefillResponse
     Any error, Abort(request_id) or the caller's cancel: cancel the transfer, abort the
@@ -76,6 +78,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self.block_size = self.ae.block_size
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
+        self.expired = 0                  # calls dropped: their reservation expired first
 
     # -------------------------------------------------------------- RPCs
     async def Prefill(self, request, context):
@@ -92,9 +95,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             await context.abort(e.code, e.message)
         except asyncio.CancelledError:
             if rid in self._aborted:
-                self._aborted.discard(rid)
                 await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
             raise
+        finally:
+            self._aborted.discard(rid)     # also when the call ended before the cancel landed
 
     async def Abort(self, request, context):
         task = self._tasks.get(request.request_id)
@@ -113,7 +117,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             queued_prefill_tokens=st.queued_prefill_tokens, free_kv_blocks=st.num_free_blocks,
             total_kv_blocks=st.num_total_blocks,
             transfers=common_pb2.TransferCounters(transfers_done=c.transfers_done, blocks=c.blocks_sent,
-                                                  bytes=c.bytes_sent, failures=c.failures),
+                                                  bytes=c.bytes_sent, failures=c.failures,
+                                                  expirations=self.expired),
             compat=protoconv.compat_to_proto(self.compat),
             max_model_len=self.ae.max_model_len)
 
@@ -151,6 +156,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if len(dest.dst_block_ids) != want:
             raise RpcStatus(bad, f"destination has {len(dest.dst_block_ids)} blocks; a {len(ids)}-token "
                                f"prompt with {cached} cached tokens needs {want} (block size {bs})")
+        if dest.expires_at_unix_ms and dest.expires_at_unix_ms <= time.time() * 1000:
+            self.expired += 1
+            raise RpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "the decode worker's KV reservation has already expired")
         return _Call(request.request_id, ids, params, dest, cached)
 
     async def _prefill(self, request) -> prefill_pb2.PrefillResponse:
@@ -185,18 +194,34 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 
     async def _compute(self, call: _Call) -> None:
         """The prompt through the engine (its layers pushed as they are written) up to the
-        first sampled token."""
+        first sampled token, by the reservation's deadline: work still queued (or computing)
+        when the decoder lets its blocks go is dropped, its engine request aborted by _end."""
         rid = call.request_id
         try:
             await self.ae.add_request(rid, call.prompt, call.params, prefill_only=True)
         except ValueError as e:
             raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        async for out in self.ae.stream(rid):
-            call.final = out
+        try:
+            await asyncio.wait_for(self._first_token(call), self._until_expiry(call))
+        except asyncio.TimeoutError:
+            self.expired += 1
+            raise RpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"request {rid!r}: the decode worker's KV reservation expired before "
+                            "its prompt was computed (dropped from the queue)") from None
         if call.final is None or call.final.finish_reason == "abort":
             raise RpcStatus(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
         call.t_compute = time.perf_counter()
         await self._observe_engine_phases(rid)
+
+    async def _first_token(self, call: _Call) -> None:
+        async for out in self.ae.stream(call.request_id):
+            call.final = out
+
+    @staticmethod
+    def _until_expiry(call: _Call) -> float | None:
+        """Seconds until the destination's reservation expires (None: no deadline given)."""
+        ms = call.dest.expires_at_unix_ms
+        return None if ms <= 0 else max(ms / 1000 - time.time(), 0.0)
 
     async def _finish_transfer(self, call: _Call) -> None:
         """Wait until every pushed layer was sent (kv_send_timeout_s)."""

@@ -27,6 +27,7 @@ ignored on purpose.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -144,6 +145,9 @@ class Metrics:
         self.kv_transfer_time = histogram("kv_transfer_seconds", "Duration of one request's KV transfer",
                                           TRANSFER_BUCKETS)
         self.kv_transfer_failures = counter("kv_transfer_failures", "KV transfers that failed").labels(role)
+        # `pdserve up` restarts a crashed worker with PDSERVE_RESTARTS set to its count
+        gauge("process_restarts", "Times this worker was restarted by its supervisor").set(
+            int(os.environ.get("PDSERVE_RESTARTS", "0")))
         self._last_totals: dict[str, int] = {}
 
     # ---------------------------------------------------------------- gateway

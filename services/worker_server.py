@@ -10,7 +10,8 @@
     AsyncEngine thread started; role.servicer_class(parts) added to the server
     WorkerServer.run:
       start  -> health NOT_SERVING -> warm-up (one tiny request through the engine)
-             -> health SERVING, `ready` set
+             -> health SERVING, `ready` set; NOT_SERVING while the engine is unhealthy
+             (consecutive failed steps, see AsyncEngine.healthy)
       SIGTERM (or `stop` set) -> draining: health NOT_SERVING, new work refused with
              UNAVAILABLE, in-flight calls get up to drain_timeout_s -> server stopped
     shutdown: engine thread, KV endpoint (and its transport), telemetry
@@ -91,6 +92,8 @@ class WorkerServer:
             add_port(self.health_server, f"{host}:{health_port}", None)
         self.drain_timeout_s = drain_timeout_s
         self.draining = False
+        self.ready = False                   # warmed up (SERVING unless draining or unhealthy)
+        self.engine_healthy = True
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -101,6 +104,14 @@ class WorkerServer:
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in [""] + self.service_names:
             await self.health.set(name, status)
+
+    def engine_health(self, healthy: bool) -> None:
+        """The engine's health changed (consecutive step failures): health follows it."""
+        log.warning("engine %s: health %s", "recovered" if healthy else "failing",
+                    "SERVING" if healthy else "NOT_SERVING")
+        self.engine_healthy = healthy
+        if self.ready and not self.draining:
+            asyncio.ensure_future(self.set_serving(healthy))
 
     @contextlib.contextmanager
     def track(self):
@@ -135,7 +146,8 @@ class WorkerServer:
                 pass
         try:
             await warm_up()
-            await self.set_serving(True)
+            self.ready = True
+            await self.set_serving(self.engine_healthy)
             log.info("serving %s on port %d", ", ".join(self.service_names), self.port)
             if ready is not None:
                 ready.set()
@@ -240,7 +252,7 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
                            MTLS.from_config(cfg), cfg.health_port)
         worker_id = cfg.worker_id or f"{role.name}-{cfg.host}:{srv.port}"
         kv = await role.open_kv(cfg, engine, transport, connector)
-        ae = AsyncEngine(engine, name=f"{role.name}-engine")
+        ae = AsyncEngine(engine, name=f"{role.name}-engine", on_health=srv.engine_health)
         ae.start()
         tel.metrics.watch_engine(ae.stats)
         parts = WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter)

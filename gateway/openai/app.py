@@ -22,6 +22,7 @@ from ..core import Gateway
 from ..validate import MAX_BODY_BYTES
 from .chat import Chat
 from .completions import Completion
+from .disconnect import CancelOnDisconnect
 from .errors import OpenAIError, install_handlers, unknown_model
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -33,6 +34,7 @@ def create_app(gw: Gateway, keys: KeyStore | None = None) -> FastAPI:
                   description="OpenAI chat/completions over pdserve's disaggregated gateway")
     install_handlers(app)
     app.add_middleware(_limit_body)
+    app.add_middleware(CancelOnDisconnect)
     if keys is not None and keys.enabled:
         app.add_middleware(rest_middleware(keys, lambda status, msg: OpenAIError(
             status, msg, *_AUTH_ERRORS[status]).response()))

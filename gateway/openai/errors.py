@@ -29,24 +29,28 @@ _STATUS = {  # grpc status -> (http status, OpenAI error type)
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after_s = retry_after_s
 
     @classmethod
     def from_gateway(cls, e: GatewayError, message: str | None = None) -> "OpenAIError":
         """`message`: the client's version of e.message (gateway/redact.py)."""
         status, type_ = _STATUS.get(e.code, (500, "internal_error"))
         return cls(status, e.message if message is None else message, type_, None,
-                   e.code.name.lower())
+                   e.code.name.lower(), e.retry_after_s)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(self.retry_after_s)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:

@@ -363,8 +363,16 @@ def test_resource_exhausted_429_then_unavailable_503(start_system, model_dir):
             other = "Good morning! How are you today? I am fine. " * 4     # no shared prefix
             refused = c.post(base + "/v1/completions",
                              json={"model": name, "prompt": other, "max_tokens": 4})
+            with grpc.insecure_channel(sys_b.grpc_address) as ch:    # the same hint on gRPC
+                call = generation_pb2_grpc.GenerationStub(ch).Generate(generation_pb2.GenerateRequest(
+                    text=other, sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=30)
+                with pytest.raises(grpc.RpcError) as e:
+                    list(call)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert 1 <= int(dict(e.value.trailing_metadata())["retry-after"]) <= 60
         body = _err(refused, 429)
         assert body["type"] == "rate_limit_error"
+        assert 1 <= int(refused.headers["retry-after"]) <= 60     # the measured drain hint
         for w in sys_b.workers("prefill") + sys_b.workers("decode"):
             w.popen.kill()
             w.popen.wait(10)

@@ -1,5 +1,6 @@
 """AsyncEngine: one engine thread, commands through an inbox, per-request output streams."""
 import asyncio
+import time
 
 import pytest
 import torch
@@ -188,3 +189,101 @@ def test_coalesced_stream_skips_to_the_newest_output(model_dir):
     outs = asyncio.run(main())
     assert len(outs) == 1 and outs[0].finished
     assert outs[0].token_ids == ref.token_ids and len(outs[0].logprobs) == len(ref.token_ids)
+
+
+def test_stalled_engine_sleeps_until_blocks_are_freed(model_dir):
+    """Waiting requests that cannot get blocks do not spin the engine thread: it sleeps
+    (no steps, next to no CPU) until a command frees blocks, then serves them."""
+    async def main():
+        ae = AsyncEngine(_engine(model_dir, num_blocks=4))   # 32 tokens of cache
+        ae.start()
+        try:
+            hold = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            await ae.add_request("held", [3] * 30, hold, prefill_only=True)
+            assert [o async for o in ae.stream("held")][-1].finish_reason == "prefill_done"
+            await ae.add_request("w", [4] * 20, GREEDY)          # 4 blocks held: it waits
+            await ae.call(lambda: None)
+            steps, cpu, wall = ae.num_steps, time.process_time(), time.monotonic()
+            await asyncio.sleep(0.5)
+            cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+            assert ae.num_steps - steps <= 1, "the stalled engine kept stepping"
+            assert cpu < 0.1 * wall, f"{cpu:.3f}s CPU in {wall:.3f}s while stalled"
+            assert ae.stats().num_waiting == 1
+            await ae.release("held")                               # blocks freed: it runs
+            outs = await asyncio.wait_for(_collect(ae, "w"), 30)
+            assert outs[-1].finished and len(outs[-1].token_ids) == GREEDY.max_tokens
+        finally:
+            await ae.shutdown()
+    asyncio.run(main())
+
+
+def test_consecutive_step_failures_make_the_engine_unhealthy(model_dir):
+    async def main():
+        changes = []
+        ae = AsyncEngine(_engine(model_dir), max_step_failures=2, on_health=changes.append)
+        eng = ae.engine
+        real, broken = eng.step, {"on": True}
+
+        def step():
+            if broken["on"]:
+                raise RuntimeError("device lost")
+            return real()
+        eng.step = step
+        ae.start()
+        try:
+            for i in range(2):
+                await ae.add_request(f"f{i}", _prompts()[0], GREEDY)
+                with pytest.raises(EngineError):
+                    [o async for o in ae.stream(f"f{i}")]
+                assert ae.healthy == (i == 0)
+            await asyncio.sleep(0)                                  # on_health runs on the loop
+            assert changes == [False]
+            broken["on"] = False
+            await ae.add_request("ok", _prompts()[0], GREEDY)
+            assert [o async for o in ae.stream("ok")][-1].finished
+            await asyncio.sleep(0)
+            assert ae.healthy and changes == [False, True]
+        finally:
+            await ae.shutdown()
+    asyncio.run(main())
+
+
+def test_recompute_with_the_first_token_keeps_the_grammar(model_dir):
+    """A decode worker's recompute fallback knows the first token (prompt + [first]): the
+    grammar is fed it, so the rest equals the offline engine's constrained output."""
+    from engine.structured import StructuredOutput
+    spec = StructuredOutput(regex=r"(yes|no), [0-9]{3}")
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured=spec)
+    prompt = _prompts()[1]
+    ref = LLM(model_dir, num_blocks=64, block_size=8).generate([prompt], params)[0].token_ids
+    assert len(ref) > 2
+
+    async def main():
+        ae = AsyncEngine(_engine(model_dir))
+        ae.start()
+        try:
+            assert await ae.add_remote_request("s", prompt, params) is not None
+            rest = SamplingParams(temperature=0.0, max_tokens=39, structured=spec)
+            await ae.recompute_locally("s", prompt + ref[:1], rest, ref[:1])
+            return (await _collect(ae, "s"))[-1]
+        finally:
+            await ae.shutdown()
+    out = asyncio.run(main())
+    assert out.finish_reason == "stop" and out.token_ids == ref[1:]
+
+
+def test_abort_racing_an_add_leaves_no_stream_behind(model_dir):
+    async def main():
+        ae = AsyncEngine(_engine(model_dir))
+        ae.start()
+        try:
+            add = asyncio.ensure_future(ae.add_remote_request("race", _prompts()[0], GREEDY))
+            await asyncio.sleep(0)                    # the add's command is queued first
+            assert await ae.abort("race")
+            assert await add is not None
+            assert ae._unclaimed == {} and not ae._streams
+            await ae.call(lambda: None)
+            assert ae.engine.kv.num_held_blocks() == 0
+        finally:
+            await ae.shutdown()
+    asyncio.run(main())

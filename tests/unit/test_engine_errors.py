@@ -92,3 +92,20 @@ def test_prefill_only_needs_blocks_for_the_prompt_only(model_dir):
     assert out.finish_reason == "prefill_done" and len(out.block_ids) == 2
     engine.release("pre")
     assert engine.kv.num_held_blocks() == 0
+
+
+def test_no_max_tokens_on_a_cache_smaller_than_the_context_is_served(model_dir):
+    """Without max_tokens the request may run to the end of the context; a cache that cannot
+    hold the whole context still serves it, ending with "length" when the cache is full."""
+    engine = LLMEngine.from_model_dir(model_dir, num_blocks=3)      # 48 token slots
+    assert engine.config.model.max_model_len > 48
+    prompt = list(range(3, 20))
+    engine.add_request("open", prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    final = None
+    for _ in range(100):                                            # bounded: 31 tokens
+        final = next((o for o in engine.step() if o.finished), None)
+        if final is not None:
+            break
+    assert final is not None and final.finish_reason == "length"
+    assert len(prompt) + len(final.token_ids) == 48
+    assert engine.kv.num_held_blocks() == 0

@@ -48,7 +48,8 @@ def _greedy(max_tokens):
 def _dest(kv: decode_pb2.KvReady) -> prefill_pb2.KvDestination:
     return prefill_pb2.KvDestination(decode_worker_id=kv.decode_worker_id, kv_endpoint=kv.kv_endpoint,
                                      transfer_id=kv.transfer_id, dst_block_ids=kv.block_ids,
-                                     num_cached_tokens=kv.num_cached_tokens, compat=kv.compat)
+                                     num_cached_tokens=kv.num_cached_tokens, compat=kv.compat,
+                                     expires_at_unix_ms=kv.expires_at_unix_ms)
 
 
 async def _rest(stream) -> list:
@@ -304,6 +305,33 @@ def test_internal_rpcs_refuse_bad_inputs_and_foreign_destinations(system):
                 timeout=RPC_S)
         assert e.value.code() is grpc.StatusCode.PERMISSION_DENIED
         assert (await system.dec.Abort(common_pb2.AbortRequest(request_id=rid), timeout=RPC_S)).found
+        await _rest(stream)
+        await system.wait_all_free()
+    system.run(main())
+
+
+def test_prefill_drops_work_whose_reservation_expired(system):
+    """The reservation's deadline travels in the destination: a Prefill arriving after it
+    is refused with DEADLINE_EXCEEDED (counted), and nothing stays held on either side."""
+    async def main():
+        before = (await system.pre.Stats(common_pb2.StatsRequest(), timeout=RPC_S)).transfers.expirations
+        rid, prompt = "late-" + uuid.uuid4().hex, _prompt(20, 7)
+        stream = system.dec.Decode(decode_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=_greedy(4), kv_timeout_ms=300,
+            kv_failure_policy=decode_pb2.KV_FAILURE_POLICY_FAIL), timeout=RPC_S)
+        kv = (await asyncio.wait_for(stream.read(), RPC_S)).kv_ready
+        assert kv.expires_at_unix_ms > 0
+        await asyncio.sleep(0.5)                                   # past the 300 ms deadline
+        dest = _dest(kv)
+        assert dest.expires_at_unix_ms == kv.expires_at_unix_ms
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await system.pre.Prefill(prefill_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=_greedy(4), destination=dest),
+                timeout=RPC_S)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value.details()
+        assert "expired" in e.value.details()
+        after = (await system.pre.Stats(common_pb2.StatsRequest(), timeout=RPC_S)).transfers.expirations
+        assert after == before + 1
         await _rest(stream)
         await system.wait_all_free()
     system.run(main())

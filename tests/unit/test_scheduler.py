@@ -105,3 +105,26 @@ def test_remove_frees_everything():
     run_step(s)
     s.remove(a)
     assert s.kv.num_held_blocks() == 0 and not s.running
+
+
+def test_remote_reservations_keep_a_watermark_and_max_num_seqs():
+    """A reservation that would leave running requests no block to grow into is refused
+    (nothing reserved), and so is one beyond max_num_seqs; running requests then decode
+    without preemption."""
+    s = make(num_blocks=8, block_size=4, max_seqs=8)
+    a = req("a", 12)                          # 3 blocks
+    assert s.reserve_remote(a)
+    b = req("b", 12)                          # 3 more: 2 free, watermark 2 (a and b)
+    assert s.reserve_remote(b) and s.kv.num_free_blocks == 2
+    c = req("c", 4)                           # 1 block would leave 1 < watermark 3
+    assert not s.reserve_remote(c)
+    assert c.block_ids == [] and "c" not in s.remote and s.kv.num_free_blocks == 2
+    for r in (a, b):
+        r.output_token_ids.append(5)
+        s.remote_ready(r)
+    for _ in range(4):                        # both cross into a new block: no preemption
+        out = run_step(s)
+        assert not out.preempted and len(out.scheduled) == 2
+    s2 = make(num_blocks=64, block_size=4, max_seqs=2)
+    assert s2.reserve_remote(req("x", 4)) and s2.reserve_remote(req("y", 4))
+    assert not s2.reserve_remote(req("z", 4))

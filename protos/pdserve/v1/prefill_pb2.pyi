@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvDestination(_message.Message):
-    __slots__ = ("decode_worker_id", "kv_endpoint", "transfer_id", "dst_block_ids", "num_cached_tokens", "compat")
+    __slots__ = ("decode_worker_id", "kv_endpoint", "transfer_id", "dst_block_ids", "num_cached_tokens", "compat", "expires_at_unix_ms")
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     decode_worker_id: str
     kv_endpoint: str
     transfer_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     compat: _common_pb2.KvCompat
-    def __init__(self, decode_worker_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ...) -> None: ...
+    expires_at_unix_ms: int
+    def __init__(self, decode_worker_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination")
