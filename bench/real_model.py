@@ -10,13 +10,15 @@ Same cores for everyone: this process pins itself to --cpus before starting any 
 every server inherits that affinity; thread budgets are len(--cpus) for each: pdserve's two
 workers one torch thread each, transformers OMP_NUM_THREADS=len(cpus), llama.cpp
 --n_threads len(cpus). The GGUF file is the one input: pdserve and llama.cpp load it
-directly, transformers serve as `DIR:FILE.gguf` (it dequantizes to float32, as pdserve does).
+directly; transformers serve gets transformers' own float32 dequantization of it saved as a
+directory (hf_dir_from_gguf: it cannot serve the GGUF itself).
 
 Workload: streaming /v1/chat/completions, greedy, max_tokens --output-tokens, distinct
 prompts of --prompt-tokens tokens cut from the GPL-3 text, a closed loop of `concurrency`
 clients. TTFT = first content chunk; output tokens = the final chunk's `usage`
 (stream_options.include_usage) -- a server that sends none is marked "(chunks)" and its
-content chunks are counted instead; ITL = (last chunk - first chunk) / (tokens - 1).
+content chunks are counted instead; ITL = (last chunk - first chunk) / (tokens - 1). A stream
+that ends in an error chunk counts as an error, not as output.
 """
 from __future__ import annotations
 
@@ -62,6 +64,8 @@ async def one(client, url, model, prompt, max_tokens) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                return {"error": str(chunk["error"])[:200]}
             usage = chunk.get("usage") or usage
             for c in chunk.get("choices") or []:
                 if (c.get("delta") or {}).get("content"):
@@ -84,12 +88,14 @@ async def run_level(base, model, ps, concurrency, max_tokens) -> dict:
                 results.append(await one(client, url, model, queue.pop(), max_tokens))
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+    errors = [r["error"] for r in results if "error" in r]
+    results = [r for r in results if "error" not in r]
     ttft = sorted(r["ttft"] for r in results)
     itl = sorted(x for r in results for x in r["itl"])
     return {"ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50),
             "itl_p99": pct(itl, 99), "tok_s": sum(r["tokens"] for r in results) / wall,
             "requests": len(results), "tokens": sum(r["tokens"] for r in results),
-            "usage": all(r["usage"] for r in results)}
+            "usage": all(r["usage"] for r in results), "errors": errors}
 
 
 def pct(xs, p):
@@ -119,7 +125,8 @@ def run_levels(base, model, ps_by_level, max_tokens):
 def bench_pdserve(model, ps_by_level, max_tokens, log_dir, threads):
     port = free_port()
     t0 = time.perf_counter()
-    launcher = Launcher(model, 1, 1, http_port=port, log_dir=log_dir)
+    launcher = Launcher(model, 1, 1, http_port=port, log_dir=log_dir,
+                        gateway_args=["--request-timeout-s", "1800"])
     launcher.start(900)
     print(f"pdserve ready in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
     try:
@@ -148,11 +155,30 @@ def _serve(name, argv, env, log_dir, ready_path, model, ps_by_level, max_tokens,
         log.close()
 
 
+def hf_dir_from_gguf(model: str, out: Path) -> Path:
+    """transformers' own GGUF loading, saved as a directory `transformers serve` accepts: it
+    cannot serve `DIR:FILE.gguf` (its config from GGUF has no `architectures`) and
+    `save_pretrained` refuses a GGUF-loaded model, so the state dict and config go by hand."""
+    import torch
+    import transformers as T
+    from safetensors.torch import save_file
+    p = Path(model)
+    m = T.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32)
+    T.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name).save_pretrained(out)
+    m.config.architectures = [type(m).__name__]
+    m.config.save_pretrained(out)
+    m.generation_config.save_pretrained(out)
+    sd = {k: v.contiguous() for k, v in m.state_dict().items()
+          if not (k == "lm_head.weight" and m.config.tie_word_embeddings)}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def bench_transformers(model, ps_by_level, max_tokens, log_dir, threads):
     exe = shutil.which("transformers")
     if exe is None:
         raise RuntimeError("the `transformers` command is not installed")
-    port, name = free_port(), f"{Path(model).parent}:{Path(model).name}"
+    port, name = free_port(), str(hf_dir_from_gguf(model, Path(log_dir) / "hf-model"))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
     argv = [exe, "serve", "--continuous-batching", "--cb-num-blocks", "256", "--cb-block-size",
             "32", "--host", "127.0.0.1", "--port", str(port), name]
@@ -192,6 +218,35 @@ def bench_generate(model, prompt, max_tokens, threads) -> dict:
     return {"prefill_s": prefill, "tok_s": n / wall, "tokens": n, "prompt_tokens": ids.shape[1]}
 
 
+def perplexity_check(model: str, limit: int, context: int, stride: int) -> str:
+    """Perplexity of the GPL-3 text's first `limit` tokens: pdserve's engine vs transformers'
+    recipe (labels, loss) on the same tokens, windows and dequantized weights."""
+    import math
+
+    import torch
+    import transformers as T
+
+    from pdserve.eval import engine_logprobs, perplexity, table as ppl_table, text_ids
+    ids = text_ids(model, TEXT, limit)
+    ours = perplexity(ids, context, stride, engine_logprobs(model), "pdserve engine")
+    p = Path(model)
+    m = T.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
+    nll, count, prev_end, x = 0.0, 0, 0, torch.tensor([ids])
+    for begin in range(0, len(ids), stride):
+        end = min(begin + context, len(ids))
+        labels = x[:, begin:end].clone()
+        labels[:, :-(end - prev_end)] = -100
+        with torch.no_grad():
+            loss = m(x[:, begin:end], labels=labels).loss.item()
+        n = int((labels[:, 1:] != -100).sum())
+        nll, count, prev_end = nll + loss * n, count + n, end
+        if end == len(ids):
+            break
+    hf = math.exp(nll / count)
+    return (ppl_table([ours], str(TEXT)) + f"\ntransformers (same tokens and windows): "
+            f"{count} tokens, perplexity {hf:.4f}; pdserve / transformers = {ours.value / hf:.6f}")
+
+
 METRICS = (("ttft_p50", "TTFT p50", 1e3, "ms"), ("ttft_p99", "TTFT p99", 1e3, "ms"),
            ("itl_p50", "ITL p50", 1e3, "ms"), ("itl_p99", "ITL p99", 1e3, "ms"),
            ("tok_s", "output tok/s", 1, ""))
@@ -224,6 +279,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--servers", default="pdserve,transformers,llama.cpp")
+    ap.add_argument("--perplexity", type=int, default=0, metavar="N", help="instead: perplexity "
+                    "of the GPL-3's first N tokens, pdserve's engine vs transformers")
     args = ap.parse_args()
     cpus = [int(x) for x in args.cpus.split(",")]
     os.sched_setaffinity(0, cpus)          # every server started below inherits these cores
@@ -232,6 +289,9 @@ def main() -> int:
     else:
         from pdserve.default_model import resolve_default_model
         model = str(resolve_default_model())
+    if args.perplexity:
+        print(perplexity_check(model, args.perplexity, 512, 256))
+        return 0
     levels = [int(x) for x in args.concurrency.split(",")]
     counts = [int(x) for x in args.requests.split(",")]
     ps = prompts(model, sum(counts), args.prompt_tokens)
@@ -259,7 +319,8 @@ def main() -> int:
     for name, r in res.items():
         if r:
             print(f"{name}: " + ", ".join(f"c={c}: {x['requests']} req, {x['tokens']} tok, "
-                                          f"usage={'yes' if x['usage'] else 'no'}"
+                                          f"usage={'yes' if x['usage'] else 'no'}, "
+                                          f"{len(x['errors'])} errors {x['errors'][:1]}"
                                           for c, x in r.items()))
     print(f"\ntransformers generate() one stream ({len(cpus)} threads, float32): prefill of "
           f"{gen['prompt_tokens']} tokens {gen['prefill_s'] * 1e3:.1f} ms, decode "

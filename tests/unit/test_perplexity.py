@@ -90,3 +90,62 @@ def test_url_path_agrees_with_the_engine(model, engine_result, tmp_path, capsys)
     tokens, wins, ctx, stride, _, ppl = row.split()[-6:]
     assert (int(tokens), int(wins), int(ctx), int(stride)) == (r.tokens, r.windows, CONTEXT, STRIDE)
     assert float(ppl) == pytest.approx(r.value, rel=1e-3)
+
+
+TASK = """task: pdserve_gpl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{continuation}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+
+
+def test_lm_eval_local_completions_matches_pdserve(model, tmp_path, monkeypatch):
+    """lm-eval's own `local-completions` model against a running pdserve, on a loglikelihood
+    task defined on a local JSON file (no hub): each document's loglikelihood equals the one
+    from pdserve eval's engine path on the same tokens."""
+    lm_eval = pytest.importorskip("lm_eval")
+    pytest.importorskip("tenacity")          # lm-eval[api]
+    import json
+
+    from lm_eval.tasks import TaskManager
+
+    from engine.tokenizer import Tokenizer
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    lines = [x.strip() for x in DATA.read_text().splitlines() if len(x.strip()) > 40][:6]
+    cuts = [x.rfind(" ", 0, len(x) // 2) for x in lines]     # at a word boundary
+    docs = [{"context": x[:i], "continuation": x[i:]} for x, i in zip(lines, cuts)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "task").mkdir()
+    (tmp_path / "task" / "pdserve_gpl.yaml").write_text(TASK.format(data=tmp_path / "docs.jsonl"))
+
+    port = free_port()
+    system = Launcher(model, 1, 1, http_port=port, log_dir=tmp_path / "logs")
+    system.start(120)
+    try:
+        out = lm_eval.simple_evaluate(
+            model="local-completions",
+            model_args={"model": Path(model).name, "tokenizer": model, "num_concurrent": 1,
+                        "max_retries": 1, "tokenized_requests": True,
+                        "base_url": f"http://127.0.0.1:{port}/v1/completions"},
+            tasks=["pdserve_gpl"], task_manager=TaskManager(include_path=str(tmp_path / "task")),
+            log_samples=True, bootstrap_iters=0)
+    finally:
+        system.stop()
+    got = {s["doc"]["context"]: s["resps"][0][0][0] for s in out["samples"]["pdserve_gpl"]}
+    assert len(got) == len(docs)
+    tok = Tokenizer.from_dir(model)
+    logprobs_of = engine_logprobs(model, num_blocks=64)
+    for d in docs:
+        ctx = tok.encode(d["context"], add_special_tokens=False)
+        whole = tok.encode(d["context"] + d["continuation"], add_special_tokens=False)
+        assert whole[:len(ctx)] == ctx
+        want = sum(logprobs_of([whole])[0][len(ctx):])
+        assert got[d["context"]] == pytest.approx(want, abs=1e-3)
