@@ -39,11 +39,8 @@ def test_models_and_limits_follow_the_workers(system, model_dir):
     assert str(SERVED) in e.value.message
 
 
-# Needs the decode admission of the overload branch (d4acc6f: a request without max_tokens
-# is capped at what the cache holds). Until it is merged the engine refuses the request
-# ("needs up to 256 KV blocks, the cache has 32"): strict xfail, so the merge that fixes it
-# turns this into a failure to remove the mark (checked: with d4acc6f cherry-picked it passes).
-@pytest.mark.xfail(strict=True, reason="decode reservation policy: branch overload (issue 14 item 2)")
+# A request without max_tokens is capped at what the decode cache holds (decode admission),
+# never refused for a prompt that fits.
 def test_chat_without_max_tokens_when_the_full_context_does_not_fit_the_cache(start_system):
     import openai
     system = start_system(1, 1, http_port=free_port("127.0.0.1"),
