@@ -85,7 +85,10 @@ async def run_level(base, model, ps, concurrency, max_tokens) -> dict:
 
         async def worker():
             while queue:
-                results.append(await one(client, url, model, queue.pop(), max_tokens))
+                try:
+                    results.append(await one(client, url, model, queue.pop(), max_tokens))
+                except httpx.HTTPError as e:      # a server that drops the stream: an error
+                    results.append({"error": f"{type(e).__name__}: {e}"[:200]})
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     errors = [r["error"] for r in results if "error" in r]
