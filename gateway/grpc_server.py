@@ -235,7 +235,7 @@ def _grpc_server(gw: Gateway, keys: KeyStore | None = None):
     """The grpc.aio server with Generation (behind `keys`), health (serve() sets its
     statuses) and reflection."""
     interceptors = [GrpcAuth(keys, (SERVICE,))] if keys is not None and keys.enabled else []
-    interceptors.append(security.MalformedRequests((SERVICE,)))   # after the key check
+    interceptors.append(security.RequestGuard((SERVICE,)))   # after the key check
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
     health_servicer = health.aio.HealthServicer()

@@ -105,13 +105,19 @@ def exposed(host: str, ports: dict[str, tuple[int, bool]]) -> list[str]:
     return [f"{name} {host}:{port}" for name, (port, tls) in ports.items() if port and not tls]
 
 
-class MalformedRequests(grpc.aio.ServerInterceptor):
-    """A request that does not parse ends with INVALID_ARGUMENT (grpc's own handling says
-    UNKNOWN): the methods of `services` get raw bytes and parse them here. Only unary
-    requests (every pdserve.v1 method), served by async generators or coroutines."""
+class RequestGuard(grpc.aio.ServerInterceptor):
+    """Checks every request to the methods of `services` before its handler runs:
+    - with `callers` (certificate common names; mTLS only), a peer whose certificate names
+      none of them gets PERMISSION_DENIED for any method but Stats: the gateway's RPCs
+      (Decode, Prefill, SubmitFirstToken, Abort) are the gateway's even among the holders
+      of the operator's certificates (a prefill worker reads a decode worker's Stats);
+    - a request that does not parse ends with INVALID_ARGUMENT (grpc's own handling says
+      UNKNOWN): the methods get raw bytes and parse them here.
+    Only unary requests (every pdserve.v1 method), served by async generators or coroutines."""
 
-    def __init__(self, services: tuple[str, ...]):
+    def __init__(self, services: tuple[str, ...], callers: frozenset[str] = frozenset()):
         self.prefixes = tuple(f"/{s}/" for s in services)
+        self.callers = callers
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -121,6 +127,13 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         parse, method = handler.request_deserializer, details.method
 
         async def parsed(raw: bytes, context):
+            if self.callers and not method.endswith("/Stats"):
+                names = {v.decode(errors="replace") for v in
+                         (context.auth_context() or {}).get("x509_common_name", ())}
+                if not names & self.callers:
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                        f"{method} is not open to certificate "
+                                        f"{', '.join(sorted(names)) or '(none)'}")
             try:
                 return parse(raw)
             except Exception as e:        # protobuf's DecodeError, and anything a parser raises

@@ -36,6 +36,10 @@ class WorkerConfig:
     mtls_cert: str = field(default="", metadata={
         "help": "this worker's certificate (PEM, signed by --mtls-ca)"})
     mtls_key: str = field(default="", metadata={"help": "PEM private key of --mtls-cert"})
+    mtls_callers: str = field(default="", metadata={
+        "help": "certificate common names (comma-separated) that may call this worker's RPCs "
+                "other than Stats and health, i.e. the gateway's (empty: any certificate "
+                "--mtls-ca signed)"})
 
     # fields each subclass checks as positive seconds / as ports
     _positive = ("drain_timeout_s",)
@@ -55,6 +59,8 @@ class WorkerConfig:
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
+        if self.mtls_callers and not self.mtls_ca:
+            raise ValueError("--mtls-callers needs --mtls-ca (callers are named by their certificates)")
 
     def build_engine(self, kv_connector=None, step_observers=(), decode_graphs: bool | None = None):
         """The LLMEngine this config describes (loads the model: call it off the event loop),

@@ -44,7 +44,7 @@ from . import telemetry
 from .cli_args import config_from_argv
 from .energy import EnergyMeter
 from .metrics import Metrics
-from .security import MTLS, MalformedRequests, add_port
+from .security import MTLS, RequestGuard, add_port
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,10 @@ class WorkerServer:
     """grpc.aio server + health + reflection + in-flight counting + drain."""
 
     def __init__(self, service_names: list[str], host: str, port: int, drain_timeout_s: float,
-                 mtls: MTLS | None = None, health_port: int = 0):
+                 mtls: MTLS | None = None, health_port: int = 0, callers: frozenset[str] = frozenset()):
+        """`callers`: certificate common names allowed to call more than Stats (mTLS)."""
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
-                                      interceptors=[MalformedRequests(tuple(service_names))])
+                                      interceptors=[RequestGuard(tuple(service_names), callers)])
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -249,7 +250,8 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         gc.collect()
         gc.freeze()
         srv = WorkerServer([role.service_name], cfg.host, cfg.port, cfg.drain_timeout_s,
-                           MTLS.from_config(cfg), cfg.health_port)
+                           MTLS.from_config(cfg), cfg.health_port,
+                           frozenset(n.strip() for n in cfg.mtls_callers.split(",") if n.strip()))
         worker_id = cfg.worker_id or f"{role.name}-{cfg.host}:{srv.port}"
         kv = await role.open_kv(cfg, engine, transport, connector)
         ae = AsyncEngine(engine, name=f"{role.name}-engine", on_health=srv.engine_health)

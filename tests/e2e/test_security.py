@@ -40,7 +40,7 @@ def pki(tmp_path_factory):
     d = tmp_path_factory.mktemp("pki")
     ca, rogue = CA(d / "operator"), CA(d / "rogue", "not the operator")
     return {"ca": ca.cert_path, "internal": ca.issue("internal"), "public": ca.issue("public"),
-            "rogue": rogue.issue("rogue"), "dir": d}
+            "rogue": rogue.issue("rogue"), "colleague": ca.issue("some-other-service"), "dir": d}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,9 @@ def system(start_system, pki, key_file):
     http = free_port()
     launcher = start_system(1, 1, http_port=http, mtls=(pki["ca"], *pki["internal"]),
                             tls_cert=pki["public"][0], tls_key=pki["public"][1],
-                            gateway_args=["--api-key-file", str(key_file), "--health-interval-s", "0.5"])
+                            gateway_args=["--api-key-file", str(key_file), "--health-interval-s", "0.5"],
+                            prefill_args=["--mtls-callers", "internal"],
+                            decode_args=["--mtls-callers", "internal"])
     launcher.http_base = f"https://127.0.0.1:{http}"
     return launcher
 
@@ -192,6 +194,33 @@ def test_outsider_cannot_abort_or_reserve(system, pki):
         assert not found
         got += sum(len(m.token_ids) for m in stream)
     assert got == 120                                            # the victim's stream finished
+
+
+def test_a_certificate_of_the_ca_that_is_not_the_gateways_reads_stats_only(system, pki):
+    """--mtls-callers internal: another holder of the operator's CA (CN some-other-service)
+    passes the handshake and may read Stats, but Abort, Decode, Prefill and SubmitFirstToken
+    are PERMISSION_DENIED (nothing reserved, nothing aborted)."""
+    for role in ("prefill", "decode"):
+        with worker_channel(system.workers(role)[0].address, pki, pki["colleague"]) as ch:
+            stub = (prefill_pb2_grpc.PrefillWorkerStub if role == "prefill"
+                    else decode_pb2_grpc.DecodeWorkerStub)(ch)
+            stats = stub.Stats(common_pb2.StatsRequest(), timeout=5)
+            assert stats.total_kv_blocks > 0 and stats.free_kv_blocks == stats.total_kv_blocks
+            calls = [lambda: stub.Abort(common_pb2.AbortRequest(request_id="x"), timeout=5)]
+            if role == "decode":
+                calls += [lambda: list(stub.Decode(decode_pb2.DecodeRequest(
+                              request_id="hog", prompt_token_ids=PROMPT), timeout=5)),
+                          lambda: stub.SubmitFirstToken(decode_pb2.SubmitFirstTokenRequest(
+                              request_id="hog"), timeout=5)]
+            else:
+                calls.append(lambda: stub.Prefill(prefill_pb2.PrefillRequest(
+                    request_id="p", prompt_token_ids=PROMPT), timeout=5))
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() is grpc.StatusCode.PERMISSION_DENIED, e.value
+                assert "some-other-service" in e.value.details()
+            assert stub.Stats(common_pb2.StatsRequest(), timeout=5).free_kv_blocks == stats.total_kv_blocks
 
 
 def test_greedy_output_through_mtls_equals_transformers(system, pki):
