@@ -3,8 +3,10 @@
 
 Tools: `tool_choice` "required" or a named function constrains the output with a JSON
 schema (tools.forced_schema); "auto" parses the finished text as calls (tools.parse_calls).
-A stream holds content back while it may still be a call (tools.CallBuffer), then sends
-the calls as `tool_calls` deltas and finishes with "tool_calls".
+A forced stream sends each call's name, then its arguments as they are generated
+(tools.ForcedCallStream); with "auto" the stream holds content back while it may still be a
+call (tools.CallBuffer), then sends the calls as `tool_calls` deltas at the end. Either way
+it finishes with "tool_calls".
 """
 from __future__ import annotations
 
@@ -119,12 +121,16 @@ class Chat(Endpoint):
         n = len(run.inputs)
         outs = [ChoiceOut() for _ in range(n)]
         bufs = [toolkit.CallBuffer(self.tools, self.parse_tools, self.forced) for _ in range(n)]
+        forced = [toolkit.ForcedCallStream(self.tool_choice == "required") if self.forced else None
+                  for _ in range(n)]
         try:
             for i in range(n):
                 yield self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}])
             async for i, ev in run.events():
-                for c in self._event_chunks(i, outs[i], ev, bufs[i]):
+                chunks = (self._event_chunks(i, outs[i], ev, bufs[i]) if forced[i] is None
+                          else self._forced_chunks(i, outs[i], ev, bufs[i], forced[i]))
+                for c in chunks:
                     yield c
             if self.inc_usage:
                 yield self.chunk([], usage(self.n_prompt, sum(o.completion_tokens for o in outs),
@@ -146,6 +152,28 @@ class Chat(Endpoint):
             buf.sent(ev.text)
         if ev.finish_reason is not None:
             yield from self._finish_chunks(i, o, ev.finish_reason, buf)
+
+    def _forced_chunks(self, i: int, o: ChoiceOut, ev, buf: toolkit.CallBuffer,
+                       calls: toolkit.ForcedCallStream) -> Iterator[str]:
+        """A forced tool_choice: each call's name as soon as it is known, then its arguments
+        as they are generated (OpenAI's streaming shape). Output cut before any call began
+        (e.g. max_tokens) ends as held content, as unstreamed."""
+        o.add(ev)
+        for k, name, piece in calls.feed(o.text):
+            if name is not None:
+                yield self._delta(i, {"tool_calls": [{
+                    "index": k, "id": calls.calls[k]["id"], "type": "function",
+                    "function": {"name": name, "arguments": ""}}]})
+            else:
+                yield self._delta(i, {"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
+        if ev.finish_reason is None:
+            return
+        if not any(c["announced"] for c in calls.calls):
+            yield from self._finish_chunks(i, o, ev.finish_reason, buf)
+            return
+        finish = "tool_calls" if calls.complete() else ev.finish_reason
+        yield self.chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}],
+                         self._running_usage(o))
 
     def _finish_chunks(self, i: int, o: ChoiceOut, finish: str, buf: toolkit.CallBuffer
                        ) -> Iterator[str]:

@@ -115,3 +115,81 @@ class CallBuffer:
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """At the end: the held text as tool calls (None: not holding, or not calls)."""
         return parse_calls(text, self.tools) if self.holding else None
+
+
+class ForcedCallStream:
+    """A forced tool_choice's calls read while the constrained output grows, so a stream can
+    send each call's name as soon as it is known and its `arguments` JSON piece by piece, as
+    OpenAI and vLLM stream them, instead of all at the end.
+
+    The grammar (forced_schema) makes the output `{"name": N, "arguments": {...}}`, or a JSON
+    array of such objects for `required`, so a scanner of JSON structure suffices: a call is
+    an object at `call_depth`; the object value of its "arguments" key is streamed as it
+    arrives (a character scanned inside it never changes: the text only grows)."""
+
+    def __init__(self, array: bool):
+        self.call_depth = 2 if array else 1
+        self.pos = self.depth = 0
+        self.in_str = self.esc = False
+        self.str_start = 0
+        self.key: str | None = None           # the last key read at call depth
+        self.expect_key = False
+        self.calls: list[dict[str, Any]] = []  # {"id", "name", "start", "end", "sent", "announced"}
+
+    def feed(self, text: str) -> list[tuple[int, str | None, str]]:
+        """New (call index, name when announcing it else None, arguments piece) events."""
+        for i in range(self.pos, len(text)):
+            self._scan(text, i)
+        self.pos = len(text)
+        events = []
+        for k, c in enumerate(self.calls):
+            if c["name"] is None or c["start"] is None:
+                continue
+            if not c["announced"]:
+                c["announced"] = True
+                events.append((k, c["name"], ""))
+            upto = c["end"] if c["end"] is not None else len(text)
+            piece = text[c["start"] + c["sent"]:upto]
+            if piece:
+                c["sent"] += len(piece)
+                events.append((k, None, piece))
+        return events
+
+    def complete(self) -> bool:
+        """Every call's arguments closed (and there is at least one)."""
+        return bool(self.calls) and all(c["end"] is not None and c["name"] for c in self.calls)
+
+    def _scan(self, text: str, i: int) -> None:
+        c = text[i]
+        at_call = self.depth == self.call_depth
+        if self.in_str:
+            if self.esc:
+                self.esc = False
+            elif c == "\\":
+                self.esc = True
+            elif c == '"':
+                self.in_str = False
+                if at_call and self.calls:
+                    value = json.loads(text[self.str_start:i + 1])
+                    if self.expect_key:
+                        self.key, self.expect_key = value, False
+                    elif self.key == "name":
+                        self.calls[-1]["name"] = value
+            return
+        if c == '"':
+            self.in_str, self.str_start = True, i
+        elif c in "{[":
+            if self.depth == self.call_depth - 1 and c == "{":
+                self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": None,
+                                   "start": None, "end": None, "sent": 0, "announced": False})
+                self.expect_key = True
+            elif at_call and self.key == "arguments" and self.calls:
+                self.calls[-1]["start"] = i
+            self.depth += 1
+        elif c in "}]":
+            self.depth -= 1
+            if (self.depth == self.call_depth and self.key == "arguments" and self.calls
+                    and self.calls[-1]["start"] is not None and self.calls[-1]["end"] is None):
+                self.calls[-1]["end"] = i + 1
+        elif c == "," and at_call:
+            self.key, self.expect_key = None, True

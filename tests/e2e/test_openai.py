@@ -261,10 +261,12 @@ def test_forced_tool_call_stream_and_not(client, model):
                 assert tc.index == 0
                 ids |= {tc.id} if tc.id else set()
                 name += tc.function.name or "" if tc.function else ""
-                arguments += tc.function.arguments or "" if tc.function else ""
+                if tc.function and tc.function.arguments:
+                    assert name == "get_weather"             # the name comes first
+                    arguments += tc.function.arguments
             finish = cc.finish_reason or finish
     assert name == "get_weather" and finish == "tool_calls" and len(ids) == 1
-    assert json.loads(arguments) == args
+    assert json.loads(arguments) == args      # (pieces as generated: tests/unit/test_tool_stream.py)
 
 
 def test_required_tool_choice(client, model):
