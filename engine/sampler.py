@@ -335,16 +335,7 @@ class DeviceSampler:
     def _draw(self, x, rows, params) -> torch.Tensor:
         """A random token per row (greedy rows' draws are discarded by the caller)."""
         dev = x.device
-        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                            dtype=torch.float32, device=dev)
-        y = x / temp.unsqueeze(1)
-        if any(p.top_k > 0 for p in params):
-            y = top_k_mask(y, torch.tensor([p.top_k for p in params], device=dev))
-        if any(p.top_p < 1.0 for p in params):
-            y = top_p_mask(y, torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev))
-        if any(p.min_p > 0.0 for p in params):
-            y = min_p_mask(y, torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev))
-        probs = torch.softmax(y, dim=-1)
+        probs = processed_probs(x, params)
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
         seeded = [i for i, r in enumerate(rows) if r.generator is not None]
