@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from .sampling_params import SamplingParams
-from .tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
+from .tokenizer import IncrementalDetokenizer, StopStrings, Tokenizer
 
 # (logprob of the sampled token, [(token id, logprob)] best first, or None)
 Logprob = tuple[float, "list[tuple[int, float]] | None"]
@@ -49,6 +49,7 @@ class OutputProcessor:
         self.eos = set() if p.ignore_eos else set(tokenizer.eos_token_ids)
         self.stop_ids = set(p.stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, self.prompt_token_ids, p.skip_special_tokens)
+        self.stops = StopStrings(p.stop) if p.stop else None
         limit = max_model_len - len(self.prompt_token_ids) if max_model_len else None
         caps = [x for x in (p.max_tokens, limit) if x is not None]
         self.max_tokens: int | None = min(caps) if caps else None
@@ -103,17 +104,18 @@ class OutputProcessor:
             self.finish_reason, self.stop_reason = "stop", token
         else:
             delta = self.detok.add(token)
-            if p.stop and n >= p.min_tokens:
-                self._check_stop_strings(len(delta))
+            if self.stops is not None:
+                self._check_stop_strings(delta, n >= p.min_tokens)
         if not self.finished and self.max_tokens is not None and n >= self.max_tokens:
             self.finish_reason = "length"
 
-    def _check_stop_strings(self, new_text_len: int) -> None:
-        p, text = self.params, self.detok.text
-        at = find_stop(text, p.stop, new_text_len)
-        if at is not None:
-            s = next(s for s in p.stop if text.startswith(s, at))
-            self._cut_text = text[:at + (len(s) if p.include_stop_str_in_output else 0)]
+    def _check_stop_strings(self, delta: str, active: bool) -> None:
+        """Every delta goes through the matcher (its state follows the whole text); a stop
+        string ending in it counts once min_tokens are out."""
+        found = self.stops.feed(delta)
+        if found is not None and active:
+            at, s = found
+            self._cut_text = self.detok.text[:at + (len(s) if self.params.include_stop_str_in_output else 0)]
             self.finish_reason, self.stop_reason = "stop", s
 
     def _stable_text(self) -> str:
@@ -123,6 +125,6 @@ class OutputProcessor:
             self.detok.flush()
             return self.detok.text
         text = self.detok.text
-        if self.params.stop:
-            text = text[:len(text) - partial_stop_len(text, self.params.stop)]
+        if self.stops is not None:
+            text = text[:len(text) - self.stops.held()]
         return text

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 
 import json
+from collections import deque
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -200,34 +201,89 @@ class IncrementalDetokenizer:
         return delta
 
 
-def find_stop(text: str, stops: Sequence[str], new_text_len: int) -> int | None:
-    """Index in `text` where the earliest stop string begins, or None.
+class StopStrings:
+    """One request's stop strings, matched as its text grows at a cost per character that
+    does not depend on how many stop strings there are (an Aho-Corasick automaton, shared by
+    every request with the same list; the request only keeps its current node).
 
-    Only the region the last delta could have completed is searched: a stop string that ends
-    in the new text starts at most len(stop) - 1 characters before it, which also catches stop
-    strings spanning token boundaries.
+    `feed(delta)` scans the newest text and reports the stop string that ends in it and
+    begins earliest (ties: the first in the list, as the request listed them); `held()` is
+    how many characters at the end of the text may still become a stop string, which a
+    stream holds back. `steps` counts automaton transitions taken (at most 2 per character
+    fed, amortized), the cost a test bounds.
     """
-    best = None
-    for stop in stops:
-        start = max(0, len(text) - new_text_len - len(stop) + 1)
-        i = text.find(stop, start)
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = list(stops)
+        self._auto = _automaton(tuple(self.stops))
+        self._node = 0
+        self._seen = 0           # characters fed so far
+        self.steps = 0
+
+    def feed(self, delta: str) -> tuple[int, str] | None:
+        """(index in the whole text where it begins, the stop string) of the earliest
+        beginning stop string that ends inside `delta`, or None."""
+        goto, fail, out, _ = self._auto
+        node, best, steps = self._node, None, 0
+        for k, ch in enumerate(delta):
+            while True:
+                steps += 1
+                nxt = goto[node].get(ch)
+                if nxt is not None:
+                    node = nxt
+                    break
+                if node == 0:
+                    break
+                node = fail[node]
+            if out[node] is not None:
+                length, index = out[node]
+                start = self._seen + k + 1 - length
+                if best is None or (start, index) < best:
+                    best = (start, index)
+        self._node, self._seen, self.steps = node, self._seen + len(delta), self.steps + steps
+        return None if best is None else (best[0], self.stops[best[1]])
+
+    def held(self) -> int:
+        """Length of the longest suffix of the text fed that is a proper prefix of some stop
+        string."""
+        return self._auto[3][self._node]
 
 
-def partial_stop_len(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string.
-
-    A streaming caller holds back that many characters: they may become a stop string.
-    """
-    best = 0
-    for stop in stops:
-        for n in range(min(len(text), len(stop) - 1), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best
+@lru_cache(maxsize=32)
+def _automaton(stops: tuple[str, ...]):
+    """(goto, fail, out, held) per trie node, node 0 the root: `goto` the child per character,
+    `fail` the node of the longest proper suffix that is in the trie, `out` (length, list
+    index) of the longest stop string ending at the node (None: none does), `held` the depth
+    of the deepest node on the fail chain that has children (a proper prefix of a stop)."""
+    goto: list[dict[str, int]] = [{}]
+    depth, own = [0], [None]
+    for index, stop in enumerate(stops):
+        node = 0
+        for ch in stop:
+            nxt = goto[node].get(ch)
+            if nxt is None:
+                nxt = len(goto)
+                goto[node][ch] = nxt
+                goto.append({})
+                depth.append(depth[node] + 1)
+                own.append(None)
+            node = nxt
+        if stop and own[node] is None:
+            own[node] = (len(stop), index)
+    n = len(goto)
+    fail, out, held = [0] * n, [None] * n, [0] * n
+    queue = deque(goto[0].values())
+    while queue:                       # breadth first: a node's fail node is done before it
+        node = queue.popleft()
+        out[node] = own[node] or out[fail[node]]
+        held[node] = depth[node] if goto[node] else held[fail[node]]
+        for ch, child in goto[node].items():
+            f = fail[node]
+            while f and ch not in goto[f]:
+                f = fail[f]
+            fail[child] = goto[f][ch] if ch in goto[f] else 0
+            queue.append(child)
+    return goto, fail, out, held
 
 
 # ----------------------------------------------------------------------------- loading helpers

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from engine.tiny_model import make_tiny_model
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
+from engine.tokenizer import IncrementalDetokenizer, StopStrings, Tokenizer
 
 TEXTS = [
     "Hello world",
@@ -194,34 +194,17 @@ def test_special_tokens_kept_when_asked(tok):
     assert detok.text == "hi</s>"
 
 
-def test_find_stop_spanning_tokens(tok):
-    stops = ["brown fox", "zzz"]
+def test_stop_string_spanning_tokens(tok):
+    stops = StopStrings(["brown fox", "zzz"])
     text = ""
     found = None
     detok = IncrementalDetokenizer(tok, tok.encode("x"))
     for t in tok.encode("The quick brown fox jumps", add_special_tokens=False):
-        delta = detok.add(t)
-        found = find_stop(detok.text, stops, len(delta))
+        found = stops.feed(detok.add(t))
         if found is not None:
             text = detok.text
             break
-    assert found == len("The quick ")
-    assert text[found:].startswith("brown fox")
+    assert found == (len("The quick "), "brown fox")
+    assert text[found[0]:].startswith("brown fox")
     assert len(tok.encode("brown fox", add_special_tokens=False)) > 1
-
-
-def test_find_stop_only_searches_new_region():
-    assert find_stop("abc STOP def", ["STOP"], new_text_len=3) is None  # completed earlier
-    assert find_stop("abc STO", ["STOP"], 1) is None
-    assert find_stop("abc STOP", ["STOP"], 1) == 4
-    assert find_stop("xxSTOPyySTOP", ["STOP", "yyS"], 6) == 6  # the earliest start wins
-    assert find_stop("", ["a"], 0) is None
-
-
-def test_partial_stop_len():
-    assert partial_stop_len("hello wor", ["world"]) == 3
-    assert partial_stop_len("hello", ["world"]) == 0
-    assert partial_stop_len("abab", ["abc", "bab!"]) == 3
-    assert partial_stop_len("world", ["world"]) == 0  # "world" itself is a stop, not a prefix
-    assert partial_stop_len("aaa", ["aaaa"]) == 3
-    assert partial_stop_len("x", []) == 0
+    # (the matcher against a naive reference: tests/unit/test_stop_strings.py)
