@@ -3,10 +3,10 @@
 
 Tools: `tool_choice` "required" or a named function constrains the output with a JSON
 schema (tools.forced_schema); "auto" parses the finished text as calls (tools.parse_calls).
-A forced stream sends each call's name, then its arguments as they are generated
-(tools.ForcedCallStream); with "auto" the stream holds content back while it may still be a
-call (tools.CallBuffer), then sends the calls as `tool_calls` deltas at the end. Either way
-it finishes with "tool_calls".
+A stream sends each call's id and name as soon as its arguments begin, then the arguments
+as they are generated (tools.StreamedCalls); with "auto" it holds the output back only
+while it may still become a call, then streams it as calls or as content. A stream of
+complete calls finishes with "tool_calls".
 """
 from __future__ import annotations
 
@@ -120,17 +120,14 @@ class Chat(Endpoint):
         self.cont_usage = bool(opts and opts.continuous_usage_stats)
         n = len(run.inputs)
         outs = [ChoiceOut() for _ in range(n)]
-        bufs = [toolkit.CallBuffer(self.tools, self.parse_tools, self.forced) for _ in range(n)]
-        forced = [toolkit.ForcedCallStream(self.tool_choice == "required") if self.forced else None
-                  for _ in range(n)]
+        calls = [toolkit.StreamedCalls(self.tools, self.forced, self.tool_choice == "required")
+                 if self.parse_tools else None for _ in range(n)]
         try:
             for i in range(n):
                 yield self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}])
             async for i, ev in run.events():
-                chunks = (self._event_chunks(i, outs[i], ev, bufs[i]) if forced[i] is None
-                          else self._forced_chunks(i, outs[i], ev, bufs[i], forced[i]))
-                for c in chunks:
+                for c in self._event_chunks(i, outs[i], ev, calls[i]):
                     yield c
             if self.inc_usage:
                 yield self.chunk([], usage(self.n_prompt, sum(o.completion_tokens for o in outs),
@@ -139,50 +136,44 @@ class Chat(Endpoint):
             yield sse(e.body())
         yield "data: [DONE]\n\n"
 
-    def _event_chunks(self, i: int, o: ChoiceOut, ev, buf: toolkit.CallBuffer) -> Iterator[str]:
+    def _event_chunks(self, i: int, o: ChoiceOut, ev, calls: toolkit.StreamedCalls | None
+                      ) -> Iterator[str]:
         """The chunks one event of choice i makes (`o` is what the choice made before it)."""
-        start = len(o.token_ids)
+        start, text = len(o.token_ids), ev.text
         o.add(ev)
-        if buf.update(o.text, ev.text, ev.finish_reason is not None):
-            yield self.chunk([self._content(i, o.text, o.token_ids, o.logprobs)])
-            return
-        if not buf.holding and (ev.text or (self.body.logprobs and ev.token_ids)):
-            yield self.chunk([self._content(i, ev.text, ev.token_ids, o.logprobs[start:])],
+        if calls is not None and calls.mode != "content":
+            for k, name, piece in calls.feed(o.text):
+                yield self._call_delta(i, calls, k, name, piece)
+            if calls.mode != "content":
+                if ev.finish_reason is not None:
+                    yield from self._finish_chunks(i, o, ev.finish_reason, calls)
+                return
+            start, text = 0, o.text        # not a call after all: everything held, as content
+        if text or (self.body.logprobs and o.token_ids[start:]):
+            yield self.chunk([self._content(i, text, o.token_ids[start:], o.logprobs[start:])],
                              self._running_usage(o))
-            buf.sent(ev.text)
         if ev.finish_reason is not None:
-            yield from self._finish_chunks(i, o, ev.finish_reason, buf)
+            yield from self._finish_chunks(i, o, ev.finish_reason, calls)
 
-    def _forced_chunks(self, i: int, o: ChoiceOut, ev, buf: toolkit.CallBuffer,
-                       calls: toolkit.ForcedCallStream) -> Iterator[str]:
-        """A forced tool_choice: each call's name as soon as it is known, then its arguments
-        as they are generated (OpenAI's streaming shape). Output cut before any call began
-        (e.g. max_tokens) ends as held content, as unstreamed."""
-        o.add(ev)
-        for k, name, piece in calls.feed(o.text):
-            if name is not None:
-                yield self._delta(i, {"tool_calls": [{
-                    "index": k, "id": calls.calls[k]["id"], "type": "function",
-                    "function": {"name": name, "arguments": ""}}]})
-            else:
-                yield self._delta(i, {"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
-        if ev.finish_reason is None:
-            return
-        if not any(c["announced"] for c in calls.calls):
-            yield from self._finish_chunks(i, o, ev.finish_reason, buf)
-            return
-        finish = "tool_calls" if calls.complete() else ev.finish_reason
-        yield self.chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}],
-                         self._running_usage(o))
+    def _call_delta(self, i: int, calls: toolkit.StreamedCalls, k: int, name: str | None,
+                    piece: str) -> str:
+        if name is not None:
+            return self._delta(i, {"tool_calls": [{
+                "index": k, "id": calls.scan.calls[k]["id"], "type": "function",
+                "function": {"name": name, "arguments": ""}}]})
+        return self._delta(i, {"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
 
-    def _finish_chunks(self, i: int, o: ChoiceOut, finish: str, buf: toolkit.CallBuffer
-                       ) -> Iterator[str]:
+    def _finish_chunks(self, i: int, o: ChoiceOut, finish: str,
+                       calls: toolkit.StreamedCalls | None) -> Iterator[str]:
         """What was held back (as tool calls, or as content), then the finish chunk."""
-        if buf.holding:
-            calls = buf.calls(o.text)
-            if calls:
+        if calls is not None and calls.sent_calls:
+            if calls.finish_calls(o.text):
                 finish = "tool_calls"
-                for k, c in enumerate(calls):
+        elif calls is not None and calls.mode != "content":
+            held = toolkit.parse_calls(o.text, self.tools)
+            if held:
+                finish = "tool_calls"
+                for k, c in enumerate(held):
                     yield self._delta(i, {"tool_calls": [{
                         "index": k, "id": c["id"], "type": "function",
                         "function": {"name": c["function"]["name"], "arguments": ""}}]})

@@ -5,6 +5,8 @@ Forced calls are enforced by a JSON schema over the chat template's call format
 const), `required` an array of one or more of them (any of the tools). `auto` leaves the
 model free; its output is parsed as calls when it is exactly that format (a JSON object or
 array, or `<tool_call>...</tool_call>` blocks as Hermes-style templates write them).
+Streamed, both send each call's name and then its arguments as they are generated
+(StreamedCalls over one incremental scanner, CallStream).
 """
 from __future__ import annotations
 
@@ -40,10 +42,12 @@ def forced_schema(tools: list[Tool], name: str | None, parallel: bool = True) ->
 
 
 def parse_calls(text: str, tools: list[Tool]) -> list[dict[str, Any]] | None:
-    """OpenAI tool_calls for `text`, or None when it is not (only) tool calls."""
+    """OpenAI tool_calls for `text`, or None when it is not (only) tool calls. Each call's
+    `arguments` is its JSON text as generated (what a stream of it sends, piece by piece)."""
     names = {t.function.name for t in tools}
     text = text.strip()
     tagged = _TAGGED.findall(text)
+    array = False
     if tagged:
         if _TAGGED.sub("", text).strip():
             return None
@@ -64,68 +68,97 @@ def parse_calls(text: str, tools: list[Tool]) -> list[dict[str, Any]] | None:
                 value = [json.loads(line) for line in text.splitlines() if line.strip()]
             except ValueError:
                 return None
+        else:
+            array = isinstance(value, list)
         items = value if isinstance(value, list) else [value]
+    scan = CallStream(array)
+    scan.feed(text)
     calls = []
-    for item in items:
+    for item, spans in zip(items, scan.calls):
         if not (isinstance(item, dict) and item.get("name") in names and "arguments" in item):
             return None
         args = item["arguments"]
+        if not isinstance(args, str):
+            args = text[spans["start"]:spans["end"]] if spans["end"] else json.dumps(args)
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": item["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    return calls or None
+                      "function": {"name": item["name"], "arguments": args}})
+    return calls if calls and len(calls) == len(items) else None
 
 
-def may_be_call(text: str) -> bool:
-    """Whether a streamed output that begins with `text` might turn out to be a tool call
-    (then the stream holds the content back until the end)."""
-    t = text.lstrip()
-    return t == "" or t.startswith(("{", "[")) or "<tool_call>".startswith(t[:11]) or t.startswith("<tool_call>")
+class StreamedCalls:
+    """One streamed choice's tool calls, sent as they are generated (OpenAI's and vLLM's
+    streaming shape): each call's id and name as soon as its arguments begin, then the
+    arguments' JSON piece by piece.
 
-
-class CallBuffer:
-    """One streamed choice's content, held back while it may still be a tool call.
-
-    With tools in play, content that starts like a call (`may_be_call`) is held until it
-    either stops looking like one (then released as content, and nothing is held again) or
-    the choice finishes (then `calls()` parses it). A forced tool_choice holds from the start
-    and never releases early.
+    A forced tool_choice is calls from the first token (the grammar makes it one). With
+    `auto` the output is held while it may still become a call, then either
+      - it is recognised as one: its first call object has a tool's name and its arguments
+        have begun (`{"name": "f", "arguments": {`, also inside `[...]` or after
+        `<tool_call>`) -> calls, streamed from then on;
+      - or it cannot be one (it begins with anything else, or the call names no tool) ->
+        content: what was held is sent, the rest streams as content.
+    Text still held at the end (e.g. arguments given as a JSON string) is parsed whole with
+    parse_calls, as unstreamed. A stream commits when it recognises a call: if the finished
+    text is not only calls after all, the finish reason is the model's own, not "tool_calls".
     """
 
-    def __init__(self, tools: list[Tool], parse: bool, forced: bool):
-        self.tools, self.parse, self.forced = tools, parse, forced
-        self.holding = forced
-        self._sent_text = False
+    def __init__(self, tools: list[Tool], forced: bool, array: bool = False):
+        self.tools = tools
+        self.names = {t.function.name for t in tools}
+        self.forced = forced
+        self.mode = "calls" if forced else "held"      # auto: -> "content" | "calls"
+        self.scan = CallStream(array) if forced else None
+        self.dropped: int | None = None                # auto: the first call naming no tool
 
-    def update(self, text: str, delta: str, finished: bool) -> bool:
-        """The choice's text so far and its newest delta; True when the held content must be
-        sent now as content (all of `text`): it is not a call after all."""
-        if self.parse and not self.holding and not self._sent_text and may_be_call(text):
-            self.holding = True
-        if self.holding and not finished and delta and not may_be_call(text) and not self.forced:
-            self.holding = False
-            self._sent_text = True
-            return True
-        return False
+    @property
+    def sent_calls(self) -> bool:
+        return self.scan is not None and any(c["announced"] for c in self.scan.calls)
 
-    def sent(self, delta: str) -> None:
-        """`delta` went out as content."""
-        self._sent_text = self._sent_text or bool(delta)
+    def feed(self, text: str) -> list[tuple[int, str | None, str]]:
+        """The choice's text so far -> new (call index, name when announcing else None,
+        arguments piece) events; with auto, may move `mode` from "held" to "content" or
+        "calls"."""
+        if self.mode == "held" and self.scan is None:
+            self._start(text.lstrip())
+        if self.scan is None or self.mode == "content":
+            return []
+        events = self.scan.feed(text)
+        if self.forced:
+            return events
+        for k, name, _ in events:
+            if name is not None and name not in self.names and self.dropped is None:
+                self.dropped = k
+        if self.dropped is not None:
+            events = [e for e in events if e[0] < self.dropped]
+        if self.mode == "held" and events:
+            self.mode = "calls"
+        elif self.mode == "held" and self.dropped is not None:
+            self.mode = "content"
+        return events
 
-    def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """At the end: the held text as tool calls (None: not holding, or not calls)."""
-        return parse_calls(text, self.tools) if self.holding else None
+    def _start(self, t: str) -> None:
+        """The first characters (left-stripped) decide whether a call may follow."""
+        if t[:1] in ("{", "["):
+            self.scan = CallStream(t[0] == "[")
+        elif t.startswith("<tool_call>"):
+            self.scan = CallStream(False)
+        elif t and not "<tool_call>".startswith(t):
+            self.mode = "content"
 
+    def finish_calls(self, text: str) -> bool:
+        """At the end, for a stream that sent calls: whether it finishes with "tool_calls"."""
+        return self.scan.complete() and (self.forced or parse_calls(text, self.tools) is not None)
 
-class ForcedCallStream:
-    """A forced tool_choice's calls read while the constrained output grows, so a stream can
-    send each call's name as soon as it is known and its `arguments` JSON piece by piece, as
-    OpenAI and vLLM stream them, instead of all at the end.
+class CallStream:
+    """Tool calls read while the output grows, so a stream can send each call's name as soon
+    as it is known and its `arguments` JSON piece by piece instead of all at the end.
 
-    The grammar (forced_schema) makes the output `{"name": N, "arguments": {...}}`, or a JSON
-    array of such objects for `required`, so a scanner of JSON structure suffices: a call is
-    an object at `call_depth`; the object value of its "arguments" key is streamed as it
-    arrives (a character scanned inside it never changes: the text only grows)."""
+    The call format is `{"name": N, "arguments": {...}}` (what forced_schema's grammar
+    makes), several of them in a JSON array (`array`), one per line, or each inside
+    `<tool_call>...</tool_call>`, so a scanner of JSON structure suffices: a call is an object
+    at `call_depth` (text between calls, tags included, is skipped); the object value of its
+    "arguments" key is streamed as it arrives (a character scanned inside it never changes:
+    the text only grows)."""
 
     def __init__(self, array: bool):
         self.call_depth = 2 if array else 1
@@ -170,7 +203,10 @@ class ForcedCallStream:
             elif c == '"':
                 self.in_str = False
                 if at_call and self.calls:
-                    value = json.loads(text[self.str_start:i + 1])
+                    try:
+                        value = json.loads(text[self.str_start:i + 1])
+                    except ValueError:     # free text (auto) need not be valid JSON
+                        value = None
                     if self.expect_key:
                         self.key, self.expect_key = value, False
                     elif self.key == "name":

@@ -266,7 +266,7 @@ def test_forced_tool_call_stream_and_not(client, model):
                     arguments += tc.function.arguments
             finish = cc.finish_reason or finish
     assert name == "get_weather" and finish == "tool_calls" and len(ids) == 1
-    assert json.loads(arguments) == args      # (pieces as generated: tests/unit/test_tool_stream.py)
+    assert arguments == call.function.arguments   # (splitting: tests/unit/test_tool_stream.py)
 
 
 def test_required_tool_choice(client, model):
@@ -292,6 +292,59 @@ def test_required_tool_choice(client, model):
         name, arguments = calls[0]
         tool = {"get_weather": WEATHER, "get_time": CLOCK}[name]
         jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
+
+
+def _call_schema(tool):
+    f = tool["function"]
+    return {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def test_auto_tool_calls_stream_incrementally(client, model):
+    """tool_choice auto, streamed: each call's id and name first, then its arguments in pieces
+    that join to exactly the unstreamed call's arguments; distinct indexes; "tool_calls".
+    (auto leaves the output free: a response_format of the call format's schema, two calls,
+    makes the random tiny model write calls. How many pieces depends on how many tokens the
+    decode worker coalesces per message; the splitting itself: tests/unit/test_tool_stream.py.)"""
+    rf = {"type": "json_schema", "json_schema": {"name": "calls", "schema": {
+        "type": "array", "minItems": 2, "maxItems": 2,
+        "items": {"anyOf": [_call_schema(WEATHER), _call_schema(CLOCK)]}}}}
+    kw = dict(tools=[WEATHER, CLOCK], tool_choice="auto", response_format=rf, temperature=0,
+              max_tokens=300)
+    out = chat(client, model, **kw).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content is None
+    want = [(c.function.name, c.function.arguments) for c in out.message.tool_calls]
+    calls, finish, content = {}, None, ""
+    for ch in chat(client, model, stream=True, **kw):
+        for cc in ch.choices:
+            content += cc.delta.content or ""
+            for tc in cc.delta.tool_calls or []:
+                c = calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name,
+                                                "pieces": []})
+                assert c["name"], "the first delta of a call names it"
+                if tc.function.arguments:
+                    c["pieces"].append(tc.function.arguments)
+            finish = cc.finish_reason or finish
+    assert finish == "tool_calls" and content == "" and sorted(calls) == [0, 1]
+    assert len({c["id"] for c in calls.values()}) == 2 and all(c["id"] for c in calls.values())
+    assert [(c["name"], "".join(c["pieces"])) for c in calls.values()] == want
+    for name, arguments in want:
+        jsonschema.validate(json.loads(arguments), {"get_weather": WEATHER, "get_time": CLOCK}[
+            name]["function"]["parameters"])
+
+
+def test_auto_plain_text_streams_as_content(client, model):
+    """tool_choice auto whose output is not a call: streamed as content while it is generated
+    (several chunks, no tool_calls), the same text as unstreamed."""
+    kw = dict(tools=[WEATHER, CLOCK], tool_choice="auto", temperature=0, max_tokens=20)
+    out = chat(client, model, **kw).choices[0]
+    assert out.message.tool_calls is None and out.message.content
+    assert not out.message.content.lstrip().startswith(("{", "[", "<")), out.message.content
+    chunks, texts, finish, _, _ = stream_chat(client, model, **kw)
+    pieces = [c.delta.content for ch in chunks for c in ch.choices if c.delta.content]
+    assert not any(c.delta.tool_calls for ch in chunks for c in ch.choices)
+    assert texts[0] == out.message.content and finish[0] == out.finish_reason
+    assert len(pieces) > 1
 
 
 # ----------------------------------------------------------------------------- errors

@@ -1,14 +1,17 @@
-"""gateway/openai/tools.ForcedCallStream: a forced tool_choice's output read as it grows gives
-each call's name first, then its arguments' JSON in pieces that join to exactly the arguments
-json.loads finds in the whole text (strings with escaped quotes and braces, nesting, arrays)."""
+"""gateway/openai/tools: tool-call output read as it grows (CallStream; StreamedCalls for
+tool_choice auto) gives each call's name first, then its arguments' JSON in pieces that join
+to exactly the arguments json.loads / parse_calls find in the whole text (strings with escaped
+quotes and braces, nesting, arrays, every call format); auto output that cannot be a call is
+released as content as soon as that is known."""
 import json
 import random
 
-from gateway.openai.tools import ForcedCallStream
+from gateway.openai.protocol import Tool
+from gateway.openai.tools import CallStream, StreamedCalls, parse_calls
 
 
 def _stream(text, array, rng):
-    s, events, end = ForcedCallStream(array), [], 0
+    s, events, end = CallStream(array), [], 0
     while end < len(text):
         end = min(len(text), end + rng.randint(1, 7))
         events += s.feed(text[:end])
@@ -36,7 +39,87 @@ def test_pieces_join_to_the_arguments_of_every_call():
 
 def test_cut_output_is_not_complete():
     text = json.dumps({"name": "f", "arguments": {"a": "long value"}})
-    s = ForcedCallStream(False)
+    s = CallStream(False)
     events = s.feed(text[:-8])
     assert events[0] == (0, "f", "") and not s.complete()
-    assert ForcedCallStream(True).complete() is False
+    assert CallStream(True).complete() is False
+
+
+# ----------------------------------------------------------------------------- auto
+
+TOOLS = [Tool.model_validate({"type": "function", "function": {"name": n, "parameters": {"type": "object"}}})
+         for n in ("get_weather", "get_time")]
+W = {"name": "get_weather", "arguments": {"city": "Pa\"ris}", "days": [1, {"a": 2}]}}
+T = {"name": "get_time", "arguments": {}}
+NOPE = json.dumps({"name": "nope", "arguments": {"a": 1}})
+CALL_TEXTS = [                                   # every format parse_calls reads
+    json.dumps(W),
+    json.dumps([W, T], indent=1),
+    json.dumps(W) + "\n" + json.dumps(T),
+    "<tool_call>\n" + json.dumps(W) + "\n</tool_call>\n<tool_call>" + json.dumps(T) + "</tool_call>",
+    '  {"arguments": {"x":1},  "name": "get_time"}',
+]
+
+
+def _auto(text, rng, tools=TOOLS):
+    s, events, modes, end = StreamedCalls(tools, forced=False), [], [], 0
+    while end < len(text):
+        end = min(len(text), end + rng.randint(1, 5))
+        new = s.feed(text[:end])
+        events += new
+        modes.append((end, s.mode, bool(new)))
+    return s, events, modes
+
+
+def test_auto_streams_each_call_once_recognised():
+    """Held until the first call's name is read and its arguments begin, then each call's
+    name before its pieces, and the pieces join to exactly the arguments the unstreamed
+    parse returns."""
+    rng = random.Random(1)
+    for text in CALL_TEXTS:
+        want = parse_calls(text, TOOLS)
+        assert want is not None, text
+        args_begin = text.index("{", text.index('"arguments"')) + 1
+        name_value = text.index('"', text.index(":", text.index('"name"')))
+        recognised = max(args_begin, text.index('"', name_value + 1) + 1)   # text[:recognised]
+        for _ in range(20):
+            s, events, modes = _auto(text, rng)
+            assert s.mode == "calls" and s.finish_calls(text)
+            for end, mode, sent in modes:            # nothing sent before that
+                assert (mode == "calls") == (end >= recognised) and (sent <= (mode == "calls"))
+            assert sorted({k for k, _, _ in events}) == list(range(len(want)))
+            for k, call in enumerate(want):
+                mine = [e for e in events if e[0] == k]
+                assert mine[0] == (k, call["function"]["name"], "")
+                assert all(n is None for _, n, _ in mine[1:])
+                assert "".join(p for _, _, p in mine[1:]) == call["function"]["arguments"]
+
+
+def test_auto_content_is_released_as_soon_as_it_cannot_be_a_call():
+    for text, decided_at in (("Hello {", 1), ("  \n Sure", 5), ("<b>bold", 2), ("<tool_x>", 7),
+                             (NOPE, NOPE.index("{", 1) + 1)):
+        s = StreamedCalls(TOOLS, forced=False)
+        for end in range(1, len(text) + 1):
+            assert s.feed(text[:end]) == []
+            assert s.mode == ("content" if end >= decided_at else "held"), (text, end)
+    s = StreamedCalls(TOOLS, forced=False)
+    s.feed("<tool_call>\n")
+    assert s.mode == "held"
+
+
+def test_auto_not_quite_calls():
+    """JSON that is not a call stays held (the end parses it whole, as unstreamed); a later
+    call naming no tool is not sent and the stream does not finish with tool_calls; text that
+    is not valid JSON does not break the scanner."""
+    rng = random.Random(2)
+    s, events, _ = _auto('{"a": 1, "b": [2]}', rng)
+    assert s.mode == "held" and events == []
+    text = json.dumps(W) + "\n" + json.dumps({"name": "rm_rf", "arguments": {}})
+    s, events, _ = _auto(text, rng)
+    assert {k for k, _, _ in events} == {0} and not s.finish_calls(text)
+    assert parse_calls(text, TOOLS) is None
+    s, events, _ = _auto('{"name": "get_\\q", "arguments": {"\\x": "\n"}} trailing', rng)
+    assert events == [] and s.mode == "held"
+    cut = json.dumps(W)[:-5]
+    s, events, _ = _auto(cut, rng)
+    assert events and not s.finish_calls(cut)
