@@ -34,7 +34,7 @@ from .core import Gateway
 from .prompt import chat_prompt_ids, encode
 from .redact import public_message
 from .request import GatewayError, GenerateEvent, GenerateInput, Usage
-from .validate import check_request
+from .validate import MAX_BODY_BYTES, check_request
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +235,12 @@ def _grpc_server(gw: Gateway, keys: KeyStore | None = None):
     """The grpc.aio server with Generation (behind `keys`), health (serve() sets its
     statuses) and reflection."""
     interceptors = [GrpcAuth(keys, (SERVICE,))] if keys is not None and keys.enabled else []
-    interceptors.append(security.RequestGuard((SERVICE,)))   # after the key check
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
+    # after the key check; requests over MAX_BODY_BYTES (as on REST) are INVALID_ARGUMENT,
+    # grpc's own RESOURCE_EXHAUSTED is left for those over twice that
+    interceptors.append(security.RequestGuard((SERVICE,), max_bytes=MAX_BODY_BYTES))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", 2 * MAX_BODY_BYTES)],
+                             interceptors=interceptors)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -9,7 +9,8 @@ work on the workers, so it is bounded here, before any worker sees it:
     token ids                logit_bias keys and stop_token_ids inside the vocabulary
     min_tokens               room for them in the context (also without max_tokens)
     text                     valid UTF-8 (a lone surrogate such as \\ud800 is refused)
-    REST body                at most MAX_BODY_BYTES (413; gateway/openai/app.py)
+    REST body                at most MAX_BODY_BYTES (413; gateway/openai/app.py); a gRPC
+                             request too (INVALID_ARGUMENT; gateway/grpc_server.py)
 
 Prompt token ids are checked by gateway/prompt.py's check_prompt. A failure is an
 `InvalidInput` (a GatewayError, INVALID_ARGUMENT) naming the parameter.

@@ -112,12 +112,16 @@ class RequestGuard(grpc.aio.ServerInterceptor):
       (Decode, Prefill, SubmitFirstToken, Abort) are the gateway's even among the holders
       of the operator's certificates (a prefill worker reads a decode worker's Stats);
     - a request that does not parse ends with INVALID_ARGUMENT (grpc's own handling says
-      UNKNOWN): the methods get raw bytes and parse them here.
+      UNKNOWN): the methods get raw bytes and parse them here; so does one over `max_bytes`
+      (0: no limit; the server's max_receive_message_length must be above it, or grpc
+      answers RESOURCE_EXHAUSTED itself first).
     Only unary requests (every pdserve.v1 method), served by async generators or coroutines."""
 
-    def __init__(self, services: tuple[str, ...], callers: frozenset[str] = frozenset()):
+    def __init__(self, services: tuple[str, ...], callers: frozenset[str] = frozenset(),
+                 max_bytes: int = 0):
         self.prefixes = tuple(f"/{s}/" for s in services)
         self.callers = callers
+        self.max_bytes = max_bytes
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -134,6 +138,10 @@ class RequestGuard(grpc.aio.ServerInterceptor):
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                         f"{method} is not open to certificate "
                                         f"{', '.join(sorted(names)) or '(none)'}")
+            if self.max_bytes and len(raw) > self.max_bytes:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the request is {len(raw)} bytes, over the limit of "
+                                    f"{self.max_bytes} bytes")
             try:
                 return parse(raw)
             except Exception as e:        # protobuf's DecodeError, and anything a parser raises
