@@ -97,8 +97,8 @@ class StreamedCalls:
         `<tool_call>`) -> calls, streamed from then on;
       - or it cannot be one (it begins with anything else, or the call names no tool) ->
         content: what was held is sent, the rest streams as content.
-    Text still held at the end (e.g. arguments given as a JSON string) is parsed whole with
-    parse_calls, as unstreamed. A stream commits when it recognises a call: if the finished
+    Text still held at the end (e.g. the first call's arguments given as a JSON string) is
+    parsed whole with parse_calls, as unstreamed. A stream commits when it recognises a call: if the finished
     text is not only calls after all, the finish reason is the model's own, not "tool_calls".
     """
 
@@ -112,7 +112,7 @@ class StreamedCalls:
 
     @property
     def sent_calls(self) -> bool:
-        return self.scan is not None and any(c["announced"] for c in self.scan.calls)
+        return self.mode == "calls" and any(c["announced"] for c in self.scan.calls)
 
     def feed(self, text: str) -> list[tuple[int, str | None, str]]:
         """The choice's text so far -> new (call index, name when announcing else None,
@@ -130,10 +130,13 @@ class StreamedCalls:
                 self.dropped = k
         if self.dropped is not None:
             events = [e for e in events if e[0] < self.dropped]
-        if self.mode == "held" and events:
-            self.mode = "calls"
-        elif self.mode == "held" and self.dropped is not None:
-            self.mode = "content"
+        if self.mode == "held":
+            if events and events[0][0] == 0:
+                self.mode = "calls"
+            else:              # a later call when the first cannot stream: the end parses all
+                if self.dropped == 0:
+                    self.mode = "content"
+                return []
         return events
 
     def _start(self, t: str) -> None:
@@ -148,6 +151,7 @@ class StreamedCalls:
     def finish_calls(self, text: str) -> bool:
         """At the end, for a stream that sent calls: whether it finishes with "tool_calls"."""
         return self.scan.complete() and (self.forced or parse_calls(text, self.tools) is not None)
+
 
 class CallStream:
     """Tool calls read while the output grows, so a stream can send each call's name as soon

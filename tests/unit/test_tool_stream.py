@@ -108,9 +108,10 @@ def test_auto_content_is_released_as_soon_as_it_cannot_be_a_call():
 
 
 def test_auto_not_quite_calls():
-    """JSON that is not a call stays held (the end parses it whole, as unstreamed); a later
-    call naming no tool is not sent and the stream does not finish with tool_calls; text that
-    is not valid JSON does not break the scanner."""
+    """JSON that is not a call stays held (the end parses it whole, as unstreamed), so does a
+    first call whose arguments are a JSON string; a later call naming no tool is not sent and
+    the stream does not finish with tool_calls; text that is not valid JSON does not break the
+    scanner."""
     rng = random.Random(2)
     s, events, _ = _auto('{"a": 1, "b": [2]}', rng)
     assert s.mode == "held" and events == []
@@ -120,6 +121,10 @@ def test_auto_not_quite_calls():
     assert parse_calls(text, TOOLS) is None
     s, events, _ = _auto('{"name": "get_\\q", "arguments": {"\\x": "\n"}} trailing', rng)
     assert events == [] and s.mode == "held"
+    text = json.dumps({"name": "get_time", "arguments": "{}"}) + "\n" + json.dumps(W)
+    s, events, _ = _auto(text, rng)        # the first call cannot stream: all at the end
+    assert s.mode == "held" and events == [] and not s.sent_calls
+    assert [c["function"]["arguments"] for c in parse_calls(text, TOOLS)] == ["{}", json.dumps(W["arguments"])]
     cut = json.dumps(W)[:-5]
     s, events, _ = _auto(cut, rng)
     assert events and not s.finish_calls(cut)
