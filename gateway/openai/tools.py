@@ -95,8 +95,9 @@ class StreamedCalls:
       - it is recognised as one: its first call object has a tool's name and its arguments
         have begun (`{"name": "f", "arguments": {`, also inside `[...]` or after
         `<tool_call>`) -> calls, streamed from then on;
-      - or it cannot be one (it begins with anything else, or the call names no tool) ->
-        content: what was held is sent, the rest streams as content.
+      - or it cannot be one (it begins with anything else, the call names no tool, its first
+        object closes without a name and arguments, an array holds no object) -> content:
+        what was held is sent, the rest streams as content.
     Text still held at the end (e.g. the first call's arguments given as a JSON string) is
     parsed whole with parse_calls, as unstreamed. A stream commits when it recognises a call: if the finished
     text is not only calls after all, the finish reason is the model's own, not "tool_calls".
@@ -134,10 +135,19 @@ class StreamedCalls:
             if events and events[0][0] == 0:
                 self.mode = "calls"
             else:              # a later call when the first cannot stream: the end parses all
-                if self.dropped == 0:
+                if self.dropped == 0 or self._not_a_call(text):
                     self.mode = "content"
                 return []
         return events
+
+    def _not_a_call(self, text: str) -> bool:
+        """Held output that can no longer be calls: its first object closed without a tool's
+        name and arguments, or an array whose first element is not an object."""
+        first = self.scan.calls[0] if self.scan.calls else None
+        if first is not None:
+            return first["closed"] and not (first["name"] in self.names and first["args"])
+        rest = text.lstrip()[1:].lstrip()
+        return self.scan.call_depth == 2 and rest != "" and not rest.startswith("{")
 
     def _start(self, t: str) -> None:
         """The first characters (left-stripped) decide whether a call may follow."""
@@ -171,7 +181,9 @@ class CallStream:
         self.str_start = 0
         self.key: str | None = None           # the last key read at call depth
         self.expect_key = False
-        self.calls: list[dict[str, Any]] = []  # {"id", "name", "start", "end", "sent", "announced"}
+        # {"id", "name", "start", "end" (of the arguments), "sent", "announced", "args" (the
+        #  key was read), "closed" (the call object)}
+        self.calls: list[dict[str, Any]] = []
 
     def feed(self, text: str) -> list[tuple[int, str | None, str]]:
         """New (call index, name when announcing it else None, arguments piece) events."""
@@ -213,6 +225,7 @@ class CallStream:
                         value = None
                     if self.expect_key:
                         self.key, self.expect_key = value, False
+                        self.calls[-1]["args"] |= value == "arguments"
                     elif self.key == "name":
                         self.calls[-1]["name"] = value
             return
@@ -221,7 +234,8 @@ class CallStream:
         elif c in "{[":
             if self.depth == self.call_depth - 1 and c == "{":
                 self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": None,
-                                   "start": None, "end": None, "sent": 0, "announced": False})
+                                   "start": None, "end": None, "sent": 0, "announced": False,
+                                   "args": False, "closed": False})
                 self.expect_key = True
             elif at_call and self.key == "arguments" and self.calls:
                 self.calls[-1]["start"] = i
@@ -231,5 +245,7 @@ class CallStream:
             if (self.depth == self.call_depth and self.key == "arguments" and self.calls
                     and self.calls[-1]["start"] is not None and self.calls[-1]["end"] is None):
                 self.calls[-1]["end"] = i + 1
+            if self.depth == self.call_depth - 1 and c == "}" and self.calls:
+                self.calls[-1]["closed"] = True
         elif c == "," and at_call:
             self.key, self.expect_key = None, True

@@ -108,19 +108,27 @@ def test_auto_content_is_released_as_soon_as_it_cannot_be_a_call():
 
 
 def test_auto_not_quite_calls():
-    """JSON that is not a call stays held (the end parses it whole, as unstreamed), so does a
-    first call whose arguments are a JSON string; a later call naming no tool is not sent and
-    the stream does not finish with tool_calls; text that is not valid JSON does not break the
-    scanner."""
+    """JSON that may still be a call stays held, and is content once its first object closes
+    without a tool's name and arguments (or an array's first element is not an object); a
+    first call whose arguments are a JSON string stays held (the end parses all, as
+    unstreamed); a later call naming no tool is not sent and the stream does not finish with
+    tool_calls; text that is not valid JSON does not break the scanner."""
     rng = random.Random(2)
-    s, events, _ = _auto('{"a": 1, "b": [2]}', rng)
+    s, events, _ = _auto('{"a": 1, "b": [2]', rng)
     assert s.mode == "held" and events == []
+    for text, closed in (('{"a": 1, "b": [2]} and', 18), ('[1, {"name": "get_time"', 2),
+                         ('{"name": "get_time"} x', 20), ('<tool_call>{"arguments": {}}</tool_call>', 28)):
+        assert text[closed - 1] in "}1"
+        s = StreamedCalls(TOOLS, forced=False)
+        for end in range(1, len(text) + 1):
+            assert s.feed(text[:end]) == []
+            assert s.mode == ("content" if end >= closed else "held"), (text, end)
     text = json.dumps(W) + "\n" + json.dumps({"name": "rm_rf", "arguments": {}})
     s, events, _ = _auto(text, rng)
     assert {k for k, _, _ in events} == {0} and not s.finish_calls(text)
     assert parse_calls(text, TOOLS) is None
     s, events, _ = _auto('{"name": "get_\\q", "arguments": {"\\x": "\n"}} trailing', rng)
-    assert events == [] and s.mode == "held"
+    assert events == [] and s.mode == "content"
     text = json.dumps({"name": "get_time", "arguments": "{}"}) + "\n" + json.dumps(W)
     s, events, _ = _auto(text, rng)        # the first call cannot stream: all at the end
     assert s.mode == "held" and events == [] and not s.sent_calls
