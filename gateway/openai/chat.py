@@ -167,7 +167,10 @@ class Chat(Endpoint):
                        calls: toolkit.StreamedCalls | None) -> Iterator[str]:
         """What was held back (as tool calls, or as content), then the finish chunk."""
         if calls is not None and calls.sent_calls:
-            if calls.finish_calls(o.text):
+            rest, complete = calls.finish(o.text)
+            for k, name, piece in rest:
+                yield self._call_delta(i, calls, k, name, piece)
+            if complete:
                 finish = "tool_calls"
         elif calls is not None and calls.mode != "content":
             held = toolkit.parse_calls(o.text, self.tools)

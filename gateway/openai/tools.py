@@ -158,9 +158,21 @@ class StreamedCalls:
         elif t and not "<tool_call>".startswith(t):
             self.mode = "content"
 
-    def finish_calls(self, text: str) -> bool:
-        """At the end, for a stream that sent calls: whether it finishes with "tool_calls"."""
-        return self.scan.complete() and (self.forced or parse_calls(text, self.tools) is not None)
+    def finish(self, text: str) -> tuple[list[tuple[int, str | None, str]], bool]:
+        """At the end, for a stream that sent calls: the events still to send (a later call
+        the scanner could not stream, its arguments a JSON string, goes whole) and whether it
+        finishes with "tool_calls" (auto: the whole text parses as calls, as unstreamed)."""
+        if self.forced:
+            return [], self.scan.complete()
+        parsed = parse_calls(text, self.tools)
+        if parsed is None:
+            return [], False
+        events = []
+        for k, (c, call) in enumerate(zip(self.scan.calls, parsed)):
+            if not c["announced"]:
+                c["announced"] = True
+                events += [(k, call["function"]["name"], ""), (k, None, call["function"]["arguments"])]
+        return events, True
 
 
 class CallStream:

@@ -84,7 +84,7 @@ def test_auto_streams_each_call_once_recognised():
         recognised = max(args_begin, text.index('"', name_value + 1) + 1)   # text[:recognised]
         for _ in range(20):
             s, events, modes = _auto(text, rng)
-            assert s.mode == "calls" and s.finish_calls(text)
+            assert s.mode == "calls" and s.finish(text) == ([], True)
             for end, mode, sent in modes:            # nothing sent before that
                 assert (mode == "calls") == (end >= recognised) and (sent <= (mode == "calls"))
             assert sorted({k for k, _, _ in events}) == list(range(len(want)))
@@ -125,7 +125,7 @@ def test_auto_not_quite_calls():
             assert s.mode == ("content" if end >= closed else "held"), (text, end)
     text = json.dumps(W) + "\n" + json.dumps({"name": "rm_rf", "arguments": {}})
     s, events, _ = _auto(text, rng)
-    assert {k for k, _, _ in events} == {0} and not s.finish_calls(text)
+    assert {k for k, _, _ in events} == {0} and s.finish(text) == ([], False)
     assert parse_calls(text, TOOLS) is None
     s, events, _ = _auto('{"name": "get_\\q", "arguments": {"\\x": "\n"}} trailing', rng)
     assert events == [] and s.mode == "content"
@@ -135,4 +135,43 @@ def test_auto_not_quite_calls():
     assert [c["function"]["arguments"] for c in parse_calls(text, TOOLS)] == ["{}", json.dumps(W["arguments"])]
     cut = json.dumps(W)[:-5]
     s, events, _ = _auto(cut, rng)
-    assert events and not s.finish_calls(cut)
+    assert events and s.finish(cut) == ([], False)
+
+
+def test_auto_stream_agrees_with_the_unstreamed_parse():
+    """Random outputs (calls in every format, cut, with text around them, unknown names,
+    string arguments, plain JSON, prose) in random pieces: output that parses as calls is
+    never streamed as content, and a stream that finishes with tool_calls sends exactly the
+    parsed calls (a later one with string arguments whole at the end); output that does not
+    parse never finishes with tool_calls."""
+    rng = random.Random(3)
+    objs = [W, T, {"name": "rm", "arguments": {}}, {"name": "get_time", "arguments": "{}"},
+            {"a": 1}, {"name": "get_weather", "arguments": {"city": "Lima", "days": 2}, "x": [1]}]
+    seen = {"content": 0, "calls": 0, "held": 0}
+    for _ in range(400):
+        items = [rng.choice(objs) for _ in range(rng.randint(1, 3))]
+        form = rng.randrange(4)
+        text = (json.dumps(items[0]) if form == 0 else json.dumps(items) if form == 1 else
+                "\n".join(json.dumps(i) for i in items) if form == 2 else
+                "".join(f"<tool_call>\n{json.dumps(i)}\n</tool_call>\n" for i in items))
+        r = rng.random()
+        if r < 0.2:
+            text = text[:rng.randint(1, len(text))]
+        elif r < 0.3:
+            text = rng.choice(["Sure: ", "  ", "{", "Hi"]) + text
+        elif r < 0.4:
+            text += rng.choice([" done", "\n", "}"])
+        want = parse_calls(text, TOOLS)
+        s, events, _ = _auto(text, rng)
+        seen[s.mode] += 1
+        if want is not None:
+            assert s.mode != "content", text
+        if s.sent_calls:
+            rest, complete = s.finish(text)
+            assert complete == (want is not None), text
+            events += rest
+            for k, call in enumerate(want or []):
+                mine = [e for e in events if e[0] == k]
+                assert mine[0][1] == call["function"]["name"]
+                assert "".join(p for _, _, p in mine[1:]) == call["function"]["arguments"]
+    assert min(seen.values()) > 20, seen
