@@ -143,7 +143,7 @@ class Chat(Endpoint):
         o.add(ev)
         if calls is not None and calls.mode != "content":
             for k, name, piece in calls.feed(o.text):
-                yield self._call_delta(i, calls, k, name, piece)
+                yield self._call_delta(i, k, calls.scan.calls[k]["id"], name, piece)
             if calls.mode != "content":
                 if ev.finish_reason is not None:
                     yield from self._finish_chunks(i, o, ev.finish_reason, calls)
@@ -155,11 +155,11 @@ class Chat(Endpoint):
         if ev.finish_reason is not None:
             yield from self._finish_chunks(i, o, ev.finish_reason, calls)
 
-    def _call_delta(self, i: int, calls: toolkit.StreamedCalls, k: int, name: str | None,
-                    piece: str) -> str:
+    def _call_delta(self, i: int, k: int, call_id: str, name: str | None, piece: str) -> str:
+        """Call k's first delta (its id and name: `name` given) or a piece of its arguments."""
         if name is not None:
             return self._delta(i, {"tool_calls": [{
-                "index": k, "id": calls.scan.calls[k]["id"], "type": "function",
+                "index": k, "id": call_id, "type": "function",
                 "function": {"name": name, "arguments": ""}}]})
         return self._delta(i, {"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
 
@@ -169,7 +169,7 @@ class Chat(Endpoint):
         if calls is not None and calls.sent_calls:
             rest, complete = calls.finish(o.text)
             for k, name, piece in rest:
-                yield self._call_delta(i, calls, k, name, piece)
+                yield self._call_delta(i, k, calls.scan.calls[k]["id"], name, piece)
             if complete:
                 finish = "tool_calls"
         elif calls is not None and calls.mode != "content":
@@ -177,11 +177,8 @@ class Chat(Endpoint):
             if held:
                 finish = "tool_calls"
                 for k, c in enumerate(held):
-                    yield self._delta(i, {"tool_calls": [{
-                        "index": k, "id": c["id"], "type": "function",
-                        "function": {"name": c["function"]["name"], "arguments": ""}}]})
-                    yield self._delta(i, {"tool_calls": [{
-                        "index": k, "function": {"arguments": c["function"]["arguments"]}}]})
+                    yield self._call_delta(i, k, c["id"], c["function"]["name"], "")
+                    yield self._call_delta(i, k, c["id"], None, c["function"]["arguments"])
             elif o.text or o.token_ids:
                 yield self.chunk([self._content(i, o.text, o.token_ids, o.logprobs)])
         yield self.chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}],
