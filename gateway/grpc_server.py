@@ -33,7 +33,7 @@ from .auth import GrpcAuth, KeyStore
 from .choices import fan_out, merge_streams
 from .config import GatewayConfig
 from .core import Gateway
-from .models import Models
+from .models import Models, model_configs
 from .prompt import chat_prompt_ids, encode
 from .redact import public_message
 from .request import GatewayError, GenerateEvent, GenerateInput, Usage
@@ -275,6 +275,12 @@ def _grpc_server(models: Models, keys: KeyStore | None = None):
 def run(cfg: GatewayConfig) -> int:
     """`pdserve gateway`: serve on uvloop until SIGINT/SIGTERM."""
     import uvloop
+
+    try:        # a bad models file or model directory: one line, before anything starts
+        for c in model_configs(cfg):
+            c.resolved_model_dir()
+    except ValueError as e:
+        raise SystemExit(f"pdserve gateway: {e}")
 
     async def main():
         stop = asyncio.Event()
