@@ -17,6 +17,10 @@ class GatewayConfig:
                 "`pdserve gateway` without it: the embedded tiny model"})
     served_model_name: str = field(default="", metadata={
         "help": "model id clients use; empty: the model directory's name"})
+    models_file: str = field(default="", metadata={
+        "help": "serve several models, each with its own pools: a JSON list of {name, model, "
+                "prefill|prefill_dns, decode|decode_dns} (gateway/models.py); replaces "
+                "--model, --served-model-name and the pool options"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     grpc_port: int = field(default=50051, metadata={"help": "public gRPC port (0: any free)"})
     http_port: int = field(default=0, metadata={"help": "OpenAI REST port (0: disabled)"})
@@ -75,6 +79,11 @@ class GatewayConfig:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        per_model = ("model", "served_model_name", "prefill", "decode", "prefill_dns",
+                     "decode_dns", "max_model_len")
+        if self.models_file and any(getattr(self, k) for k in per_model):
+            raise ValueError("--models-file names each model and its pools: give none of "
+                             + ", ".join("--" + k.replace("_", "-") for k in per_model))
         for pool in ("prefill", "decode"):
             if getattr(self, pool) and getattr(self, pool + "_dns"):
                 raise ValueError(f"give --{pool} or --{pool}-dns, not both")

@@ -5,7 +5,9 @@
 
 GatewayError becomes the call's status (code + message). Cancelling the call cancels the
 servicer task, which closes the generators, which abort the request on its workers.
-Also served: grpc.health.v1 ("" and pdserve.v1.Generation) and server reflection.
+Several models (gateway/models.py): `ModelRouter` hands each call to the servicer of its
+request's `model` (unknown: NOT_FOUND). Also served: grpc.health.v1 ("" and
+pdserve.v1.Generation) and server reflection.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from .auth import GrpcAuth, KeyStore
 from .choices import fan_out, merge_streams
 from .config import GatewayConfig
 from .core import Gateway
+from .models import Models, model_configs
 from .prompt import chat_prompt_ids, encode
 from .redact import public_message
 from .request import GatewayError, GenerateEvent, GenerateInput, Usage
@@ -61,7 +64,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _inputs(self, request, trace_parent) -> tuple[str, list[int], list[GenerateInput]]:
         """(request id, prompt ids, one GenerateInput per choice), checked (gateway/validate.py)."""
-        self._check_model(request.model)
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as e:
@@ -117,11 +119,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 m.rank = rank
         return m
 
-    def _check_model(self, model: str) -> None:
-        if model and model != self.gw.model_name:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"unknown model {model!r}: this gateway serves {self.gw.model_name!r}")
-
     async def _prompt_ids(self, request) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
@@ -141,7 +138,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     # -- Tokenize, ListModels -----------------------------------------------------------------
     async def Tokenize(self, request, context):
         try:
-            self._check_model(request.model)
             kind = request.WhichOneof("prompt")
             if kind == "text":
                 ids = await encode(self.gw.tokenizer, request.text, 0, "text",
@@ -160,6 +156,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
             id=self.gw.model_name, max_model_len=self.gw.max_model_len, owned_by="pdserve",
             created=self.created)])
+
+
+class ModelRouter(generation_pb2_grpc.GenerationServicer):
+    """The Generation service over several models: each call goes to the GenerationServicer
+    of its request's model (Models.get: unknown NOT_FOUND, none named with several
+    INVALID_ARGUMENT); ListModels lists every model."""
+
+    def __init__(self, models: Models):
+        self.models = models
+        self.servicers = {gw.model_name: GenerationServicer(gw) for gw in models}
+
+    async def _servicer(self, model: str, context) -> GenerationServicer:
+        try:
+            return self.servicers[self.models.get(model).model_name]
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
+
+    async def Generate(self, request, context):
+        servicer = await self._servicer(request.model, context)
+        async for resp in servicer.Generate(request, context):
+            yield resp
+
+    async def Tokenize(self, request, context):
+        servicer = await self._servicer(request.model, context)
+        return await servicer.Tokenize(request, context)
+
+    async def ListModels(self, request, context):
+        listed = [await s.ListModels(request, context) for s in self.servicers.values()]
+        return generation_pb2.ListModelsResponse(models=[m for r in listed for m in r.models])
 
 
 def _usage_proto(u: Usage) -> common_pb2.Usage:
@@ -185,20 +210,20 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
     """Run the gateway until `stop` is set (or forever); `ready` is set once SERVING.
     (The same shape as the workers' serve(cfg, ready, stop).)"""
     tracing.setup_tracing("pdserve-gateway", span_file=cfg.trace_file or None)
-    gw = Gateway(cfg)
+    models = Models.from_config(cfg)
     metrics_server = None
     if cfg.metrics_port:
-        metrics_server, _ = metrics.start_metrics_server(gw.metrics.registry, cfg.host, cfg.metrics_port)
-    await gw.start()
+        metrics_server, _ = metrics.start_metrics_server(models.registry, cfg.host, cfg.metrics_port)
+    await models.start()
     keys = KeyStore(cfg.api_key, cfg.api_key_file, cfg.api_key_rpm, cfg.api_key_concurrency)
-    server, health_servicer = _grpc_server(gw, keys)
+    server, health_servicer = _grpc_server(models, keys)
     port = security.add_port(server, f"{cfg.host}:{cfg.grpc_port}",
                              security.server_tls(cfg.tls_cert, cfg.tls_key))
     await server.start()
     http = None
     if cfg.http_port:      # the OpenAI REST shim, in this loop (SERVING waits for it too)
         from .openai import start_http
-        http = await start_http(gw, cfg.host, cfg.http_port, keys,
+        http = await start_http(models, cfg.host, cfg.http_port, keys,
                                 (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None)
     for line in security.exposed(cfg.host, {"gRPC": (port, bool(cfg.tls_cert)),
                                             "REST": (cfg.http_port, bool(cfg.tls_cert))}):
@@ -208,8 +233,9 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{cfg.host}:{port}"
-    log.info("gateway serving %s on %s (prefill: %d, decode: %d workers)", gw.model_name,
-             address, len(gw.prefill.workers), len(gw.decode.workers))
+    for gw in models:
+        log.info("gateway serving %s on %s (prefill: %d, decode: %d workers)", gw.model_name,
+                 address, len(gw.prefill.workers), len(gw.decode.workers))
     print(f"gateway ready on {address}", flush=True)
     if ready is not None:
         ready.set()
@@ -224,14 +250,14 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
         if http is not None:
             await http.stop()
         await server.stop(grace=5)
-        await gw.stop()
+        await models.stop()
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()
         tracing.shutdown_tracing()
 
 
-def _grpc_server(gw: Gateway, keys: KeyStore | None = None):
+def _grpc_server(models: Models, keys: KeyStore | None = None):
     """The grpc.aio server with Generation (behind `keys`), health (serve() sets its
     statuses) and reflection."""
     interceptors = [GrpcAuth(keys, (SERVICE,))] if keys is not None and keys.enabled else []
@@ -241,7 +267,7 @@ def _grpc_server(gw: Gateway, keys: KeyStore | None = None):
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_receive_message_length", 2 * MAX_BODY_BYTES)],
                              interceptors=interceptors)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(ModelRouter(models), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -253,6 +279,12 @@ def _grpc_server(gw: Gateway, keys: KeyStore | None = None):
 def run(cfg: GatewayConfig) -> int:
     """`pdserve gateway`: serve on uvloop until SIGINT/SIGTERM."""
     import uvloop
+
+    try:        # a bad models file or model directory: one line, before anything starts
+        for c in model_configs(cfg):
+            c.resolved_model_dir()
+    except ValueError as e:
+        raise SystemExit(f"pdserve gateway: {e}")
 
     async def main():
         stop = asyncio.Event()

@@ -26,7 +26,7 @@ def _make_tiny_model(args) -> int:
 
 
 def _run_gateway(cfg: GatewayConfig) -> int:
-    if not cfg.model:                       # the default model, as `pdserve up` resolves it
+    if not cfg.model and not cfg.models_file:   # the default model, as `pdserve up` resolves it
         from .default_model import resolve_default_model
         cfg.model = str(resolve_default_model())
     from gateway import grpc_server

@@ -4,6 +4,10 @@
     only after loading and warm-up) -> start gateway with their addresses -> gateway SERVING
     -> print one line "pdserve ready: grpc=HOST:PORT ..." -> supervise
 
+Several models (`--models-file`, `ModelPools`): each model gets its own prefill and decode
+workers (a model's prefill workers send KV only to its own decode workers), and the one
+gateway gets a models file naming each model's pools (gateway/models.py).
+
 `pdserve up`'s options are generated from `UpConfig`: its own fields plus every engine option
 (`--device`, `--block-size`, ... from engine.config.EngineOptions), which the launcher hands
 to every worker as options (only those that differ from the defaults the workers share).
@@ -22,12 +26,14 @@ orphaned. Every wait has a deadline.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -91,6 +97,7 @@ class Child:
     address: str
     argv: list[str]
     popen: subprocess.Popen | None = None
+    model: str = ""                         # its model's id, with several models
     log: IO | None = None
     restarts: int = 0                       # by the supervisor, in all
     crashes: list[float] = field(default_factory=list)   # monotonic times, within the window
@@ -102,9 +109,35 @@ class Child:
 
 
 @dataclass
+class ModelPools:
+    """One model of a several-model system: the id clients send, its directory, pool sizes."""
+    name: str
+    model_dir: str
+    num_prefill: int = 1
+    num_decode: int = 1
+
+    @classmethod
+    def read(cls, path: str) -> list["ModelPools"]:
+        """`pdserve up --models-file`: a JSON list of {name, model, prefill, decode} (counts)."""
+        try:
+            entries = json.loads(Path(path).read_text())
+            models = [cls(str(e["name"]), str(e["model"]), int(e.get("prefill", 1)),
+                          int(e.get("decode", 1))) for e in entries]
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"models file {path!r}: expected a JSON list of "
+                             f"{{name, model, prefill, decode}}: {e!r}") from None
+        names = [m.name for m in models]
+        if not models or len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"models file {path!r}: expected distinct, non-empty names")
+        if any(m.num_prefill < 1 or m.num_decode < 1 for m in models):
+            raise ValueError(f"models file {path!r}: prefill and decode must be >= 1")
+        return models
+
+
+@dataclass
 class Launcher:
     """Start/stop a whole local system. Also used by the e2e fixtures."""
-    model_dir: str
+    model_dir: str = ""
     num_prefill: int = 1
     num_decode: int = 1
     host: str = "127.0.0.1"
@@ -122,14 +155,17 @@ class Launcher:
     max_backoff_s: float = 30.0
     restart_window_s: float = 60.0          # crashes older than this are forgotten
     max_restarts: int = 5                   # crashes within the window before giving up
+    # several models, each with its own pools (replaces model_dir and the two counts)
+    models: list[ModelPools] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
+    _models_file: str = field(default="", init=False, repr=False)   # the gateway's, if several
 
     @property
     def grpc_address(self) -> str:
         return next(c.address for c in self.children if c.role == "gateway")
 
-    def workers(self, role: str) -> list[Child]:
-        return [c for c in self.children if c.role == role]
+    def workers(self, role: str, model: str | None = None) -> list[Child]:
+        return [c for c in self.children if c.role == role and model in (None, c.model)]
 
     def start(self, timeout_s: float = 300.0, cancel: threading.Event | None = None) -> None:
         """Start everything and wait until it is all SERVING; stops all on any failure
@@ -138,24 +174,15 @@ class Launcher:
         self._cancel = cancel or threading.Event()
         engine_args = config_argv(self.engine)   # before extra: a role's own args win
         try:
-            ports = {r: [free_port(self.host) for _ in range(n)]
-                     for r, n in (("prefill", self.num_prefill), ("decode", self.num_decode))}
-            decoders = ",".join(f"{self.host}:{p}" for p in ports["decode"])
-            for role, extra in (("prefill", ["--decode", decoders, *self.prefill_args]),
-                                ("decode", self.decode_args)):
-                for i, port in enumerate(ports[role]):
-                    self._spawn(Child(role, f"{self.host}:{port}", [
-                        role, "--model-dir", str(self.model_dir), "--host", self.host,
-                        "--port", str(port), "--worker-id", f"{role}-{i}", *engine_args,
-                        *self._mtls_args(), *extra]))
+            for m in self.models or [ModelPools("", self.model_dir, self.num_prefill,
+                                                self.num_decode)]:
+                self._spawn_workers(m, engine_args)
             for c in list(self.children):
                 self._wait_serving(c, deadline)
             port = self.grpc_port or free_port(self.host)
             gw = [
-                "gateway", "--model", str(self.model_dir), "--host", self.host,
+                "gateway", *self._gateway_models(), "--host", self.host,
                 "--grpc-port", str(port), "--http-port", str(self.http_port),
-                "--prefill", ",".join(c.address for c in self.workers("prefill")),
-                "--decode", ",".join(c.address for c in self.workers("decode")),
                 *self._mtls_args(),
                 *(["--tls-cert", self.tls_cert, "--tls-key", self.tls_key] if self.tls_cert else []),
                 *self.gateway_args]
@@ -164,6 +191,33 @@ class Launcher:
         except BaseException:
             self.stop()
             raise
+
+    def _spawn_workers(self, m: ModelPools, engine_args: list[str]) -> None:
+        ports = {r: [free_port(self.host) for _ in range(n)]
+                 for r, n in (("prefill", m.num_prefill), ("decode", m.num_decode))}
+        decoders = ",".join(f"{self.host}:{p}" for p in ports["decode"])
+        for role, extra in (("prefill", ["--decode", decoders, *self.prefill_args]),
+                            ("decode", self.decode_args)):
+            for i, port in enumerate(ports[role]):
+                worker_id = f"{m.name}-{role}-{i}" if m.name else f"{role}-{i}"
+                self._spawn(Child(role, f"{self.host}:{port}", [
+                    role, "--model-dir", str(m.model_dir), "--host", self.host,
+                    "--port", str(port), "--worker-id", worker_id, *engine_args,
+                    *self._mtls_args(), *extra], model=m.name))
+
+    def _gateway_models(self) -> list[str]:
+        """The gateway's model and pool options: one model's, or a models file of several."""
+        def pool(role, model=None):
+            return ",".join(c.address for c in self.workers(role, model))
+        if not self.models:
+            return ["--model", str(self.model_dir), "--prefill", pool("prefill"),
+                    "--decode", pool("decode")]
+        fd, self._models_file = tempfile.mkstemp(prefix="pdserve-models-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([{"name": m.name, "model": str(m.model_dir),
+                        "prefill": pool("prefill", m.name), "decode": pool("decode", m.name)}
+                       for m in self.models], f)
+        return ["--models-file", self._models_file]
 
     def _spawn(self, c: Child) -> None:
         if self.log_dir is not None:
@@ -272,6 +326,8 @@ class Launcher:
                 c.popen.wait(5)
             if c.log is not None:
                 c.log.close()
+        if self._models_file:
+            Path(self._models_file).unlink(missing_ok=True)
 
 
 def _say(line: str) -> None:
@@ -284,6 +340,9 @@ class UpConfig:
     model: str = field(default="", metadata={
         "help": "HF model directory, or a .gguf file (empty: SmolLM2-135M-Instruct, fetched "
                 "on first use; see pdserve/default_model.py)"})
+    models_file: str = field(default="", metadata={
+        "help": "serve several models, each with its own workers: a JSON list of {name, model, "
+                "prefill, decode} (worker counts); replaces --model, --prefill, --decode"})
     prefill: int = field(default=1, metadata={"help": "number of prefill workers"})
     decode: int = field(default=1, metadata={"help": "number of decode workers"})
     host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
@@ -310,6 +369,8 @@ class UpConfig:
     def __post_init__(self):
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("--prefill and --decode must be >= 1")
+        if self.models_file and self.model:
+            raise ValueError("give --model or --models-file, not both")
         tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
         if self.restart_backoff <= 0 or self.max_restarts < 0:
@@ -333,7 +394,12 @@ def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
 
 
 def main(cfg: UpConfig) -> int:
-    if cfg.model:
+    try:
+        models = ModelPools.read(cfg.models_file) if cfg.models_file else []
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr, flush=True)
+        return 2
+    if cfg.model or models:
         model = cfg.model
     else:
         from .default_model import resolve_default_model
@@ -347,17 +413,24 @@ def main(cfg: UpConfig) -> int:
                         gateway_args=gateway_args, engine=cfg.engine,
                         mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
                         tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
-                        restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts)
+                        restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts,
+                        models=models)
     try:
         try:
             launcher.start(cfg.ready_timeout, cancel=stop)
         except LaunchError as e:
             print(f"pdserve up: {e}", file=sys.stderr, flush=True)
             return 1
-        w = {r: ",".join(c.address for c in launcher.workers(r)) for r in ("prefill", "decode")}
         http = f" http=http://{cfg.host}:{http_port}/v1" if http_port else ""
+        for m in models:    # each model's pools on a line of its own, before the ready line
+            w = {r: ",".join(c.address for c in launcher.workers(r, m.name))
+                 for r in ("prefill", "decode")}
+            print(f"pdserve model {m.name}: prefill={w['prefill']} decode={w['decode']} "
+                  f"model={m.model_dir}", flush=True)
+        w = {r: ",".join(c.address for c in launcher.workers(r)) for r in ("prefill", "decode")}
         print(f"pdserve ready: grpc={launcher.grpc_address}{http} prefill={w['prefill']} "
-              f"decode={w['decode']} model={model}", flush=True)
+              f"decode={w['decode']} model={model or ','.join(m.name for m in models)}",
+              flush=True)
         for line in plain_text_ports(cfg, launcher):
             print(f"pdserve up: WARNING: {line}", file=sys.stderr, flush=True)
         return launcher.supervise(stop)

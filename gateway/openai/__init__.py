@@ -1,6 +1,6 @@
 """OpenAI-compatible REST shim served by the gateway process (see app.py for its layout).
 
-`start_http(gw, host, port, keys, ssl)` runs uvicorn inside the gateway's own event loop
+`start_http(models, host, port, keys, ssl)` runs uvicorn inside the gateway's own event loop
 (uvloop), beside the gRPC server; `await server.stop()` shuts it down. Its h11 protocol puts a
 deadline on every request head (HEADER_TIMEOUT_S): half-sent headers (slowloris) do not hold
 a connection open.
@@ -41,9 +41,10 @@ class HttpServer:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
-async def start_http(gw, host: str, port: int, keys=None, tls: tuple[str, str] | None = None,
+async def start_http(models, host: str, port: int, keys=None, tls: tuple[str, str] | None = None,
                      timeout: float = 30.0, header_timeout: float = HEADER_TIMEOUT_S) -> HttpServer:
-    """Serve the REST app on host:port (0: any free port) in the running loop, with API keys
+    """Serve the REST app over `models` (gateway.models.Models) on host:port (0: any free
+    port) in the running loop, with API keys
     (a gateway.auth.KeyStore) and TLS (cert, key PEM paths) when given; returns once it is
     listening. Raises RuntimeError if it could not bind."""
     import uvicorn
@@ -54,7 +55,7 @@ async def start_http(gw, host: str, port: int, keys=None, tls: tuple[str, str] |
             yield
 
     ssl = dict(ssl_certfile=tls[0], ssl_keyfile=tls[1]) if tls else {}
-    config = uvicorn.Config(create_app(gw, keys), host=host, port=port, log_level="warning",
+    config = uvicorn.Config(create_app(models, keys), host=host, port=port, log_level="warning",
                             lifespan="off", access_log=False, timeout_graceful_shutdown=5,
                             http=_head_deadline_protocol(header_timeout), **ssl)
     server = _Server(config)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible REST shim: a FastAPI app over `gateway.core.Gateway`.
+"""The OpenAI-compatible REST shim: a FastAPI app over the models of `gateway.models.Models`
+(each request goes to the `Gateway` of its `model`; unknown: 404 model_not_found).
 
     POST /v1/chat/completions   chat.py: chat template -> token ids -> n x generate() -> JSON | SSE
     POST /v1/completions        completions.py: prompt(s) -> n x generate() per prompt, echo
@@ -19,6 +20,7 @@ from services import tracing
 
 from ..auth import KeyStore, rest_middleware
 from ..core import Gateway
+from ..models import Models
 from ..validate import MAX_BODY_BYTES
 from .chat import Chat
 from .completions import Completion
@@ -27,7 +29,7 @@ from .errors import OpenAIError, install_handlers, unknown_model
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 
-def create_app(gw: Gateway, keys: KeyStore | None = None) -> FastAPI:
+def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
     """The REST app; with `keys`, /v1 routes need an API key and keep its limits
     (gateway/auth.py checks them in an ASGI middleware, around the whole response)."""
     app = FastAPI(title="pdserve OpenAI-compatible API", version="1",
@@ -40,39 +42,49 @@ def create_app(gw: Gateway, keys: KeyStore | None = None) -> FastAPI:
             status, msg, *_AUTH_ERRORS[status]).response()))
     # documents the scheme in /openapi.json; the middleware above does the checking
     auth = [Depends(HTTPBearer(auto_error=False, description="an API key of the gateway"))]
-    card = {"id": gw.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "pdserve", "max_model_len": gw.max_model_len}
+    created = int(time.time())
 
-    @app.get("/health", summary="200 when a healthy prefill and decode worker are known")
+    def card(gw: Gateway) -> dict:
+        return {"id": gw.model_name, "object": "model", "created": created,
+                "owned_by": "pdserve", "max_model_len": gw.max_model_len}
+
+    def model(name: str) -> Gateway:
+        if name not in models.by_name:
+            raise unknown_model(models.names, name)
+        return models.by_name[name]
+
+    @app.get("/health", summary="200 when some model has a healthy prefill and decode worker")
     async def health():
-        missing = [p.kind for p in (gw.prefill, gw.decode) if not p.healthy()]
-        if missing:
-            return OpenAIError(503, f"no healthy {' or '.join(missing)} worker",
-                               "service_unavailable", None, "unavailable").response()
+        missing = {gw.model_name: [p.kind for p in (gw.prefill, gw.decode) if not p.healthy()]
+                   for gw in models}
+        if all(missing.values()):       # one model without workers leaves the others serving
+            why = "; ".join(f"{name}: no healthy {' or '.join(kinds)} worker"
+                            for name, kinds in missing.items())
+            return OpenAIError(503, why, "service_unavailable", None, "unavailable").response()
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        return PlainTextResponse(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(generate_latest(models.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models():
-        return {"object": "list", "data": [dict(card)]}
+        return {"object": "list", "data": [card(gw) for gw in models]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def get_model(model_id: str):
-        if model_id != gw.model_name:
-            raise unknown_model(gw.model_name, model_id)
-        return dict(card)
+        return card(model(model_id))
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await Chat(gw, body, tracing.extract_context(dict(request.headers))).run()
+        trace = tracing.extract_context(dict(request.headers))
+        return await Chat(model(body.model), body, trace).run()
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):
-        return await Completion(gw, body, tracing.extract_context(dict(request.headers))).run()
+        trace = tracing.extract_context(dict(request.headers))
+        return await Completion(model(body.model), body, trace).run()
 
     return app
 

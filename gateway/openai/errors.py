@@ -73,9 +73,10 @@ def from_prompt(e: PromptError, param: str) -> OpenAIError:
     return bad(e.message, param)
 
 
-def unknown_model(served: str, model: str) -> OpenAIError:
+def unknown_model(served: list[str], model: str) -> OpenAIError:
     return OpenAIError(404, f"the model {model!r} does not exist; this server serves "
-                       f"{served!r}", "invalid_request_error", "model", "model_not_found")
+                       f"{', '.join(map(repr, served))}", "invalid_request_error", "model",
+                       "model_not_found")
 
 
 def install_handlers(app: FastAPI) -> None:

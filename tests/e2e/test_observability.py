@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -102,7 +103,7 @@ def test_one_trace_across_three_processes(system):
 
 def test_scraped_counters_equal_what_was_sent(system):
     launcher, _, ports = system
-    g = {"role": "gateway"}
+    g = {"role": "gateway", "model_name": Path(launcher.model_dir).name}   # gateway/models.py
     before = scrape(ports["gateway"])
 
     def get(s, name, **labels):

@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 
+from gateway.models import Models
 from gateway.openai import start_http
 from gateway.validate import MAX_BODY_BYTES
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -23,7 +24,7 @@ HANG_S = 20.0            # catches a connection that is never closed; never wait
 def front():
     from engine.tiny_model import ensure_default_model
     f = Front(str(ensure_default_model()))
-    http = f.run(start_http(f.gw, "127.0.0.1", 0, header_timeout=DEADLINE_S))
+    http = f.run(start_http(Models([f.gw]), "127.0.0.1", 0, header_timeout=DEADLINE_S))
     f.port = http.port
     yield f
     f.run(http.stop())

@@ -17,6 +17,7 @@ import pytest
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.grpc_server import _grpc_server
+from gateway.models import Models
 from gateway.openai import start_http
 from gateway.validate import MAX_BODY_BYTES
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -37,8 +38,8 @@ class Front:
         self.gw = Gateway(GatewayConfig(model=model_dir, grpc_port=0, prefill="127.0.0.1:9",
                                         decode="127.0.0.1:9"))   # nothing listens there
         await self.gw.start()
-        self.http = await start_http(self.gw, "127.0.0.1", 0)
-        self.server, _ = _grpc_server(self.gw)
+        self.http = await start_http(Models([self.gw]), "127.0.0.1", 0)
+        self.server, _ = _grpc_server(Models([self.gw]))
         self.grpc_port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
 
