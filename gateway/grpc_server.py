@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services import metrics, security
 from services import tracing
+from services.grpc_options import SERVER_OPTIONS
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from services.protoconv import FINISH_TO_PROTO, sampling_from_proto
@@ -236,7 +237,7 @@ def _grpc_server(gw: Gateway, keys: KeyStore | None = None):
     statuses) and reflection."""
     interceptors = [GrpcAuth(keys, (SERVICE,))] if keys is not None and keys.enabled else []
     interceptors.append(security.RequestGuard((SERVICE,)))   # after the key check
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gw), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
