@@ -9,6 +9,9 @@ both with a Retry-After hint from gateway/core.py's DrainRate), goodput first.
                        over an SLO     limit = PEAK in flight of the interval x DECREASE
                        under 0.8 x SLO and the limit was reached: limit += INCREASE x limit
                                        (at least 1)
+                     An interval lasts until it has MIN_SAMPLES first tokens (at most
+                     MAX_INTERVALS x ADJUST_S): a p90 of a handful is noise. The interval after
+                     a cut only observes (its requests were admitted under the old limit).
                      It starts at max_in_flight: nothing is refused until an SLO breaks.
 
 Requests past the limit would only queue (on the prefill worker, or in a larger decode
@@ -17,13 +20,18 @@ can retry elsewhere or later, and the admitted ones keep their latency.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
+
+log = logging.getLogger(__name__)
 
 ADJUST_S = 0.5           # seconds between limit adjustments
 DECREASE = 0.8
 INCREASE = 0.05
 HEADROOM = 0.8           # under this share of an SLO, the limit may grow
+MIN_SAMPLES = 10
+MAX_INTERVALS = 4
 
 
 class Admission:
@@ -35,7 +43,8 @@ class Admission:
         self.clock = clock
         self.limit = float(max_in_flight)
         self.refused = 0
-        self._next = clock() + ADJUST_S
+        self._start = clock()            # of the interval
+        self._cut = False                # the last interval cut the limit
         self._ttft: list[float] = []
         self._gaps_s = 0.0               # token gaps of the interval: their sum and count
         self._gaps = 0
@@ -72,9 +81,10 @@ class Admission:
 
     def _adjust(self, in_flight: int) -> None:
         now = self.clock()
-        if not self.slos or now < self._next:
+        if not self.slos or now < self._start + ADJUST_S or (
+                len(self._ttft) < MIN_SAMPLES and now < self._start + MAX_INTERVALS * ADJUST_S):
             return
-        self._next = now + ADJUST_S
+        self._start = now
         ttft = _p90(self._ttft)
         itl = self._gaps_s / self._gaps if self._gaps else None
         over = ((self.slo_ttft_s and ttft is not None and ttft > self.slo_ttft_s)
@@ -82,8 +92,13 @@ class Admission:
         under = ((not self.slo_ttft_s or ttft is None or ttft < HEADROOM * self.slo_ttft_s)
                  and (not self.slo_itl_s or itl is None or itl < HEADROOM * self.slo_itl_s))
         peak = max(self._peak, in_flight)
-        if over:
+        log.debug("admission: limit %.1f, peak %d, TTFT p90 %s, ITL %s, %d samples", self.limit,
+                  peak, ttft, itl, len(self._ttft))
+        if self._cut:
+            self._cut = False            # observed only: admitted under the old limit
+        elif over:
             self.limit = max(1.0, min(self.limit, peak) * DECREASE)
+            self._cut = True
         elif under and peak >= int(self.limit):
             self.limit = min(float(self.max_in_flight), self.limit + max(1.0, INCREASE * self.limit))
         self._ttft.clear()

@@ -61,17 +61,40 @@ def test_a_broken_ttft_slo_cuts_the_limit_below_the_peak_then_it_grows_back():
     assert a.refusal(31) is None
     assert "SLO" in a.refusal(32)
     limit = a.limit
+    for _ in range(10):                     # the interval after a cut only observes
+        a.first_token(0.5)
+    clock.t += admission.ADJUST_S
+    a.refusal(32)
+    assert a.limit == limit
     for _ in range(10):                     # latency back under 0.8 x SLO, the limit reached:
         a.first_token(0.05)                 # it grows by INCREASE (at least 1) per interval
     clock.t += admission.ADJUST_S
     a.refusal(32)
     assert a.limit == pytest.approx(limit + max(1, admission.INCREASE * limit))
     clock.t += admission.ADJUST_S           # under the SLO but the limit not reached: no growth
+    for _ in range(10):
+        a.first_token(0.05)
     a.refusal(3)
     clock.t += admission.ADJUST_S
+    for _ in range(10):
+        a.first_token(0.05)
     before = a.limit
     a.refusal(3)
     assert a.limit == before
+
+
+def test_an_interval_waits_for_enough_first_tokens():
+    clock = Clock()
+    a = Admission(max_in_flight=1000, slo_ttft_s=0.1, clock=clock)
+    a.refusal(39)                           # admitted: 40 in flight
+    for _ in range(admission.MIN_SAMPLES - 1):
+        a.first_token(0.5)
+    clock.t += admission.ADJUST_S
+    a.refusal(39)
+    assert a.limit == 1000                  # 9 samples: not yet judged
+    clock.t = admission.MAX_INTERVALS * admission.ADJUST_S
+    a.refusal(39)
+    assert a.limit == pytest.approx(40 * admission.DECREASE)   # judged once the wait is over
 
 
 def test_a_broken_itl_slo_cuts_the_limit_and_it_never_drops_below_one():
@@ -178,14 +201,14 @@ def test_the_gateway_refuses_past_max_in_flight_with_a_retry_hint(system):
 
 
 def test_the_gateway_sheds_load_once_its_itl_slo_breaks(system):
-    """An ITL SLO no CPU can keep (1 us per token): after one request and one adjustment
-    interval the limit is 1, so a second request while one runs is refused; nothing is held
+    """An ITL SLO no CPU can keep (1 us per token): after one request and the longest
+    adjustment interval the limit is 1, so a second request while one runs is refused; nothing is held
     afterwards."""
     async def main():
         gw = await _gateway(system, slo_itl_ms=0.001)
         try:
             assert await _run(gw, _input(20)) == 20
-            await asyncio.sleep(admission.ADJUST_S)
+            await asyncio.sleep(admission.MAX_INTERVALS * admission.ADJUST_S)
             long = asyncio.ensure_future(_run(gw, _input(300)))
             while gw.in_flight == 0:
                 await asyncio.sleep(0.005)
