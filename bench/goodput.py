@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import random
 import sys
@@ -58,7 +59,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("error"):
-                    return {"status": "stream-error"}
+                    return {"status": f"stream error: {str(chunk['error'].get('message'))[:80]}"}
                 if any(c.get("text") for c in chunk.get("choices") or []):
                     last = time.perf_counter()
                     first = first or last
@@ -67,7 +68,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
     except httpx.HTTPError as e:
         return {"status": type(e).__name__}
     if first is None or tokens != max_tokens:
-        return {"status": "incomplete"}
+        return {"status": f"incomplete ({tokens} tokens)"}
     return {"status": 200, "ttft": first - t0,
             "itl": (last - first) / (tokens - 1) if tokens > 1 else 0.0}
 
@@ -126,8 +127,9 @@ def summarize(rs: list[dict], duration: float, slo_ttft: float, slo_itl: float) 
             "s429_without_retry_after": sum(1 for r in s429 if not r["retry_after"]),
             "s429_latency_p50": pct(sorted(r["latency"] for r in s429), 50),
             "5xx": sum(1 for r in rs if isinstance(r["status"], int) and r["status"] >= 500),
-            "other": sum(1 for r in rs if not isinstance(r["status"], int)
-                         or r["status"] not in (200, 429) and r["status"] < 500),
+            "other": dict(collections.Counter(
+                str(r["status"]) for r in rs if not isinstance(r["status"], int)
+                or r["status"] not in (200, 429) and r["status"] < 500)),
             "ttft_p50": pct(sorted(r["ttft"] for r in ok), 50),
             "ttft_p90": pct(sorted(r["ttft"] for r in ok), 90),
             "itl_p50": pct(sorted(r["itl"] for r in ok), 50),
@@ -210,7 +212,7 @@ def main() -> int:
         for mode in ("off", "on"):
             r = results[mode][m]
             log(f"| {m:g}x | {m * cap:.1f} | {mode} | {r['goodput']:.1f} | {100 * r['goodput'] / peak:.0f}% "
-                f"| {r['ok']}/{r['sent']} | {100 * r['share_429']:.0f}% | {r['5xx'] + r['other']} "
+                f"| {r['ok']}/{r['sent']} | {100 * r['share_429']:.0f}% | {r['5xx'] + sum(r['other'].values())} "
                 f"| {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p90'] * 1e3:.0f} "
                 f"| {r['itl_p50'] * 1e3:.1f}/{r['itl_p90'] * 1e3:.1f} |")
     return 0
