@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import random
 import sys
 import tempfile
@@ -166,6 +167,8 @@ def main() -> int:
     log_dir = tempfile.mkdtemp(prefix="bench-goodput-")
     log(f"# goodput: 1 prefill + 1 decode, tiny model, prompts {args.prompt_tokens} tokens, "
         f"{args.output_tokens} output tokens, {args.duration:.0f}s of arrivals per rate; logs {log_dir}")
+    log(f"# started {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (shared with other sessions)")
     results: dict[str, dict[float, dict]] = {}
     slo = cap = None
     for mode in ("off", "on"):
