@@ -7,7 +7,7 @@ both with a Retry-After hint from gateway/core.py's DrainRate), goodput first.
                      interval's time to first token (p90) and time per output token (mean
                      of the token gaps) are compared with the SLOs:
                        over an SLO     limit = PEAK in flight of the interval x DECREASE
-                       under 0.8 x SLO and the limit was reached: limit += INCREASE x limit
+                       within both and the limit was reached: limit += INCREASE x limit
                                        (at least 1)
                      An interval lasts until it has MIN_SAMPLES first tokens (at most
                      MAX_INTERVALS x ADJUST_S): a p90 of a handful is noise. The interval after
@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 ADJUST_S = 0.5           # seconds between limit adjustments
 DECREASE = 0.8
 INCREASE = 0.05
-HEADROOM = 0.8           # under this share of an SLO, the limit may grow
 MIN_SAMPLES = 10
 MAX_INTERVALS = 4
 
@@ -89,8 +88,6 @@ class Admission:
         itl = self._gaps_s / self._gaps if self._gaps else None
         over = ((self.slo_ttft_s and ttft is not None and ttft > self.slo_ttft_s)
                 or (self.slo_itl_s and itl is not None and itl > self.slo_itl_s))
-        under = ((not self.slo_ttft_s or ttft is None or ttft < HEADROOM * self.slo_ttft_s)
-                 and (not self.slo_itl_s or itl is None or itl < HEADROOM * self.slo_itl_s))
         peak = max(self._peak, in_flight)
         log.debug("admission: limit %.1f, peak %d, TTFT p90 %s, ITL %s, %d samples", self.limit,
                   peak, ttft, itl, len(self._ttft))
@@ -99,7 +96,7 @@ class Admission:
         elif over:
             self.limit = max(1.0, min(self.limit, peak) * DECREASE)
             self._cut = True
-        elif under and peak >= int(self.limit):
+        elif peak >= int(self.limit):
             self.limit = min(float(self.max_in_flight), self.limit + max(1.0, INCREASE * self.limit))
         self._ttft.clear()
         self._gaps_s, self._gaps, self._peak = 0.0, 0, in_flight

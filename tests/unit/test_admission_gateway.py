@@ -66,7 +66,7 @@ def test_a_broken_ttft_slo_cuts_the_limit_below_the_peak_then_it_grows_back():
     clock.t += admission.ADJUST_S
     a.refusal(32)
     assert a.limit == limit
-    for _ in range(10):                     # latency back under 0.8 x SLO, the limit reached:
+    for _ in range(10):                     # latency back within the SLO, the limit reached:
         a.first_token(0.05)                 # it grows by INCREASE (at least 1) per interval
     clock.t += admission.ADJUST_S
     a.refusal(32)
