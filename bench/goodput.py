@@ -37,8 +37,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pdserve.launcher import Launcher, free_port  # noqa: E402
-from serving import pct, prompts, wait_http  # noqa: E402
+from serving import pct, prompts, wait_http
+
+from pdserve.launcher import Launcher, free_port
 
 CLIENT_TIMEOUT_S = 120.0
 
@@ -78,15 +79,20 @@ class Client:
     def __init__(self, base: str, model: str, ps: list[str], max_tokens: int):
         self.url, self.model, self.ps, self.max_tokens = base + "/v1/completions", model, ps, max_tokens
         self.next = 0
-        self.http = httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S,
-                                      limits=httpx.Limits(max_connections=4000,
-                                                          max_keepalive_connections=4000))
+        self.http = None
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        self.http = None
 
     def prompt(self) -> str:
         self.next += 1
         return self.ps[self.next % len(self.ps)]
 
     async def one(self) -> dict:
+        if self.http is None:        # made in the running loop (each asyncio.run has its own)
+            self.http = httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=httpx.Limits(
+                max_connections=4000, max_keepalive_connections=4000))
         return await one(self.http, self.url, self.model, self.prompt(), self.max_tokens)
 
     async def unloaded(self, n: int = 20) -> tuple[float, float]:
@@ -137,6 +143,36 @@ def summarize(rs: list[dict], duration: float, slo_ttft: float, slo_itl: float) 
             "itl_p90": pct(sorted(r["itl"] for r in ok), 90)}
 
 
+async def calibrate(c: Client, args) -> tuple[tuple[float, float], float]:
+    """((TTFT SLO, ITL SLO), capacity in requests/s), measured on the system `c` talks to."""
+    try:
+        ttft, itl = await c.unloaded()
+        slo = (args.slo_factor * ttft, args.slo_factor * itl)
+        log(f"unloaded p50: TTFT {ttft * 1e3:.1f} ms, ITL {itl * 1e3:.2f} ms -> SLOs "
+            f"({args.slo_factor:g}x): TTFT {slo[0] * 1e3:.1f} ms, ITL {slo[1] * 1e3:.2f} ms")
+        cap = await c.capacity(args.capacity_clients, args.duration)
+        log(f"capacity ({args.capacity_clients} closed-loop clients): {cap:.1f} requests/s")
+        return slo, cap
+    finally:
+        await c.close()
+
+
+async def sweep(c: Client, mode: str, mults: list[float], cap: float,
+                slo: tuple[float, float], duration: float) -> dict[float, dict]:
+    """Each rate (a multiple of `cap`) for `duration` s of arrivals, summarized."""
+    try:
+        await c.unloaded(5)          # warm-up
+        out = {}
+        for i, m in enumerate(mults):
+            rs = await c.open_loop(m * cap, duration, seed=i)
+            out[m] = summarize(rs, duration, *slo)
+            log(f"admission {mode}, {m:g}x ({m * cap:.1f}/s): {json.dumps(out[m])}")
+            await asyncio.sleep(2)   # let the previous rate's stragglers go
+        return out
+    finally:
+        await c.close()
+
+
 def system(model_dir: str, gateway_args: list[str], log_dir: str):
     port = free_port()
     launcher = Launcher(model_dir, 1, 1, http_port=port, log_dir=Path(log_dir),
@@ -176,31 +212,11 @@ def main() -> int:
                                             "--slo-itl-ms", f"{slo[1] * 1e3:.2f}"]
         launcher, base = system(model_dir, gw_args, f"{log_dir}/{mode}")
         try:
-            model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
-
-            async def run():
-                nonlocal slo, cap
-                c = Client(base, model, ps, args.output_tokens)
-                try:
-                    if mode == "off":
-                        ttft, itl = await c.unloaded()
-                        slo = (args.slo_factor * ttft, args.slo_factor * itl)
-                        log(f"unloaded p50: TTFT {ttft * 1e3:.1f} ms, ITL {itl * 1e3:.2f} ms -> SLOs "
-                            f"({args.slo_factor:g}x): TTFT {slo[0] * 1e3:.1f} ms, ITL {slo[1] * 1e3:.2f} ms")
-                        cap = await c.capacity(args.capacity_clients, args.duration)
-                        log(f"capacity ({args.capacity_clients} closed-loop clients): {cap:.1f} requests/s")
-                    else:
-                        await c.unloaded(5)          # warm-up
-                    out = {}
-                    for i, m in enumerate(mults):
-                        rs = await c.open_loop(m * cap, args.duration, seed=i)
-                        out[m] = summarize(rs, args.duration, *slo)
-                        log(f"admission {mode}, {m:g}x ({m * cap:.1f}/s): {json.dumps(out[m])}")
-                        await asyncio.sleep(2)       # let the previous rate's stragglers go
-                    return out
-                finally:
-                    await c.http.aclose()
-            results[mode] = asyncio.run(run())
+            client = Client(base, httpx.get(base + "/v1/models").json()["data"][0]["id"], ps,
+                            args.output_tokens)
+            if mode == "off":
+                slo, cap = asyncio.run(calibrate(client, args))
+            results[mode] = asyncio.run(sweep(client, mode, mults, cap, slo, args.duration))
         finally:
             launcher.stop()
     peak = max(r["goodput"] for m in results.values() for r in m.values())

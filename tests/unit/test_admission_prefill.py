@@ -10,8 +10,8 @@ import uuid
 import grpc
 import pytest
 
-from gateway.request import GatewayError, GenerateInput
 from engine.sampling_params import SamplingParams
+from gateway.request import GatewayError, GenerateInput
 from prefill_worker.admission import PrefillAdmission
 from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
