@@ -223,8 +223,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if res is None:
             st = self.ae.stats()
             raise RpcStatus(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"not enough free KV blocks for a {len(pend.prompt)}-token prompt "
-                          f"({st.num_free_blocks} of {st.num_total_blocks} free)")
+                          f"no room for a {len(pend.prompt)}-token prompt: {st.num_running} running "
+                          f"+ {st.num_waiting_for_remote_kv} reserved (max_num_seqs caps them), "
+                          f"{st.num_free_blocks} of {st.num_total_blocks} KV blocks free (a "
+                          "watermark stays free for the running requests)")
         block_ids, n_cached = res
         pend.usage.cached_tokens = n_cached
         pend.fill = block_ids[n_cached // self.block_size:]

@@ -70,6 +70,14 @@ class GatewayConfig:
     migrate_on_decode_failure: bool = field(default=True, metadata={
         "help": "if a decode worker dies mid-stream, re-prefill prompt + tokens so far on "
                 "another pair and continue the stream"})
+    max_in_flight: int = field(default=4096, metadata={
+        "help": "requests in flight at once (each choice of n counts); over: 429 / "
+                "RESOURCE_EXHAUSTED with a retry hint"})
+    slo_ttft_ms: float = field(default=0.0, metadata={
+        "help": "time-to-first-token SLO: new requests are refused (429) while admitting them "
+                "would break it (an adaptive limit on requests in flight; 0: off)"})
+    slo_itl_ms: float = field(default=0.0, metadata={
+        "help": "inter-token latency SLO (mean time per output token), as --slo-ttft-ms"})
     affinity_slack: int = field(default=2, metadata={
         "help": "prefix affinity wins unless its worker has this many more requests in "
                 "flight than the least loaded one"})
@@ -87,6 +95,8 @@ class GatewayConfig:
         for pool in ("prefill", "decode"):
             if getattr(self, pool) and getattr(self, pool + "_dns"):
                 raise ValueError(f"give --{pool} or --{pool}-dns, not both")
+        if self.max_in_flight < 1 or self.slo_ttft_ms < 0 or self.slo_itl_ms < 0:
+            raise ValueError("max_in_flight must be >= 1, slo_ttft_ms and slo_itl_ms >= 0")
         if self.api_key_rpm < 0 or self.api_key_concurrency < 0:
             raise ValueError("api_key_rpm and api_key_concurrency must be >= 0")
         tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)

@@ -3,7 +3,8 @@
 Both the public gRPC servicer and the OpenAI REST shim call `Gateway.generate()`, which
 yields `GenerateEvent`s and raises `GatewayError(grpc.StatusCode, message)`:
 
-    admit    check the prompt (gateway/prompt.py) and the params; a RequestState with its
+    admit    check the prompt (gateway/prompt.py) and the params; refuse it when overloaded
+             (gateway/admission.py: in-flight cap, latency SLOs); a RequestState with its
              deadline, output processor, metrics timer and trace span
     run      segments on (decode, prefill) pairs, migrating when a decode worker dies
              (gateway/segment.py; workers picked by gateway/routing.py)
@@ -32,6 +33,7 @@ from services import tracing
 from services.metrics import Metrics
 from services.security import MTLS
 
+from .admission import Admission
 from .config import GatewayConfig
 from .discovery import WorkerSet, resolver_from_args
 from .prompt import check_prompt
@@ -88,6 +90,7 @@ class Gateway:
         self._segments = Segments(Router(self.prefill, self.decode, cfg.affinity_slack),
                                   cfg, self.metrics)
         self.drain_rate = DrainRate()
+        self.admission = Admission(cfg.max_in_flight, cfg.slo_ttft_ms / 1e3, cfg.slo_itl_ms / 1e3)
         self.in_flight = 0
 
     @property
@@ -126,10 +129,18 @@ class Gateway:
         """Stream the completion of one prompt (params.n must be 1)."""
         req = self._admit(inp)
         self.in_flight += 1
+        last, first = time.monotonic(), True       # latencies for admission's SLOs
         try:
             async with aclosing(self._segments.run(req)) as events:
                 async for ev in events:
                     req.timer.token(len(ev.token_ids))
+                    if ev.token_ids:
+                        now = time.monotonic()
+                        if first:
+                            self.admission.first_token(now - last)
+                        else:
+                            self.admission.tokens(now - last, len(ev.token_ids))
+                        last, first = now, False
                     yield ev
             req.ok = True
             self.drain_rate.completed()
@@ -151,6 +162,10 @@ class Gateway:
         timer = self.metrics.request_timer()
         try:
             self._validate(inp)
+            why = self.admission.refusal(self.in_flight)
+            if why is not None:
+                raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, why,
+                                   retry_after_s=self.drain_rate.retry_after_s(self.in_flight))
         except GatewayError as e:
             timer.error(e.code.name)
             raise

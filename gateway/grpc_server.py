@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services import metrics, security
 from services import tracing
+from services.grpc_options import SERVER_OPTIONS
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from services.protoconv import FINISH_TO_PROTO, sampling_from_proto
@@ -264,7 +265,7 @@ def _grpc_server(models: Models, keys: KeyStore | None = None):
     # after the key check; requests over MAX_BODY_BYTES (as on REST) are INVALID_ARGUMENT,
     # grpc's own RESOURCE_EXHAUSTED is left for those over twice that
     interceptors.append(security.RequestGuard((SERVICE,), max_bytes=MAX_BODY_BYTES))
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+    server = grpc.aio.server(options=[*SERVER_OPTIONS,
                                       ("grpc.max_receive_message_length", 2 * MAX_BODY_BYTES)],
                              interceptors=interceptors)
     generation_pb2_grpc.add_GenerationServicer_to_server(ModelRouter(models), server)

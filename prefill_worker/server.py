@@ -44,6 +44,7 @@ from services import protoconv, tracing, worker_server
 from services.security import MTLS
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
+from .admission import PrefillAdmission
 from .config import PrefillWorkerConfig
 from .decoders import KnownDecoders
 from .kv_push import DestinationRefused, KVPush, Push
@@ -63,6 +64,7 @@ class _Call:
     push: Push | None = None          # the outgoing transfer (None: nothing to send)
     final: RequestOutput | None = None    # the prefill-only output holding the first token
     transfer: TransferStats | None = None
+    queued: int = 0                   # prompt tokens it holds in the admission queue
     released: bool = False            # the engine freed its blocks (the call succeeded)
     t0: float = field(default_factory=time.perf_counter)
     t_compute: float = 0.0            # first token sampled
@@ -79,6 +81,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
         self.expired = 0                  # calls dropped: their reservation expired first
+        self.admission = PrefillAdmission(self.cfg.max_queued_prefill_tokens)
 
     # -------------------------------------------------------------- RPCs
     async def Prefill(self, request, context):
@@ -164,6 +167,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 
     async def _prefill(self, request) -> prefill_pb2.PrefillResponse:
         call = self._validate(request)
+        self._admit(call)
         self._tasks[call.request_id] = asyncio.current_task()
         try:
             await self._open_transfer(call)
@@ -174,6 +178,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             raise RpcStatus(grpc.StatusCode.INTERNAL, str(e)) from None
         finally:
             await self._end(call)
+
+    def _admit(self, call: _Call) -> None:
+        """Queue the call's prompt tokens, or refuse it (RESOURCE_EXHAUSTED): the queue is
+        full, or it cannot be computed before its reservation expires (admission.py)."""
+        tokens = len(call.prompt) - call.num_cached
+        why = self.admission.refusal(tokens, self._until_expiry(call))
+        if why is not None:
+            self.admission.refused += 1
+            raise RpcStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        self.admission.started(tokens)
+        call.queued = tokens
+
+    def _dequeue(self, call: _Call, computed: bool) -> None:
+        if call.queued:
+            self.admission.ended(call.queued, computed)
+            call.queued = 0
 
     async def _open_transfer(self, call: _Call) -> None:
         """Connect to the decoder and register the transfer before the request can run."""
@@ -211,6 +231,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if call.final is None or call.final.finish_reason == "abort":
             raise RpcStatus(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
         call.t_compute = time.perf_counter()
+        self._dequeue(call, computed=True)
         await self._observe_engine_phases(rid)
 
     async def _first_token(self, call: _Call) -> None:
@@ -258,6 +279,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         """Whatever happened: forget the call; unless it succeeded, cancel the transfer and
         abort the engine request (its blocks are freed)."""
         self._tasks.pop(call.request_id, None)
+        self._dequeue(call, computed=False)
         self.meter.pop(call.request_id)
         if call.push is not None:
             self.kv.end(call.push, cancel=not call.released)

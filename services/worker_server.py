@@ -43,6 +43,7 @@ from kvtransfer.wire import CompatKey
 from . import telemetry
 from .cli_args import config_from_argv
 from .energy import EnergyMeter
+from .grpc_options import SERVER_OPTIONS
 from .metrics import Metrics
 from .security import MTLS, RequestGuard, add_port
 
@@ -74,7 +75,7 @@ class WorkerServer:
     def __init__(self, service_names: list[str], host: str, port: int, drain_timeout_s: float,
                  mtls: MTLS | None = None, health_port: int = 0, callers: frozenset[str] = frozenset()):
         """`callers`: certificate common names allowed to call more than Stats (mTLS)."""
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+        self.server = grpc.aio.server(options=SERVER_OPTIONS,
                                       interceptors=[RequestGuard(tuple(service_names), callers)])
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -68,9 +68,11 @@ def _held(stats) -> int:
 class System:
     """Both workers and a gateway on one loop (running in a thread of its own)."""
 
-    def __init__(self, model_dir: str, prefill_options: dict = {}, decode_options: dict = {}):
-        """`*_options`: more EngineOptions by name for that worker (test_quant_pd.py)."""
-        self.model_dir = model_dir
+    def __init__(self, model_dir: str, prefill_options: dict = {}, decode_options: dict = {},
+                 prefill_config: dict = {}):
+        """`*_options`: more EngineOptions by name for that worker (test_quant_pd.py);
+        `prefill_config`: more PrefillWorkerConfig fields (test_admission_prefill.py)."""
+        self.model_dir, self.prefill_config = model_dir, prefill_config
         self.prefill_options, self.decode_options = prefill_options, decode_options
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="pd-inprocess", daemon=True)
@@ -86,9 +88,11 @@ class System:
         common = dict(model_dir=self.model_dir, drain_timeout_s=5.0)
         dport = free_port()
         pcfg = PrefillWorkerConfig(port=free_port(), decode=f"127.0.0.1:{dport}", **common,
-                                   engine=EngineOptions.of(block_size=BS, num_blocks=64,
-                                                           max_num_batched_tokens=16,  # chunked
-                                                           **self.prefill_options))
+                                   engine=EngineOptions.of(**{
+                                       "block_size": BS, "num_blocks": 64,
+                                       "max_num_batched_tokens": 16,     # chunked
+                                       **self.prefill_options}),
+                                   **self.prefill_config)
         dcfg = DecodeWorkerConfig(port=dport, kv_expiry_s=10, **common, engine=EngineOptions.of(
             block_size=BS, num_blocks=64, **self.decode_options))
         ready = [asyncio.Event(), asyncio.Event()]
