@@ -56,6 +56,9 @@ class GatewayConfig:
     health_interval_s: float = field(default=1.0, metadata={
         "help": "seconds between health/Stats probes of each worker"})
     probe_timeout_s: float = field(default=1.0, metadata={"help": "deadline of one probe"})
+    stall_timeout_s: float = field(default=3.0, metadata={
+        "help": "a decode worker whose probes go unanswered this long (stalled, not draining) "
+                "has its streams migrated to other workers"})
     request_timeout_s: float = field(default=120.0, metadata={
         "help": "deadline of one Generate request, end to end"})
     kv_timeout_ms: int = field(default=0, metadata={

@@ -4,6 +4,9 @@
     every health_interval_s, per worker:  Health.Check  -> healthy = SERVING
                                           Stats         -> last stats (load, free blocks)
     a call that fails with UNAVAILABLE -> mark_failed(): skipped until the next probe passes
+    probes unanswered (an RPC error, not NOT_SERVING) for stall_timeout_s -> mark_lost():
+        the streams open on it are cut (Worker.streams; the gateway migrates them). A
+        draining worker answers NOT_SERVING: it is only skipped and keeps its streams.
 
 Picking (`pick`): only healthy workers; the key is (gateway-side requests in flight, the
 worker's own running + waiting, -free KV blocks). In-flight counts are exact and immediate;
@@ -51,6 +54,8 @@ class Worker:
         self.in_flight = 0           # requests this gateway has on it now
         self.requests_total = 0      # requests this gateway sent it (breaks load ties)
         self.last_error = ""
+        self.streams: set = set()    # open calls to cut if it is lost (anything with .cut(reason))
+        self.failing_since: float | None = None   # loop time of the first unanswered probe
 
     def load_key(self):
         s = self.stats
@@ -64,6 +69,15 @@ class Worker:
         self.healthy = False
         self.last_error = error
 
+    def mark_lost(self, error: str) -> None:
+        """Stalled or gone: unhealthy, and every stream open on it is cut."""
+        if self.streams:
+            log.warning("%s worker %s lost (%s): cutting its %d stream(s)", self.kind,
+                        self.address, error, len(self.streams))
+        self.mark_failed(error)
+        for s in list(self.streams):
+            s.cut(f"{self.kind} worker {self.address} lost: {error}")
+
     async def close(self) -> None:
         await self.channel.close(grace=None)
 
@@ -72,8 +86,9 @@ class WorkerPool:
     """The workers of one role; kept in sync with a WorkerSet and probed periodically."""
 
     def __init__(self, kind: str, stub_cls, health_interval_s: float, probe_timeout_s: float,
-                 mtls: MTLS | None = None):
+                 mtls: MTLS | None = None, stall_timeout_s: float = 3.0):
         self.kind = kind
+        self.stall_timeout_s = stall_timeout_s
         self._stub_cls = stub_cls
         self._mtls = mtls
         self.health_interval_s = health_interval_s
@@ -130,8 +145,11 @@ class WorkerPool:
     async def probe(self, w: Worker) -> None:
         """Health.Check (the service's name, "" if the server does not know it), then Stats."""
         was = w.healthy
+        now = asyncio.get_running_loop().time()
+        answered = False
         try:
             status = await self._check(w)
+            answered = True
             healthy = status == health_pb2.HealthCheckResponse.SERVING
             if healthy:
                 w.stats = await w.stub.Stats(common_pb2.StatsRequest(),
@@ -146,6 +164,12 @@ class WorkerPool:
             healthy = False
             w.last_error = f"{type(e).__name__}: {e}"
         w.healthy = healthy
+        if answered:
+            w.failing_since = None
+        else:
+            w.failing_since = now if w.failing_since is None else w.failing_since
+            if now - w.failing_since >= self.stall_timeout_s:
+                w.mark_lost(w.last_error)
         if healthy and not was:
             log.info("%s worker %s is healthy", self.kind, w.address)
         elif was and not healthy:

@@ -7,9 +7,10 @@
               first token -> client | SubmitFirstToken -> D  (or Abort D if it finished)
               D's TokenChunks -> OutputProcessor -> events; a stop string matched here:
                   the segment ends, cleanup aborts D
-    D's stream breaks (UNAVAILABLE, EOF) -> _DecodeLost -> migrate: a new segment ("#m1")
-        whose prompt is prompt + tokens so far, on another pair (WARNING, counted); no
-        migration (off, structured output, deadline passed): UNAVAILABLE
+    D's stream breaks (UNAVAILABLE, EOF), or D is lost (its probes unanswered: stalled; the
+    registry cuts the segment's calls, Segment.cut) -> _DecodeLost -> migrate: a new
+    segment ("#m1") whose prompt is prompt + tokens so far, on another pair (WARNING,
+    counted); no migration (off, structured output, deadline passed): UNAVAILABLE
 
 Every RPC carries the request's remaining deadline. A segment's cleanup() cancels its open
 calls and sends Abort to both workers in the background (each Abort its own short deadline).
@@ -55,7 +56,7 @@ class _DecodeLost(Exception):
         self.worker = worker
 
 
-@dataclass
+@dataclass(eq=False)
 class Segment:
     """One pass through a (decode, prefill) pair; owns its calls until cleanup()."""
     rid: str
@@ -66,6 +67,15 @@ class Segment:
     submit_task: asyncio.Task | None = None
     decode_done: bool = False          # the decode worker finished the request itself
     metadata: object = None            # gRPC metadata for the workers (trace context)
+    lost: str = ""                     # why the decode worker's calls were cut (cut())
+
+    def cut(self, reason: str) -> None:
+        """The decode worker is lost: cancel every open call of this segment (their awaits
+        raise CancelledError, which Segments.run turns into a migration)."""
+        self.lost = reason
+        for call in (self.decode_call, self.prefill_call, self.submit_task):
+            if call is not None:
+                call.cancel()
 
 
 class Segments:
@@ -86,6 +96,10 @@ class Segments:
                 return
             except _DecodeLost as e:
                 self._migrate_or_raise(req, e)
+            except asyncio.CancelledError:
+                if not seg.lost or asyncio.current_task().cancelling():
+                    raise                  # the caller went away
+                self._migrate_or_raise(req, _DecodeLost(seg.decode, seg.lost))
             finally:
                 self.cleanup(seg)
 
@@ -188,6 +202,7 @@ class Segments:
                                        kv_timeout_ms=self.cfg.kv_timeout_ms)
         seg.decode_call = w.stub.Decode(req, timeout=_remaining(deadline), metadata=seg.metadata)
         seg.decode = w
+        w.streams.add(seg)
         w.in_flight += 1
         w.requests_total += 1
         try:
@@ -303,6 +318,7 @@ class Segments:
         """The decode worker no longer holds this segment (refused or finished)."""
         if seg.decode is not None:
             seg.decode.in_flight -= 1
+            seg.decode.streams.discard(seg)
             seg.decode = None
         seg.decode_call = None
 

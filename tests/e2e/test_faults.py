@@ -58,13 +58,38 @@ def pools_full(launcher, timeout_s: float = 5.0) -> None:
     wait_until(idle, timeout_s, "every worker's KV pool full again")
 
 
-def serving(address: str) -> bool:
+def serving_within(address: str, timeout_s: float) -> bool:
     try:
         with grpc.insecure_channel(address) as ch:
-            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                      timeout=timeout_s)
             return r.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
+
+
+def serving(address: str) -> bool:
+    return serving_within(address, 1.0)
+
+
+def migrations(launcher) -> float:
+    """The gateway's count of migrated segments (its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"http://127.0.0.1:{launcher.http_port}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name.endswith("kv_transfer_fallbacks_total") and s.labels.get("kind") == "migrate")
+
+
+def stream(stub, ids, n_tokens: int, started: threading.Event, timeout_s: float = 120):
+    """One greedy stream of n_tokens; `started` is set after its third token.
+    -> (tokens, last message)."""
+    got = []
+    for msg in stub.Generate(request(ids, n_tokens, ignore_eos=True), timeout=timeout_s):
+        got += list(msg.token_ids)
+        if len(got) >= 3:
+            started.set()
+        last = msg
+    return got, last
 
 
 def test_sigkill_decode_under_supervision(supervised, llm):
@@ -76,18 +101,8 @@ def test_sigkill_decode_under_supervision(supervised, llm):
         temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
     stub = gen_stub(supervised.grpc_address)
     started = [threading.Event() for _ in ps]
-
-    def one(i):
-        got = []
-        for msg in stub.Generate(request(ps[i], n_tokens, ignore_eos=True), timeout=120):
-            got += list(msg.token_ids)
-            if len(got) >= 3:
-                started[i].set()
-            last = msg
-        return got, last
-
     with ThreadPoolExecutor(len(ps)) as pool:
-        futs = [pool.submit(one, i) for i in range(len(ps))]
+        futs = [pool.submit(stream, stub, ps[i], n_tokens, started[i]) for i in range(len(ps))]
         for e in started:
             assert e.wait(60), "a stream did not start"
         running = stats(supervised, "decode")
@@ -113,6 +128,43 @@ def test_sigkill_decode_under_supervision(supervised, llm):
     assert time.monotonic() - t_kill < 120
     assert all(c.popen.poll() is None for c in supervised.children)
     pools_full(supervised)
+
+
+def test_sigstop_decode_streams_migrate(supervised, llm):
+    """SIGSTOP the busier decode worker mid-stream and keep it stopped: once its probes go
+    unanswered for --stall-timeout-s the gateway cuts its streams and migrates them, so
+    every stream completes with the engine's greedy tokens while it is still stopped. After
+    SIGCONT the stopped worker frees the blocks of the streams it lost and serves again."""
+    ps, n_tokens = prompts(llm, 6), 100
+    want = [o.token_ids for o in llm.generate(ps, SamplingParams(
+        temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+    stub = gen_stub(supervised.grpc_address)
+    started = [threading.Event() for _ in ps]
+    with ThreadPoolExecutor(len(ps)) as pool:
+        futs = [pool.submit(stream, stub, ps[i], n_tokens, started[i]) for i in range(len(ps))]
+        for e in started:
+            assert e.wait(60), "a stream did not start"
+        running = stats(supervised, "decode")
+        victim_addr = max(running, key=lambda a: running[a].num_running)
+        assert running[victim_addr].num_running, "no stream on a decode worker"
+        victim = next(c for c in supervised.workers("decode") if c.address == victim_addr)
+        restarts, migrated = victim.restarts, migrations(supervised)
+        os.kill(victim.pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        try:
+            # Its streams can only finish by migrating; 20 s at least, as a stall would last.
+            results = [f.result(timeout=110) for f in futs]
+            time.sleep(max(0.0, 20 - (time.monotonic() - t_stop)))
+            assert victim.popen.poll() is None and not serving_within(victim_addr, 1.0)
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+    for i, ((got, last), ref) in enumerate(zip(results, want)):
+        assert got == ref, f"stream {i} diverged from the engine's greedy output"
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert migrations(supervised) - migrated >= 1, "no stream was migrated"
+    wait_until(lambda: (serving(victim_addr), None), 30, "the resumed decode worker SERVING")
+    pools_full(supervised, timeout_s=15.0)
+    assert victim.restarts == restarts, "the stopped worker was restarted, not resumed"
 
 
 def test_unstreamed_request_aborted_when_its_client_leaves(supervised):
