@@ -3,7 +3,9 @@
     segment = pick D --Decode(prompt)--> KvReady        (D refuses: the next D)
               pick P --Prefill(dest=KvReady)--> first token
                   P fails (UNAVAILABLE, ...): WARNING, counted; abort D, retry once on
-                  another P with a fresh reservation ("#r1")
+                  another P with a fresh reservation ("#r1"); when P says D's KV endpoint
+                  failed (trailing metadata KV_DESTINATION_FAULT), D is marked failed and
+                  the retry goes to another D instead
               first token -> client | SubmitFirstToken -> D  (or Abort D if it finished)
               D's TokenChunks -> OutputProcessor -> events; a stop string matched here:
                   the segment ends, cleanup aborts D
@@ -27,7 +29,8 @@ import grpc
 
 from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from services.metrics import Metrics
-from services.protoconv import FINISH_FROM_PROTO, logprob_from_proto, sampling_to_proto
+from services.protoconv import (FINISH_FROM_PROTO, KV_DESTINATION_FAULT, logprob_from_proto,
+                                sampling_to_proto)
 
 from .config import GatewayConfig
 from .registry import Worker
@@ -161,16 +164,23 @@ class Segments:
             try:
                 return kv, await self._prefill(seg, prompt, params, kv, req.deadline, failed_prefill)
             except grpc.aio.AioRpcError as e:
-                w = seg.prefill
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    w.mark_failed(e.details() or "UNAVAILABLE")
-                failed_prefill.append(w.address)
-                if not (e.code() in _PREFILL_RETRY and attempt == 0
-                        and self.router.prefill.healthy(failed_prefill)):
-                    raise rpc_error(f"prefill worker {w.address}", e) from None
+                if _blames_destination(e):
+                    # The decode worker's KV endpoint failed: its fault, not the prefill's.
+                    w, others = seg.decode, self.router.decode.healthy(req.lost)
+                    w.mark_failed(f"KV endpoint: {e.details()}")
+                    req.lost.add(w.address)
+                else:
+                    w = seg.prefill
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        w.mark_failed(e.details() or "UNAVAILABLE")
+                    failed_prefill.append(w.address)
+                    others = self.router.prefill.healthy(failed_prefill)
+                if not (e.code() in _PREFILL_RETRY and attempt == 0 and others):
+                    raise rpc_error(f"{w.kind} worker {w.address}", e) from None
                 self.metrics.observe_kv_fallback("retry")
-                log.warning("request %s: Prefill on %s failed (%s: %s); retrying once on another "
-                            "prefill worker", seg.rid, w.address, e.code().name, e.details())
+                log.warning("request %s: Prefill on %s failed (%s: %s); retrying once without "
+                            "%s worker %s", seg.rid, seg.prefill.address, e.code().name,
+                            e.details(), w.kind, w.address)
         raise AssertionError("unreachable")
 
     # -- the decode half -------------------------------------------------------------------
@@ -236,7 +246,19 @@ class Segments:
         if not r.accepted:
             raise GatewayError(grpc.StatusCode.INTERNAL,
                                f"decode worker {w.address} did not accept the first token of "
-                               f"{seg.rid} (reservation expired or aborted)")
+                               f"{seg.rid} ({await self._refusal_reason(seg)})")
+
+    @staticmethod
+    async def _refusal_reason(seg: Segment) -> str:
+        """Why the decode worker ended the request before its first token (a failed KV
+        transfer, ...): the error of its stream's last chunk, if it comes within a second."""
+        try:
+            msg = await asyncio.wait_for(seg.decode_call.read(), 1.0)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            msg = None
+        if msg and msg is not grpc.aio.EOF and msg.HasField("tokens") and msg.tokens.error:
+            return msg.tokens.error
+        return "reservation expired or aborted"
 
     async def _relay(self, req: RequestState, seg: Segment) -> AsyncIterator[GenerateEvent]:
         """The decode worker's TokenChunks as events, until the request finishes."""
@@ -340,6 +362,11 @@ def _add(req: RequestState, tokens, finish_reason: str | None) -> GenerateEvent 
     d = req.out.add([t.token_id for t in tokens], [logprob_from_proto(t) for t in tokens],
                     finish_reason)
     return None if d is None else GenerateEvent.of(d)
+
+
+def _blames_destination(e: grpc.aio.AioRpcError) -> bool:
+    """The prefill worker says the decode worker's KV endpoint failed (connect, send)."""
+    return any(tuple(kv) == KV_DESTINATION_FAULT for kv in e.trailing_metadata() or ())
 
 
 def rpc_error(where: str, e: grpc.aio.AioRpcError) -> GatewayError:
