@@ -6,6 +6,7 @@ the system must keep serving; greedy outputs must equal the offline engine's.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
@@ -32,9 +33,9 @@ def llm(model_dir):
 
 @pytest.fixture(scope="module")
 def supervised(start_system):
-    """1 prefill + 2 decode workers and a gateway, supervised as `pdserve up` does."""
+    """2 prefill + 2 decode workers and a gateway, supervised as `pdserve up` does."""
     from pdserve.launcher import free_port
-    launcher = start_system(1, 2, gateway_args=["--health-interval-s", "0.5"],
+    launcher = start_system(2, 2, gateway_args=["--health-interval-s", "0.5"],
                             restart_backoff_s=0.5, http_port=free_port())
     stop = threading.Event()
     result = {}
@@ -72,12 +73,12 @@ def serving(address: str) -> bool:
     return serving_within(address, 1.0)
 
 
-def migrations(launcher) -> float:
-    """The gateway's count of migrated segments (its /metrics)."""
+def fallbacks(launcher, kind: str) -> float:
+    """The gateway's count of KV fallbacks of `kind` (migrate, retry; its /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(f"http://127.0.0.1:{launcher.http_port}/metrics", timeout=10).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name.endswith("kv_transfer_fallbacks_total") and s.labels.get("kind") == "migrate")
+               if s.name.endswith("kv_transfer_fallbacks_total") and s.labels.get("kind") == kind)
 
 
 def stream(stub, ids, n_tokens: int, started: threading.Event, timeout_s: float = 120):
@@ -148,7 +149,7 @@ def test_sigstop_decode_streams_migrate(supervised, llm):
         victim_addr = max(running, key=lambda a: running[a].num_running)
         assert running[victim_addr].num_running, "no stream on a decode worker"
         victim = next(c for c in supervised.workers("decode") if c.address == victim_addr)
-        restarts, migrated = victim.restarts, migrations(supervised)
+        restarts, migrated = victim.restarts, fallbacks(supervised, "migrate")
         os.kill(victim.pid, signal.SIGSTOP)
         t_stop = time.monotonic()
         try:
@@ -161,10 +162,43 @@ def test_sigstop_decode_streams_migrate(supervised, llm):
     for i, ((got, last), ref) in enumerate(zip(results, want)):
         assert got == ref, f"stream {i} diverged from the engine's greedy output"
         assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert migrations(supervised) - migrated >= 1, "no stream was migrated"
+    assert fallbacks(supervised, "migrate") - migrated >= 1, "no stream was migrated"
     wait_until(lambda: (serving(victim_addr), None), 30, "the resumed decode worker SERVING")
     pools_full(supervised, timeout_s=15.0)
     assert victim.restarts == restarts, "the stopped worker was restarted, not resumed"
+
+
+def test_sigkill_prefill_during_a_burst_of_long_prompts(supervised, llm):
+    """SIGKILL the prefill worker with queued work while a burst of long prompts runs: every
+    Prefill it held is retried on the other prefill worker, no request is lost and each
+    equals the engine's greedy output; the supervisor restarts the killed worker."""
+    rng = random.Random(12)
+    ps, n_tokens = [[rng.randrange(3, 900) for _ in range(1200)] for _ in range(10)], 4
+    want = [o.token_ids for o in llm.generate(ps, SamplingParams(
+        temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+    stub = gen_stub(supervised.grpc_address)
+    retried = fallbacks(supervised, "retry")
+    with ThreadPoolExecutor(len(ps)) as pool:
+        futs = [pool.submit(collect, stub, request(ids, n_tokens, ignore_eos=True), 120)
+                for ids in ps]
+
+        def queued():
+            s = stats(supervised, "prefill")
+            busy = {a: x.num_running + x.num_waiting for a, x in s.items()}
+            return max(busy.values()) >= 2, busy
+        busy = wait_until(queued, 60, "a prefill worker with queued work")
+        victim_addr = max(busy, key=busy.get)
+        victim = next(c for c in supervised.workers("prefill") if c.address == victim_addr)
+        restarts = victim.restarts
+        os.kill(victim.pid, signal.SIGKILL)
+        results = [f.result(timeout=120) for f in futs]
+    for i, ((got, last), ref) in enumerate(zip(results, want)):
+        assert got == ref, f"request {i} diverged from the engine's greedy output"
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert fallbacks(supervised, "retry") - retried >= 1, "no Prefill was retried"
+    wait_until(lambda: (victim.restarts == restarts + 1 and serving(victim_addr), victim.restarts),
+               90, "the killed prefill worker restarted and SERVING")
+    pools_full(supervised, timeout_s=10.0)
 
 
 def test_unstreamed_request_aborted_when_its_client_leaves(supervised):
