@@ -86,9 +86,11 @@ class WorkerPool:
     """The workers of one role; kept in sync with a WorkerSet and probed periodically."""
 
     def __init__(self, kind: str, stub_cls, health_interval_s: float, probe_timeout_s: float,
-                 mtls: MTLS | None = None, stall_timeout_s: float = 3.0):
+                 mtls: MTLS | None = None, stall_timeout_s: float = 3.0,
+                 retire_timeout_s: float = RETIRE_TIMEOUT_S):
         self.kind = kind
         self.stall_timeout_s = stall_timeout_s
+        self.retire_timeout_s = retire_timeout_s
         self._stub_cls = stub_cls
         self._mtls = mtls
         self.health_interval_s = health_interval_s
@@ -127,10 +129,13 @@ class WorkerPool:
 
     async def _retire(self, w: Worker) -> None:
         """Close a removed worker's channel once no request is on it (each has a deadline;
-        RETIRE_TIMEOUT_S bounds the wait regardless)."""
-        deadline = asyncio.get_running_loop().time() + RETIRE_TIMEOUT_S
+        retire_timeout_s bounds the wait regardless: streams still open then are cut, so the
+        gateway migrates them instead of ending them as cancelled)."""
+        deadline = asyncio.get_running_loop().time() + self.retire_timeout_s
         while w.in_flight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(self.health_interval_s)
+        if w.streams:
+            w.mark_lost(f"removed from discovery {self.retire_timeout_s:g}s ago")
         self._retiring.pop(w, None)
         await w.close()
 

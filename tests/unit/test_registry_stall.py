@@ -53,3 +53,28 @@ def test_unanswered_probes_cut_streams_after_the_stall_timeout_not_on_not_servin
         await pool.stop()
 
     asyncio.run(main())
+
+
+def test_streams_still_on_a_removed_worker_at_the_retire_timeout_are_cut_then_closed():
+    """A worker removed from discovery keeps its channel while requests are on it; past the
+    retire timeout its streams are cut (migrated by the gateway, not ended as cancelled)
+    before the channel closes."""
+    async def main():
+        pool = registry.WorkerPool("decode", decode_pb2_grpc.DecodeWorkerStub, 0.02, 0.1,
+                                   retire_timeout_s=0.3)
+        await pool.on_change(["127.0.0.1:1"], [])
+        w = pool.workers["127.0.0.1:1"]
+        s = Stream()
+        w.streams.add(s)
+        w.in_flight = 1
+        await pool.on_change([], ["127.0.0.1:1"])
+        await asyncio.sleep(0.1)
+        assert s.cut_reason is None and w.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN
+        t0 = asyncio.get_running_loop().time()
+        while w.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN:
+            assert asyncio.get_running_loop().time() - t0 < 5, "the channel was never closed"
+            await asyncio.sleep(0.02)
+        assert s.cut_reason is not None and "removed from discovery" in s.cut_reason
+        await pool.stop()
+
+    asyncio.run(main())
