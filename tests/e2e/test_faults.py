@@ -5,6 +5,7 @@ the system must keep serving; greedy outputs must equal the offline engine's.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -73,10 +74,12 @@ def serving(address: str) -> bool:
     return serving_within(address, 1.0)
 
 
-def fallbacks(launcher, kind: str) -> float:
-    """The gateway's count of KV fallbacks of `kind` (migrate, retry; its /metrics)."""
+def fallbacks(launcher, kind: str, text: str | None = None) -> float:
+    """The gateway's count of KV fallbacks of `kind` (migrate, retry): from its /metrics,
+    or from `text` (metrics in the text format)."""
     from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(f"http://127.0.0.1:{launcher.http_port}/metrics", timeout=10).text
+    if text is None:
+        text = httpx.get(f"http://127.0.0.1:{launcher.http_port}/metrics", timeout=10).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name.endswith("kv_transfer_fallbacks_total") and s.labels.get("kind") == kind)
 
@@ -198,6 +201,69 @@ def test_sigkill_prefill_during_a_burst_of_long_prompts(supervised, llm):
     assert fallbacks(supervised, "retry") - retried >= 1, "no Prefill was retried"
     wait_until(lambda: (victim.restarts == restarts + 1 and serving(victim_addr), victim.restarts),
                90, "the killed prefill worker restarted and SERVING")
+    pools_full(supervised, timeout_s=10.0)
+
+
+def test_draining_decode_worker_removed_from_discovery_finishes_its_streams(supervised, llm,
+                                                                          model_dir):
+    """SIGTERM a decode worker (it drains: NOT_SERVING, refuses new work, finishes what it
+    has) and remove it from a gateway's discovery while its streams run: the gateway keeps
+    its channel, so they finish on it with the engine's greedy tokens (none cut, none
+    migrated), and nothing new is routed to it."""
+    from gateway.config import GatewayConfig
+    from gateway.core import Gateway
+    from gateway.request import GenerateInput
+
+    ps, n_tokens = prompts(llm, 4), 80
+    want = [o.token_ids for o in llm.generate(ps, SamplingParams(
+        temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, name="removal-gateway", daemon=True)
+    th.start()
+
+    def run(coro, timeout_s=60):
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), loop).result()
+    gw = Gateway(GatewayConfig(
+        model=model_dir, health_interval_s=0.5,
+        prefill=",".join(c.address for c in supervised.workers("prefill")),
+        decode=",".join(c.address for c in supervised.workers("decode"))))
+    run(gw.start())
+    started = [threading.Event() for _ in ps]
+
+    async def one(i):
+        got, fin = [], None
+        async for ev in gw.generate(GenerateInput(f"removal-{i}", ps[i], SamplingParams(
+                temperature=0.0, max_tokens=n_tokens, ignore_eos=True))):
+            got += ev.token_ids
+            fin = ev.finish_reason or fin
+            if len(got) >= 3:
+                started[i].set()
+        return got, fin
+
+    try:
+        futs = [asyncio.run_coroutine_threadsafe(one(i), loop) for i in range(len(ps))]
+        for e in started:
+            assert e.wait(60), "a stream did not start"
+        running = stats(supervised, "decode")
+        victim_addr = max(running, key=lambda a: running[a].num_running)
+        assert running[victim_addr].num_running, "no stream on a decode worker"
+        victim = next(c for c in supervised.workers("decode") if c.address == victim_addr)
+        restarts, w = victim.restarts, gw.decode.workers[victim_addr]
+        os.kill(victim.pid, signal.SIGTERM)
+        run(gw.decode.on_change([], [victim_addr]))
+        assert victim_addr not in gw.decode.workers and w.in_flight
+        results = [f.result(timeout=120) for f in futs]
+        for i, ((got, fin), ref) in enumerate(zip(results, want)):
+            assert got == ref and fin == "length", f"stream {i} did not finish as the engine's"
+        assert not w.streams and w.in_flight == 0
+        from prometheus_client import generate_latest
+        assert fallbacks(None, "migrate", generate_latest(gw.metrics.registry).decode()) == 0
+    finally:
+        run(gw.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(10)
+    wait_until(lambda: (victim.restarts == restarts + 1 and serving(victim_addr), victim.restarts),
+               90, "the drained decode worker back (supervisor) and SERVING")
     pools_full(supervised, timeout_s=10.0)
 
 
