@@ -59,6 +59,9 @@ class GatewayConfig:
     stall_timeout_s: float = field(default=3.0, metadata={
         "help": "a decode worker whose probes go unanswered this long (stalled, not draining) "
                 "has its streams migrated to other workers"})
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM: NOT_SERVING, stop accepting, and wait up to this long for the "
+                "requests in flight (then they are cancelled) before exiting"})
     request_timeout_s: float = field(default=120.0, metadata={
         "help": "deadline of one Generate request, end to end"})
     kv_timeout_ms: int = field(default=0, metadata={
@@ -76,6 +79,8 @@ class GatewayConfig:
     def __post_init__(self):
         if self.health_interval_s <= 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         for pool in ("prefill", "decode"):

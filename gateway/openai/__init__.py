@@ -36,7 +36,7 @@ class HttpServer:
 
 
 async def start_http(gw, host: str, port: int, keys=None, tls: tuple[str, str] | None = None,
-                     timeout: float = 30.0) -> HttpServer:
+                     timeout: float = 30.0, drain_timeout_s: float = 5.0) -> HttpServer:
     """Serve the REST app on host:port (0: any free port) in the running loop, with API keys
     (a gateway.auth.KeyStore) and TLS (cert, key PEM paths) when given; returns once it is
     listening. Raises RuntimeError if it could not bind."""
@@ -49,7 +49,8 @@ async def start_http(gw, host: str, port: int, keys=None, tls: tuple[str, str] |
 
     ssl = dict(ssl_certfile=tls[0], ssl_keyfile=tls[1]) if tls else {}
     config = uvicorn.Config(create_app(gw, keys), host=host, port=port, log_level="warning",
-                            lifespan="off", access_log=False, timeout_graceful_shutdown=5, **ssl)
+                            lifespan="off", access_log=False,
+                            timeout_graceful_shutdown=drain_timeout_s, **ssl)
     server = _Server(config)
     task = asyncio.create_task(server.serve(), name="openai-http")
     loop = asyncio.get_running_loop()

@@ -9,6 +9,8 @@ import asyncio
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -264,6 +266,72 @@ def test_draining_decode_worker_removed_from_discovery_finishes_its_streams(supe
         th.join(10)
     wait_until(lambda: (victim.restarts == restarts + 1 and serving(victim_addr), victim.restarts),
                90, "the drained decode worker back (supervisor) and SERVING")
+    pools_full(supervised, timeout_s=10.0)
+
+
+def _gateway_process(launcher, model_dir, log_path, *args) -> tuple[subprocess.Popen, str]:
+    """A gateway process of its own over the launcher's workers, SERVING."""
+    from pdserve.launcher import free_port
+    address = f"127.0.0.1:{free_port()}"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([
+            sys.executable, "-m", "pdserve.cli", "gateway", "--model", model_dir, "--host",
+            "127.0.0.1", "--grpc-port", address.rsplit(":", 1)[1], "--health-interval-s", "0.5",
+            "--prefill", ",".join(c.address for c in launcher.workers("prefill")),
+            "--decode", ",".join(c.address for c in launcher.workers("decode")), *args],
+            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        wait_until(lambda: (serving(address), proc.poll()), 60, "the gateway process SERVING")
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+    return proc, address
+
+
+@pytest.mark.parametrize("drain_s,n_tokens", [(120, 2000), (1, 4000)], ids=["drained", "cut"])
+def test_gateway_drains_on_sigterm(supervised, llm, model_dir, tmp_path, drain_s, n_tokens):
+    """SIGTERM a gateway process with streams in flight: it stops serving at once (health,
+    new requests refused) and exits once its streams are done (drained: each equals the
+    engine's greedy output), or after --drain-timeout-s (cut: each ends with an error, never
+    silently); either way every worker's KV pool is full afterwards."""
+    ps = prompts(llm, 3)
+    proc, address = _gateway_process(supervised, model_dir, tmp_path / "gateway.log",
+                                     "--drain-timeout-s", str(drain_s))
+    try:
+        stub = gen_stub(address)
+        started = [threading.Event() for _ in ps]
+        with ThreadPoolExecutor(len(ps)) as pool:
+            futs = [pool.submit(stream, stub, ps[i], n_tokens, started[i]) for i in range(len(ps))]
+            for e in started:
+                assert e.wait(60), "a stream did not start"
+            proc.send_signal(signal.SIGTERM)
+            t_term = time.monotonic()
+            wait_until(lambda: (not serving(address), None), 5, "the gateway not SERVING")
+            with pytest.raises(grpc.RpcError) as refused:
+                collect(gen_stub(address), request(ps[0], 2), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            outcomes = []
+            for f in futs:
+                try:
+                    outcomes.append(f.result(timeout=drain_s + 60))
+                except grpc.RpcError as e:
+                    outcomes.append(e.code())
+        rc = proc.wait(drain_s + 30)
+        took = time.monotonic() - t_term
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert rc == 0
+    if drain_s > 1:
+        want = [o.token_ids for o in llm.generate(ps, SamplingParams(
+            temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+        assert [o[0] for o in outcomes] == want, "a drained stream did not finish as the engine's"
+    else:
+        assert all(isinstance(o, grpc.StatusCode) for o in outcomes), \
+            "a stream outlived the drain timeout"
+        assert took < drain_s + 20, f"exit {took:.1f}s after SIGTERM with --drain-timeout-s 1"
     pools_full(supervised, timeout_s=10.0)
 
 
