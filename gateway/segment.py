@@ -166,9 +166,10 @@ class Segments:
             except grpc.aio.AioRpcError as e:
                 if _blames_destination(e):
                     # The decode worker's KV endpoint failed: its fault, not the prefill's.
-                    w, others = seg.decode, self.router.decode.healthy(req.lost)
+                    w = seg.decode
                     w.mark_failed(f"KV endpoint: {e.details()}")
                     req.lost.add(w.address)
+                    others = self.router.decode.healthy(req.lost)
                 else:
                     w = seg.prefill
                     if e.code() == grpc.StatusCode.UNAVAILABLE:
