@@ -57,8 +57,8 @@ class GatewayConfig:
         "help": "seconds between health/Stats probes of each worker"})
     probe_timeout_s: float = field(default=1.0, metadata={"help": "deadline of one probe"})
     stall_timeout_s: float = field(default=3.0, metadata={
-        "help": "a decode worker whose probes go unanswered this long (stalled, not draining) "
-                "has its streams migrated to other workers"})
+        "help": "a worker whose probes go unanswered this long (stalled, not draining) has "
+                "its calls moved: decode streams migrate, Prefills are retried elsewhere"})
     drain_timeout_s: float = field(default=30.0, metadata={
         "help": "on SIGTERM: NOT_SERVING, stop accepting, and wait up to this long for the "
                 "requests in flight (then they are cancelled) before exiting"})

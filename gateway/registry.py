@@ -54,7 +54,7 @@ class Worker:
         self.in_flight = 0           # requests this gateway has on it now
         self.requests_total = 0      # requests this gateway sent it (breaks load ties)
         self.last_error = ""
-        self.streams: set = set()    # open calls to cut if it is lost (anything with .cut(reason))
+        self.streams: set = set()    # open calls to cut if it is lost (.cut(worker, reason))
         self.failing_since: float | None = None   # loop time of the first unanswered probe
 
     def load_key(self):
@@ -76,7 +76,7 @@ class Worker:
                         self.address, error, len(self.streams))
         self.mark_failed(error)
         for s in list(self.streams):
-            s.cut(f"{self.kind} worker {self.address} lost: {error}")
+            s.cut(self, f"{self.kind} worker {self.address} lost: {error}")
 
     async def close(self) -> None:
         await self.channel.close(grace=None)

@@ -13,6 +13,7 @@
     registry cuts the segment's calls, Segment.cut) -> _DecodeLost -> migrate: a new
     segment ("#m1") whose prompt is prompt + tokens so far, on another pair (WARNING,
     counted); no migration (off, structured output, deadline passed): UNAVAILABLE
+    P lost while its Prefill runs: the Prefill is cut and retried like a failed one
 
 Every RPC carries the request's remaining deadline. A segment's cleanup() cancels its open
 calls and sends Abort to both workers in the background (each Abort its own short deadline).
@@ -51,6 +52,13 @@ _PREFILL_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTE
 _DECODE_REFUSALS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
+class _LostCall(grpc.aio.AioRpcError):
+    """A call the gateway cut because its worker was lost (stalled): handled as that status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 class _DecodeLost(Exception):
     """The decode worker's stream broke mid-request (the worker died or went away)."""
 
@@ -71,10 +79,16 @@ class Segment:
     decode_done: bool = False          # the decode worker finished the request itself
     metadata: object = None            # gRPC metadata for the workers (trace context)
     lost: str = ""                     # why the decode worker's calls were cut (cut())
+    prefill_lost: str = ""             # why the Prefill was cut
 
-    def cut(self, reason: str) -> None:
-        """The decode worker is lost: cancel every open call of this segment (their awaits
-        raise CancelledError, which Segments.run turns into a migration)."""
+    def cut(self, worker: Worker, reason: str) -> None:
+        """`worker` is lost. The decode worker: cancel every open call of this segment
+        (their awaits raise CancelledError, which Segments.run turns into a migration);
+        the prefill worker: cancel the Prefill (retried by _prefill_with_retry)."""
+        if worker is self.prefill:
+            self.prefill_lost = reason
+            self.prefill_call.cancel()
+            return
         self.lost = reason
         for call in (self.decode_call, self.prefill_call, self.submit_task):
             if call is not None:
@@ -312,11 +326,18 @@ class Segments:
                                          sampling=sampling_to_proto(params), destination=dest)
         seg.prefill_call = w.stub.Prefill(req, timeout=_remaining(deadline), metadata=seg.metadata)
         seg.prefill = w
+        w.streams.add(seg)
         w.in_flight += 1
         w.requests_total += 1
-        resp = await seg.prefill_call
+        try:
+            resp = await seg.prefill_call
+        except asyncio.CancelledError:
+            if not seg.prefill_lost or seg.lost or asyncio.current_task().cancelling():
+                raise
+            raise _LostCall(grpc.StatusCode.UNAVAILABLE, seg.prefill_lost) from None
         seg.prefill_call = None
         w.in_flight -= 1
+        w.streams.discard(seg)
         seg.prefill = None
         self.router.served(w, hashes)
         return resp
@@ -330,6 +351,7 @@ class Segments:
             seg.prefill_call.cancel()
             self._spawn(self._abort(seg.prefill, seg.rid))
             seg.prefill.in_flight -= 1
+            seg.prefill.streams.discard(seg)
             seg.prefill = None
         if seg.decode is not None:
             seg.decode_call.cancel()

@@ -206,6 +206,45 @@ def test_sigkill_prefill_during_a_burst_of_long_prompts(supervised, llm):
     pools_full(supervised, timeout_s=10.0)
 
 
+def test_sigstop_prefill_during_a_burst_is_retried_elsewhere(supervised, llm):
+    """SIGSTOP the prefill worker with queued work during a burst of long prompts and keep
+    it stopped: once its probes go unanswered for --stall-timeout-s the gateway cuts its
+    Prefills and retries them on the other prefill worker, so every request completes with
+    the engine's greedy output while it is still stopped. After SIGCONT it frees
+    everything it held and serves again."""
+    rng = random.Random(13)
+    ps, n_tokens = [[rng.randrange(3, 900) for _ in range(1200)] for _ in range(10)], 4
+    want = [o.token_ids for o in llm.generate(ps, SamplingParams(
+        temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+    stub = gen_stub(supervised.grpc_address)
+    retried = fallbacks(supervised, "retry")
+    with ThreadPoolExecutor(len(ps)) as pool:
+        futs = [pool.submit(collect, stub, request(ids, n_tokens, ignore_eos=True), 120)
+                for ids in ps]
+
+        def queued():
+            s = stats(supervised, "prefill")
+            busy = {a: x.num_running + x.num_waiting for a, x in s.items()}
+            return max(busy.values()) >= 2, busy
+        busy = wait_until(queued, 60, "a prefill worker with queued work")
+        victim_addr = max(busy, key=busy.get)
+        victim = next(c for c in supervised.workers("prefill") if c.address == victim_addr)
+        restarts = victim.restarts
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            results = [f.result(timeout=110) for f in futs]   # only by a retry elsewhere
+            assert victim.popen.poll() is None and not serving_within(victim_addr, 1.0)
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+    for i, ((got, last), ref) in enumerate(zip(results, want)):
+        assert got == ref, f"request {i} diverged from the engine's greedy output"
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert fallbacks(supervised, "retry") - retried >= 1, "no Prefill was retried"
+    wait_until(lambda: (serving(victim_addr), None), 30, "the resumed prefill worker SERVING")
+    pools_full(supervised, timeout_s=15.0)
+    assert victim.restarts == restarts, "the stopped worker was restarted, not resumed"
+
+
 def test_draining_decode_worker_removed_from_discovery_finishes_its_streams(supervised, llm,
                                                                           model_dir):
     """SIGTERM a decode worker (it drains: NOT_SERVING, refuses new work, finishes what it

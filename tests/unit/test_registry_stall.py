@@ -17,7 +17,7 @@ class Stream:
     def __init__(self):
         self.cut_reason = None
 
-    def cut(self, reason: str) -> None:
+    def cut(self, worker, reason: str) -> None:
         self.cut_reason = reason
 
 
