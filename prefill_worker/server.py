@@ -46,7 +46,7 @@ from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .config import PrefillWorkerConfig
 from .decoders import KnownDecoders
-from .kv_push import DestinationRefused, KVPush, Push
+from .kv_push import DestinationRefused, KVPush, Push, PushFailed
 
 log = logging.getLogger(__name__)
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
@@ -241,6 +241,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             except TransportError as e:
                 self.metrics.observe_kv_failure()
                 raise _DestinationFault(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            except PushFailed as e:          # this worker's fault: retried on another
+                self.metrics.observe_kv_failure()
+                raise RpcStatus(grpc.StatusCode.INTERNAL, str(e)) from None
             except ValueError as e:
                 self.metrics.observe_kv_failure()
                 raise RpcStatus(grpc.StatusCode.UNAVAILABLE, str(e)) from None
