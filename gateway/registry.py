@@ -4,6 +4,8 @@
     every health_interval_s, per worker:  Health.Check  -> healthy = SERVING
                                           Stats         -> last stats (load, free blocks)
     a call that fails with UNAVAILABLE -> mark_failed(): skipped until the next probe passes
+    hold(seconds): skipped at least that long, whatever the probes say (a fault they do not
+        see: a decode worker's KV endpoint)
     probes unanswered (an RPC error, not NOT_SERVING) for stall_timeout_s -> mark_lost():
         the streams open on it are cut (Worker.streams; the gateway migrates them). A
         draining worker answers NOT_SERVING: it is only skipped and keeps its streams.
@@ -56,6 +58,7 @@ class Worker:
         self.last_error = ""
         self.streams: set = set()    # open calls to cut if it is lost (.cut(worker, reason))
         self.failing_since: float | None = None   # loop time of the first unanswered probe
+        self.held_until = 0.0        # loop time before which probes may not bring it back
 
     def load_key(self):
         s = self.stats
@@ -68,6 +71,11 @@ class Worker:
             log.warning("%s worker %s marked unhealthy: %s", self.kind, self.address, error)
         self.healthy = False
         self.last_error = error
+
+    def hold(self, seconds: float, error: str) -> None:
+        """Unhealthy for at least `seconds`, even if its probes pass meanwhile."""
+        self.mark_failed(error)
+        self.held_until = asyncio.get_running_loop().time() + seconds
 
     def mark_lost(self, error: str) -> None:
         """Stalled or gone: unhealthy, and every stream open on it is cut."""
@@ -168,7 +176,7 @@ class WorkerPool:
         except Exception as e:  # never let one bad worker stop the loop
             healthy = False
             w.last_error = f"{type(e).__name__}: {e}"
-        w.healthy = healthy
+        w.healthy = healthy and asyncio.get_running_loop().time() >= w.held_until
         if answered:
             w.failing_since = None
         else:

@@ -4,8 +4,8 @@
               pick P --Prefill(dest=KvReady)--> first token
                   P fails (UNAVAILABLE, ...): WARNING, counted; abort D, retry once on
                   another P with a fresh reservation ("#r1"); when P says D's KV endpoint
-                  failed (trailing metadata KV_DESTINATION_FAULT), D is marked failed and
-                  the retry goes to another D instead
+                  failed (trailing metadata KV_DESTINATION_FAULT), D is held out of
+                  routing (KV_FAULT_HOLD_S) and the retry goes to another D instead
               first token -> client | SubmitFirstToken -> D  (or Abort D if it finished)
               D's TokenChunks -> OutputProcessor -> events; a stop string matched here:
                   the segment ends, cleanup aborts D
@@ -50,6 +50,9 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE,
 _PREFILL_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                   grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
 _DECODE_REFUSALS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# A decode worker whose KV endpoint failed stays out of routing this long: its gRPC health
+# does not cover the KV endpoint, so its next probe would bring it back at once.
+KV_FAULT_HOLD_S = 10.0
 
 
 class _LostCall(grpc.aio.AioRpcError):
@@ -181,7 +184,7 @@ class Segments:
                 if _blames_destination(e):
                     # The decode worker's KV endpoint failed: its fault, not the prefill's.
                     w = seg.decode
-                    w.mark_failed(f"KV endpoint: {e.details()}")
+                    w.hold(KV_FAULT_HOLD_S, f"KV endpoint: {e.details()}")
                     req.lost.add(w.address)
                     others = self.router.decode.healthy(req.lost)
                 else:

@@ -371,11 +371,15 @@ def test_corrupted_kv_with_policy_recompute_gives_the_exact_tokens(system, mitm,
     system.run(main())
 
 
-def test_unreachable_kv_endpoint_is_blamed_on_the_decode_worker(system, mitm, offline):
+def test_unreachable_kv_endpoint_is_blamed_on_the_decode_worker(system, mitm, offline,
+                                                                 monkeypatch):
     """The prefill worker cannot connect to the decode worker's KV endpoint: the gateway
-    marks the decode worker failed (its KV endpoint is at fault), not the prefill worker;
-    with no other decode worker the request fails UNAVAILABLE; blocks are freed and, once
-    the endpoint is back, the next request is served."""
+    holds the decode worker out of routing (its KV endpoint is at fault) for KV_FAULT_HOLD_S,
+    though its probes pass, and not the prefill worker; with no other decode worker the
+    request fails UNAVAILABLE; blocks are freed and, after the hold, with the endpoint back,
+    the next request is served."""
+    from gateway import segment
+    monkeypatch.setattr(segment, "KV_FAULT_HOLD_S", 2.0)
     prompt, n = _prompt(40, 7), 6
 
     async def main():
@@ -391,6 +395,8 @@ def test_unreachable_kv_endpoint_is_blamed_on_the_decode_worker(system, mitm, of
             assert not d.healthy and "KV endpoint" in d.last_error
             assert p.healthy, f"the prefill worker was blamed: {p.last_error}"
             await system.wait_all_free()
+            await asyncio.sleep(1.0)                     # two health intervals: probes pass
+            assert not d.healthy, "a probe brought it back during its hold"
         finally:
             mitm.refuse = False
         await _healthy_again(system)
