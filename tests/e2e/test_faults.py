@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.sampling_params import SamplingParams
-from protos.pdserve.v1 import common_pb2
+from protos.pdserve.v1 import common_pb2, generation_pb2_grpc
 from tests.e2e.test_gateway import collect, gen_stub, prompts, request, stats
 from tests.helpers import wait_until
 
@@ -347,8 +347,10 @@ def test_gateway_drains_on_sigterm(supervised, llm, model_dir, tmp_path, drain_s
             proc.send_signal(signal.SIGTERM)
             t_term = time.monotonic()
             wait_until(lambda: (not serving(address), None), 5, "the gateway not SERVING")
-            with pytest.raises(grpc.RpcError) as refused:
-                collect(gen_stub(address), request(ps[0], 2), timeout=10)
+            # a new client (its own connection: channels share subchannels by default)
+            with grpc.insecure_channel(address, [("grpc.use_local_subchannel_pool", 1)]) as ch, \
+                    pytest.raises(grpc.RpcError) as refused:
+                collect(generation_pb2_grpc.GenerationStub(ch), request(ps[0], 2), timeout=10)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             outcomes = []
             for f in futs:
