@@ -269,18 +269,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             if res.state is not TransferState.DONE:
                 problem = f"KV transfer {res.transfer_id} {res.state.value}: {res.reason}"
                 self.metrics.observe_kv_failure()
-        if problem is None:
+        # A failed transfer with policy recompute still waits for the first token (the prefill
+        # worker usually sampled it): recomputing with it, the stream never repeats it.
+        if problem is None or pend.policy == "recompute":
             try:
                 first = await asyncio.wait_for(asyncio.shield(pend.first_token),
                                                max(pend.deadline - time.monotonic(), 0.0))
-                return None, first
+                return problem, first
             except asyncio.TimeoutError:
-                self.counters.token_expirations += 1
-                problem = (f"reservation expired: no SubmitFirstToken for {pend.request_id!r} "
-                           f"within {pend.timeout:.3g}s")
+                if problem is None:
+                    self.counters.token_expirations += 1
+                    problem = (f"reservation expired: no SubmitFirstToken for {pend.request_id!r} "
+                               f"within {pend.timeout:.3g}s")
             except _Aborted:
                 return "aborted", None
         first = pend.first_token.result() if pend.first_token.done() and not pend.aborted else None
+        if first is None:
+            pend.first_token.cancel()     # too late: a SubmitFirstToken now is not accepted
         return problem, first
 
     async def _admit_or_fall_back(self, pend: _Pending, problem: str | None, first):

@@ -60,6 +60,12 @@ class GatewayConfig:
     health_interval_s: float = field(default=1.0, metadata={
         "help": "seconds between health/Stats probes of each worker"})
     probe_timeout_s: float = field(default=1.0, metadata={"help": "deadline of one probe"})
+    stall_timeout_s: float = field(default=3.0, metadata={
+        "help": "a worker whose probes go unanswered this long (stalled, not draining) has "
+                "its calls moved: decode streams migrate, Prefills are retried elsewhere"})
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM: NOT_SERVING, stop accepting, and wait up to this long for the "
+                "requests in flight (then they are cancelled) before exiting"})
     request_timeout_s: float = field(default=120.0, metadata={
         "help": "deadline of one Generate request, end to end"})
     kv_timeout_ms: int = field(default=0, metadata={
@@ -85,6 +91,8 @@ class GatewayConfig:
     def __post_init__(self):
         if self.health_interval_s <= 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         per_model = ("model", "served_model_name", "prefill", "decode", "prefill_dns",

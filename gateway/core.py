@@ -79,9 +79,11 @@ class Gateway:
         self.metrics = Metrics("gateway")    # the caller serves metrics.registry
         mtls = MTLS.from_config(cfg)         # workers over mTLS when configured
         self.prefill = WorkerPool("prefill", prefill_pb2_grpc.PrefillWorkerStub,
-                                  cfg.health_interval_s, cfg.probe_timeout_s, mtls)
+                                  cfg.health_interval_s, cfg.probe_timeout_s, mtls,
+                                  cfg.stall_timeout_s)
         self.decode = WorkerPool("decode", decode_pb2_grpc.DecodeWorkerStub,
-                                 cfg.health_interval_s, cfg.probe_timeout_s, mtls)
+                                 cfg.health_interval_s, cfg.probe_timeout_s, mtls,
+                                 cfg.stall_timeout_s)
         self._sets = [
             (WorkerSet(resolver_from_args(cfg.prefill, cfg.prefill_dns, cfg.discovery_interval_s),
                        name="prefill"), self.prefill),

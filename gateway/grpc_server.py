@@ -225,7 +225,8 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
     if cfg.http_port:      # the OpenAI REST shim, in this loop (SERVING waits for it too)
         from .openai import start_http
         http = await start_http(models, cfg.host, cfg.http_port, keys,
-                                (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None)
+                                (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None,
+                                drain_timeout_s=cfg.drain_timeout_s)
     for line in security.exposed(cfg.host, {"gRPC": (port, bool(cfg.tls_cert)),
                                             "REST": (cfg.http_port, bool(cfg.tls_cert))}):
         log.warning("public %s listens in plain text beyond loopback (no --tls-cert)", line)
@@ -246,11 +247,14 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
         else:
             await stop.wait()
     finally:
+        # Drain: NOT_SERVING; both servers stop accepting at once and give the requests in
+        # flight up to drain_timeout_s, together; what is left then is cancelled.
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        if http is not None:
-            await http.stop()
-        await server.stop(grace=5)
+        log.info("draining: %d request(s) in flight, up to %gs",
+                 sum(gw.in_flight for gw in models), cfg.drain_timeout_s)
+        await asyncio.gather(server.stop(grace=cfg.drain_timeout_s),
+                             *([http.stop(cfg.drain_timeout_s + 1)] if http is not None else []))
         await models.stop()
         if metrics_server is not None:
             metrics_server.shutdown()

@@ -4,6 +4,11 @@
     every health_interval_s, per worker:  Health.Check  -> healthy = SERVING
                                           Stats         -> last stats (load, free blocks)
     a call that fails with UNAVAILABLE -> mark_failed(): skipped until the next probe passes
+    hold(seconds): skipped at least that long, whatever the probes say (a fault they do not
+        see: a decode worker's KV endpoint)
+    probes unanswered (an RPC error, not NOT_SERVING) for stall_timeout_s -> mark_lost():
+        the streams open on it are cut (Worker.streams; the gateway migrates them). A
+        draining worker answers NOT_SERVING: it is only skipped and keeps its streams.
 
 Picking (`pick`): only healthy workers; the key is (gateway-side requests in flight, the
 worker's own running + waiting, -free KV blocks). In-flight counts are exact and immediate;
@@ -51,6 +56,9 @@ class Worker:
         self.in_flight = 0           # requests this gateway has on it now
         self.requests_total = 0      # requests this gateway sent it (breaks load ties)
         self.last_error = ""
+        self.streams: set = set()    # open calls to cut if it is lost (.cut(worker, reason))
+        self.failing_since: float | None = None   # loop time of the first unanswered probe
+        self.held_until = 0.0        # loop time before which probes may not bring it back
 
     def load_key(self):
         s = self.stats
@@ -64,6 +72,20 @@ class Worker:
         self.healthy = False
         self.last_error = error
 
+    def hold(self, seconds: float, error: str) -> None:
+        """Unhealthy for at least `seconds`, even if its probes pass meanwhile."""
+        self.mark_failed(error)
+        self.held_until = asyncio.get_running_loop().time() + seconds
+
+    def mark_lost(self, error: str) -> None:
+        """Stalled or gone: unhealthy, and every stream open on it is cut."""
+        if self.streams:
+            log.warning("%s worker %s lost (%s): cutting its %d stream(s)", self.kind,
+                        self.address, error, len(self.streams))
+        self.mark_failed(error)
+        for s in list(self.streams):
+            s.cut(self, f"{self.kind} worker {self.address} lost: {error}")
+
     async def close(self) -> None:
         await self.channel.close(grace=None)
 
@@ -72,8 +94,11 @@ class WorkerPool:
     """The workers of one role; kept in sync with a WorkerSet and probed periodically."""
 
     def __init__(self, kind: str, stub_cls, health_interval_s: float, probe_timeout_s: float,
-                 mtls: MTLS | None = None):
+                 mtls: MTLS | None = None, stall_timeout_s: float = 3.0,
+                 retire_timeout_s: float = RETIRE_TIMEOUT_S):
         self.kind = kind
+        self.stall_timeout_s = stall_timeout_s
+        self.retire_timeout_s = retire_timeout_s
         self._stub_cls = stub_cls
         self._mtls = mtls
         self.health_interval_s = health_interval_s
@@ -112,10 +137,13 @@ class WorkerPool:
 
     async def _retire(self, w: Worker) -> None:
         """Close a removed worker's channel once no request is on it (each has a deadline;
-        RETIRE_TIMEOUT_S bounds the wait regardless)."""
-        deadline = asyncio.get_running_loop().time() + RETIRE_TIMEOUT_S
+        retire_timeout_s bounds the wait regardless: streams still open then are cut, so the
+        gateway migrates them instead of ending them as cancelled)."""
+        deadline = asyncio.get_running_loop().time() + self.retire_timeout_s
         while w.in_flight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(self.health_interval_s)
+        if w.streams:
+            w.mark_lost(f"removed from discovery {self.retire_timeout_s:g}s ago")
         self._retiring.pop(w, None)
         await w.close()
 
@@ -130,8 +158,11 @@ class WorkerPool:
     async def probe(self, w: Worker) -> None:
         """Health.Check (the service's name, "" if the server does not know it), then Stats."""
         was = w.healthy
+        now = asyncio.get_running_loop().time()
+        answered = False
         try:
             status = await self._check(w)
+            answered = True
             healthy = status == health_pb2.HealthCheckResponse.SERVING
             if healthy:
                 w.stats = await w.stub.Stats(common_pb2.StatsRequest(),
@@ -145,7 +176,13 @@ class WorkerPool:
         except Exception as e:  # never let one bad worker stop the loop
             healthy = False
             w.last_error = f"{type(e).__name__}: {e}"
-        w.healthy = healthy
+        w.healthy = healthy and asyncio.get_running_loop().time() >= w.held_until
+        if answered:
+            w.failing_since = None
+        else:
+            w.failing_since = now if w.failing_since is None else w.failing_since
+            if now - w.failing_since >= self.stall_timeout_s:
+                w.mark_lost(w.last_error)
         if healthy and not was:
             log.info("%s worker %s is healthy", self.kind, w.address)
         elif was and not healthy:

@@ -3,13 +3,17 @@
     segment = pick D --Decode(prompt)--> KvReady        (D refuses: the next D)
               pick P --Prefill(dest=KvReady)--> first token
                   P fails (UNAVAILABLE, ...): WARNING, counted; abort D, retry once on
-                  another P with a fresh reservation ("#r1")
+                  another P with a fresh reservation ("#r1"); when P says D's KV endpoint
+                  failed (trailing metadata KV_DESTINATION_FAULT), D is held out of
+                  routing (KV_FAULT_HOLD_S) and the retry goes to another D instead
               first token -> client | SubmitFirstToken -> D  (or Abort D if it finished)
               D's TokenChunks -> OutputProcessor -> events; a stop string matched here:
                   the segment ends, cleanup aborts D
-    D's stream breaks (UNAVAILABLE, EOF) -> _DecodeLost -> migrate: a new segment ("#m1")
-        whose prompt is prompt + tokens so far, on another pair (WARNING, counted); no
-        migration (off, structured output, deadline passed): UNAVAILABLE
+    D's stream breaks (UNAVAILABLE, EOF), or D is lost (its probes unanswered: stalled; the
+    registry cuts the segment's calls, Segment.cut) -> _DecodeLost -> migrate: a new
+    segment ("#m1") whose prompt is prompt + tokens so far, on another pair (WARNING,
+    counted); no migration (off, structured output, deadline passed): UNAVAILABLE
+    P lost while its Prefill runs: the Prefill is cut and retried like a failed one
 
 Every RPC carries the request's remaining deadline. A segment's cleanup() cancels its open
 calls and sends Abort to both workers in the background (each Abort its own short deadline).
@@ -26,7 +30,8 @@ import grpc
 
 from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from services.metrics import Metrics
-from services.protoconv import FINISH_FROM_PROTO, logprob_from_proto, sampling_to_proto
+from services.protoconv import (FINISH_FROM_PROTO, KV_DESTINATION_FAULT, logprob_from_proto,
+                                sampling_to_proto)
 
 from .config import GatewayConfig
 from .registry import Worker
@@ -45,6 +50,16 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE,
 _PREFILL_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                   grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
 _DECODE_REFUSALS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# A decode worker whose KV endpoint failed stays out of routing this long: its gRPC health
+# does not cover the KV endpoint, so its next probe would bring it back at once.
+KV_FAULT_HOLD_S = 10.0
+
+
+class _LostCall(grpc.aio.AioRpcError):
+    """A call the gateway cut because its worker was lost (stalled): handled as that status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class _DecodeLost(Exception):
@@ -55,7 +70,7 @@ class _DecodeLost(Exception):
         self.worker = worker
 
 
-@dataclass
+@dataclass(eq=False)
 class Segment:
     """One pass through a (decode, prefill) pair; owns its calls until cleanup()."""
     rid: str
@@ -66,6 +81,21 @@ class Segment:
     submit_task: asyncio.Task | None = None
     decode_done: bool = False          # the decode worker finished the request itself
     metadata: object = None            # gRPC metadata for the workers (trace context)
+    lost: str = ""                     # why the decode worker's calls were cut (cut())
+    prefill_lost: str = ""             # why the Prefill was cut
+
+    def cut(self, worker: Worker, reason: str) -> None:
+        """`worker` is lost. The decode worker: cancel every open call of this segment
+        (their awaits raise CancelledError, which Segments.run turns into a migration);
+        the prefill worker: cancel the Prefill (retried by _prefill_with_retry)."""
+        if worker is self.prefill:
+            self.prefill_lost = reason
+            self.prefill_call.cancel()
+            return
+        self.lost = reason
+        for call in (self.decode_call, self.prefill_call, self.submit_task):
+            if call is not None:
+                call.cancel()
 
 
 class Segments:
@@ -86,6 +116,10 @@ class Segments:
                 return
             except _DecodeLost as e:
                 self._migrate_or_raise(req, e)
+            except asyncio.CancelledError:
+                if not seg.lost or asyncio.current_task().cancelling():
+                    raise                  # the caller went away
+                self._migrate_or_raise(req, _DecodeLost(seg.decode, seg.lost))
             finally:
                 self.cleanup(seg)
 
@@ -147,16 +181,24 @@ class Segments:
             try:
                 return kv, await self._prefill(seg, prompt, params, kv, req.deadline, failed_prefill)
             except grpc.aio.AioRpcError as e:
-                w = seg.prefill
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    w.mark_failed(e.details() or "UNAVAILABLE")
-                failed_prefill.append(w.address)
-                if not (e.code() in _PREFILL_RETRY and attempt == 0
-                        and self.router.prefill.healthy(failed_prefill)):
-                    raise rpc_error(f"prefill worker {w.address}", e) from None
+                if _blames_destination(e):
+                    # The decode worker's KV endpoint failed: its fault, not the prefill's.
+                    w = seg.decode
+                    w.hold(KV_FAULT_HOLD_S, f"KV endpoint: {e.details()}")
+                    req.lost.add(w.address)
+                    others = self.router.decode.healthy(req.lost)
+                else:
+                    w = seg.prefill
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        w.mark_failed(e.details() or "UNAVAILABLE")
+                    failed_prefill.append(w.address)
+                    others = self.router.prefill.healthy(failed_prefill)
+                if not (e.code() in _PREFILL_RETRY and attempt == 0 and others):
+                    raise rpc_error(f"{w.kind} worker {w.address}", e) from None
                 self.metrics.observe_kv_fallback("retry")
-                log.warning("request %s: Prefill on %s failed (%s: %s); retrying once on another "
-                            "prefill worker", seg.rid, w.address, e.code().name, e.details())
+                log.warning("request %s: Prefill on %s failed (%s: %s); retrying once without "
+                            "%s worker %s", seg.rid, seg.prefill.address, e.code().name,
+                            e.details(), w.kind, w.address)
         raise AssertionError("unreachable")
 
     # -- the decode half -------------------------------------------------------------------
@@ -188,6 +230,7 @@ class Segments:
                                        kv_timeout_ms=self.cfg.kv_timeout_ms)
         seg.decode_call = w.stub.Decode(req, timeout=_remaining(deadline), metadata=seg.metadata)
         seg.decode = w
+        w.streams.add(seg)
         w.in_flight += 1
         w.requests_total += 1
         try:
@@ -221,7 +264,19 @@ class Segments:
         if not r.accepted:
             raise GatewayError(grpc.StatusCode.INTERNAL,
                                f"decode worker {w.address} did not accept the first token of "
-                               f"{seg.rid} (reservation expired or aborted)")
+                               f"{seg.rid} ({await self._refusal_reason(seg)})")
+
+    @staticmethod
+    async def _refusal_reason(seg: Segment) -> str:
+        """Why the decode worker ended the request before its first token (a failed KV
+        transfer, ...): the error of its stream's last chunk, if it comes within a second."""
+        try:
+            msg = await asyncio.wait_for(seg.decode_call.read(), 1.0)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            msg = None
+        if msg and msg is not grpc.aio.EOF and msg.HasField("tokens") and msg.tokens.error:
+            return msg.tokens.error
+        return "reservation expired or aborted"
 
     async def _relay(self, req: RequestState, seg: Segment) -> AsyncIterator[GenerateEvent]:
         """The decode worker's TokenChunks as events, until the request finishes."""
@@ -274,11 +329,18 @@ class Segments:
                                          sampling=sampling_to_proto(params), destination=dest)
         seg.prefill_call = w.stub.Prefill(req, timeout=_remaining(deadline), metadata=seg.metadata)
         seg.prefill = w
+        w.streams.add(seg)
         w.in_flight += 1
         w.requests_total += 1
-        resp = await seg.prefill_call
+        try:
+            resp = await seg.prefill_call
+        except asyncio.CancelledError:
+            if not seg.prefill_lost or seg.lost or asyncio.current_task().cancelling():
+                raise
+            raise _LostCall(grpc.StatusCode.UNAVAILABLE, seg.prefill_lost) from None
         seg.prefill_call = None
         w.in_flight -= 1
+        w.streams.discard(seg)
         seg.prefill = None
         self.router.served(w, hashes)
         return resp
@@ -292,6 +354,7 @@ class Segments:
             seg.prefill_call.cancel()
             self._spawn(self._abort(seg.prefill, seg.rid))
             seg.prefill.in_flight -= 1
+            seg.prefill.streams.discard(seg)
             seg.prefill = None
         if seg.decode is not None:
             seg.decode_call.cancel()
@@ -303,6 +366,7 @@ class Segments:
         """The decode worker no longer holds this segment (refused or finished)."""
         if seg.decode is not None:
             seg.decode.in_flight -= 1
+            seg.decode.streams.discard(seg)
             seg.decode = None
         seg.decode_call = None
 
@@ -324,6 +388,11 @@ def _add(req: RequestState, tokens, finish_reason: str | None) -> GenerateEvent 
     d = req.out.add([t.token_id for t in tokens], [logprob_from_proto(t) for t in tokens],
                     finish_reason)
     return None if d is None else GenerateEvent.of(d)
+
+
+def _blames_destination(e: grpc.aio.AioRpcError) -> bool:
+    """The prefill worker says the decode worker's KV endpoint failed (connect, send)."""
+    return any(tuple(kv) == KV_DESTINATION_FAULT for kv in e.trailing_metadata() or ())
 
 
 def rpc_error(where: str, e: grpc.aio.AioRpcError) -> GatewayError:

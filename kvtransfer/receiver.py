@@ -9,7 +9,9 @@ Lifecycle of one transfer (one request), keyed by a transfer id the decode worke
           |                            |
           |  deadline passed (reaper)  |   -> EXPIRED
           |  abort(tid)                |   -> ABORTED
-          |  bad block ids / sizes     |   -> FAILED
+          |  bad block ids / sizes /   |   -> FAILED
+          |  checksum; the connection  |
+          |  feeding it dropped        |
           +----------------------------+
 
 `wait(tid)` returns at the final state; whoever reserved frees the blocks (the receiver
@@ -22,6 +24,11 @@ A LAYER message names its destination block ids and their offset in the reservat
 must equal reserved[offset:offset + n] (the whole list, a suffix, or a chunk of a chunked
 prefill); each (layer, block) may arrive once. Its payload is written with one indexed copy
 per message: kv_cache[layer].index_copy_(1, ids, payload.view(2, n, bs, h, d)).
+
+A LAYER body whose checksum (header, "host" staging) does not match fails its transfer
+unwritten. A connection dropped for a malformed message (bad header, a body of the wrong
+length: truncated or cut) or a transport error fails every live transfer it had fed, so
+the decode worker learns it at once instead of at the deadline.
 
 Who may send: a connection's HELLO carries a token, the id of a transfer live on this
 receiver (the decode worker makes ids unguessable and hands them out only with a
@@ -59,7 +66,7 @@ import torch
 from .staging import StagingPool
 from .transport import Connection, ConnectionClosed, Transport, TransportError
 from .wire import (HEADER_BYTES, MAX_HELLO_BYTES, PROTOCOL_VERSION, CompatKey, Header,
-                   IncompatibleKV, MsgType, WireError, block_bytes, hello_body,
+                   IncompatibleKV, MsgType, WireError, block_bytes, body_checksum, hello_body,
                    ids_bytes, layer_body_bytes, payload_views)
 
 log = logging.getLogger(__name__)
@@ -281,11 +288,14 @@ class KVReceiver:
     async def _serve(self, conn: Connection) -> None:
         task = asyncio.current_task()
         self._readers.add(task)
+        fed: set[str] = set()         # transfer ids this connection sent LAYERs for
         try:
             if not await self._handshake(conn):
                 return
             while True:
                 hdr = Header.unpack(await conn.recv(HEADER_BYTES))
+                if hdr.msg_type is MsgType.LAYER and len(fed) < 4096:
+                    fed.add(hdr.transfer_id)
                 if hdr.msg_type is not MsgType.LAYER:
                     raise WireError(f"unexpected {hdr.msg_type.name} after the handshake")
                 if hdr.body_bytes > self.max_body_bytes:
@@ -309,8 +319,10 @@ class KVReceiver:
             pass
         except (WireError, TransportError) as e:
             log.warning("KV connection from %s dropped: %s", conn.peer, e)
+            self._fail_fed(fed, f"its KV connection was dropped: {e}")
         except Exception:
             log.exception("KV connection from %s: receiver error", conn.peer)
+            self._fail_fed(fed, "its KV connection failed (receiver error)")
         finally:
             self._readers.discard(task)
             await conn.close()
@@ -355,12 +367,20 @@ class KVReceiver:
         if body:
             await conn.send(body)
 
+    def _fail_fed(self, fed: set[str], reason: str) -> None:
+        for tid in fed:
+            with self._lock:
+                t = self._live.get(tid)
+            if t is not None:
+                self._fail(t, reason)
+
     def _on_layer(self, hdr: Header, body: torch.Tensor):
         """Validate one LAYER message and write it, or drop it. -> (the side stream's event
         after the write, or None when the write is done or nothing was written; the
         transfer if this was its last message and its writes are still in flight)."""
         n, layer, off = hdr.num_blocks, hdr.layer, hdr.block_offset
         copied = done = None
+        intact = self.staging != "host" or body_checksum(body) == hdr.checksum
         with self._lock:
             t = self._live.get(hdr.transfer_id)
             if t is None:  # unknown, expired, aborted, failed or done: never write
@@ -369,6 +389,8 @@ class KVReceiver:
                          "finished" if hdr.transfer_id in self._finished else "unknown", hdr.transfer_id)
                 return None, None
             problem = self._check_layer(t, hdr)
+            if problem is None and not intact:
+                problem = f"layer {layer}: the body does not match its checksum (corrupted)"
             if problem is None:
                 ids = self._block_ids(body, n)
                 if ids != t.block_ids[off:off + n]:

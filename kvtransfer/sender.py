@@ -24,7 +24,12 @@ Staging buffers come from a StagingPool (staging.py) and go back to it only once
 completed, so a buffer is never reused while UCX may still read it.
 One writer task per connection sends queued messages in push order, so messages of
 concurrent transfers never interleave. A connection that fails fails every transfer queued
-on it and is dropped from the cache; the next `open` reconnects.
+on it and is dropped from the cache; the next `open` reconnects. Bounds: a connection's
+queue holds at most `max_queued_bytes` of message bodies (a message beyond it fails, and so
+its transfer: the decode worker is not keeping up); a message whose sends do not complete
+within `send_timeout_s` fails the connection (a stalled or vanished peer), which is dropped.
+With "host" staging each LAYER header carries a checksum of its body (wire.py), computed
+once the body is filled, just before it is sent.
 
 The decode side acknowledges nothing per transfer: it learns completion from the data
 itself, and reports problems through its own gRPC stream.
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import time
@@ -43,7 +49,7 @@ import torch
 from .staging import StagingPool
 from .transport import Connection, ConnectionClosed, Transport, TransportError
 from .wire import (HEADER_BYTES, CompatKey, Header, IncompatibleKV, MsgType, WireError,
-                   block_bytes, ids_bytes, parse_hello, payload_views)
+                   block_bytes, body_checksum, ids_bytes, parse_hello, payload_views)
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +101,7 @@ class TransferHandle:
 @dataclass(eq=False)
 class _Message:
     handle: TransferHandle
-    hdr: bytes
+    hdr: Header                           # packed when sent, with the body's checksum
     body: torch.Tensor                    # from the sender's StagingPool
     fut: concurrent.futures.Future
     ready: "torch.cuda.Event | None"      # the side stream finished filling `body`
@@ -106,6 +112,7 @@ class _Peer:
         self.endpoint = endpoint
         self.conn = conn
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.queued_bytes = 0                 # bodies in `queue` (bounded by max_queued_bytes)
         self.error: Exception | None = None
         self.tasks: list[asyncio.Task] = []
 
@@ -113,7 +120,8 @@ class _Peer:
 class KVSender:
     def __init__(self, kv_cache: torch.Tensor, compat: CompatKey, transport: Transport, *,
                  connect_timeout_s: float = 5.0, max_inflight: int = 4, staging: str = "host",
-                 kv_scales: torch.Tensor | None = None):
+                 kv_scales: torch.Tensor | None = None, send_timeout_s: float = 10.0,
+                 max_queued_bytes: int = 1 << 30):
         """`kv_scales`: the scales of an 8-bit cache; they travel with their blocks."""
         CompatKey.from_cache(kv_cache, compat.model, kv_scales).check(compat, "kv_cache", "compat")
         self.kv_cache, self.kv_scales = kv_cache, kv_scales
@@ -121,6 +129,8 @@ class KVSender:
         self.transport = transport
         self.connect_timeout_s = connect_timeout_s
         self.max_inflight = max_inflight      # layer messages posted but not yet completed
+        self.send_timeout_s = send_timeout_s  # one message's sends; then the peer is dropped
+        self.max_queued_bytes = max_queued_bytes   # per connection
         self._block_bytes = block_bytes(kv_cache, kv_scales)
         self.staging = staging
         self.pool = StagingPool(kv_cache, staging)
@@ -239,7 +249,7 @@ class KVSender:
                     else:                             # gather on the GPU, one copy to pinned host
                         dst.copy_(src.index_select(1, idx), non_blocking=True)
                 ready = self._stream.record_event()
-        hdr = Header(MsgType.LAYER, h.transfer_id, layer, start, n, body.numel()).pack()
+        hdr = Header(MsgType.LAYER, h.transfer_id, layer, start, n, body.numel())
         h._pushed_blocks += n
         h._bytes += n * self._block_bytes
         h._bound_fixed = max(h._bound_fixed, end)
@@ -247,10 +257,15 @@ class KVSender:
 
     def _enqueue(self, msg: _Message) -> None:
         peer = msg.handle._peer
-        if peer.error is not None:
+        error = peer.error
+        if error is None and peer.queued_bytes + msg.body.numel() > self.max_queued_bytes:
+            error = TransportError(f"KV send queue to {peer.endpoint} full ({peer.queued_bytes} "
+                                   f"bytes queued): the decode worker is not keeping up")
+        if error is not None:
             self.pool.release(msg.body, reuse=False)
-            msg.fut.set_exception(peer.error)
+            msg.fut.set_exception(error)
         else:
+            peer.queued_bytes += msg.body.numel()
             peer.queue.put_nowait(msg)
 
     async def _peer(self, endpoint: str, token: str) -> _Peer:
@@ -312,6 +327,7 @@ class KVSender:
         loop = asyncio.get_running_loop()
         while True:
             msg = await peer.queue.get()
+            peer.queued_bytes -= msg.body.numel()
             if msg.ready is not None and not msg.ready.query():
                 await loop.run_in_executor(None, msg.ready.synchronize)
             if msg.handle.cancelled or msg.fut.done():
@@ -323,12 +339,22 @@ class KVSender:
                 self.pool.release(msg.body, reuse=False)
                 msg.fut.set_exception(peer.error)
                 return
-            sends = [loop.create_task(peer.conn.send(msg.hdr)), loop.create_task(peer.conn.send(msg.body))]
+            if self.staging == "host":
+                msg.hdr = dataclasses.replace(msg.hdr, checksum=body_checksum(msg.body))
+            sends = [loop.create_task(peer.conn.send(msg.hdr.pack())),
+                     loop.create_task(peer.conn.send(msg.body))]
             loop.create_task(self._complete(peer, sends, msg, slots))
 
     async def _complete(self, peer: _Peer, sends, msg: _Message, slots: asyncio.Semaphore) -> None:
         try:
-            await asyncio.gather(*sends, return_exceptions=False)
+            await asyncio.wait_for(asyncio.gather(*sends), self.send_timeout_s)
+        except asyncio.TimeoutError:
+            e = TransportError(f"KV send to {peer.endpoint} not done after {self.send_timeout_s}s")
+            if not msg.fut.done():
+                msg.fut.set_exception(e)
+            self.pool.release(msg.body, reuse=False)
+            await self._drop(peer, e)
+            return
         except Exception as e:
             if not msg.fut.done():
                 msg.fut.set_exception(TransportError(f"KV send to {peer.endpoint} failed: {e}"))
@@ -340,7 +366,7 @@ class KVSender:
         self.pool.release(msg.body)
         if not msg.fut.done():
             msg.fut.set_result(None)
-        n = Header.unpack(msg.hdr).num_blocks
+        n = msg.hdr.num_blocks
         self.blocks_sent += n
         self.bytes_sent += n * self._block_bytes
 
@@ -364,6 +390,7 @@ class KVSender:
             del self._peers[peer.endpoint]
         while not peer.queue.empty():
             msg = peer.queue.get_nowait()
+            peer.queued_bytes -= msg.body.numel()
             self.pool.release(msg.body, reuse=False)
             if not msg.fut.done():
                 msg.fut.set_exception(error)

@@ -4,7 +4,7 @@ Every message is two transport messages: a fixed 96-byte HEADER, then a BODY of 
 `header.body_bytes` bytes (omitted when 0). The receiver reads the header first, so it
 always knows how much to read next, and can read and drop a body it does not want.
 
-HEADER (struct "<4sHH64sIIIQ4x", 96 bytes)
+HEADER (struct "<4sHH64sIIIQI", 96 bytes)
   offset size field
        0    4 magic          b"PDKV"
        4    2 version        PROTOCOL_VERSION; a mismatch is rejected at the handshake
@@ -14,7 +14,10 @@ HEADER (struct "<4sHH64sIIIQ4x", 96 bytes)
       76    4 block_offset   index into the reserved block list of the first block sent (LAYER)
       80    4 num_blocks     blocks in this message (LAYER)
       84    8 body_bytes     size of the BODY message
-      92    4 (padding)
+      92    4 checksum       LAYER with "host" staging: the low 32 bits of XXH3-64 of the
+                             BODY; the receiver fails the transfer on a mismatch, so a
+                             corrupted body never reaches the cache (0 and unchecked with
+                             "device" staging: the body never passes through host memory)
 
 BODY by msg_type
   HELLO      JSON of the sender's CompatKey, "staging" and "token": the id of a transfer the
@@ -38,10 +41,11 @@ import struct
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 MAGIC = b"PDKV"
-PROTOCOL_VERSION = 2     # 2: CompatKey.kv_scales, scales after an 8-bit LAYER payload
-HEADER = struct.Struct("<4sHH64sIIIQ4x")
+PROTOCOL_VERSION = 3     # 2: CompatKey.kv_scales, scales after an 8-bit LAYER payload; 3: checksum
+HEADER = struct.Struct("<4sHH64sIIIQI")
 HEADER_BYTES = HEADER.size  # 96
 MAX_TRANSFER_ID_BYTES = 64
 IDS_ALIGN = 64
@@ -174,26 +178,34 @@ class Header:
     num_blocks: int = 0
     body_bytes: int = 0
     version: int = PROTOCOL_VERSION
+    checksum: int = 0
 
     def pack(self) -> bytes:
         tid = self.transfer_id.encode()
         if len(tid) > MAX_TRANSFER_ID_BYTES:
             raise ValueError(f"transfer id longer than {MAX_TRANSFER_ID_BYTES} bytes: {self.transfer_id!r}")
         return HEADER.pack(MAGIC, self.version, int(self.msg_type), tid, self.layer,
-                           self.block_offset, self.num_blocks, self.body_bytes)
+                           self.block_offset, self.num_blocks, self.body_bytes, self.checksum)
 
     @classmethod
     def unpack(cls, data) -> "Header":
         if len(data) != HEADER_BYTES:
             raise WireError(f"header of {len(data)} bytes, expected {HEADER_BYTES}")
-        magic, version, mtype, tid, layer, off, n, body = HEADER.unpack(bytes(data))
+        magic, version, mtype, tid, layer, off, n, body, checksum = HEADER.unpack(bytes(data))
         if magic != MAGIC:
             raise WireError(f"bad magic {magic!r} (not a pdserve KV stream)")
         try:
             mtype = MsgType(mtype)
         except ValueError:
             raise WireError(f"unknown message type {mtype}") from None
-        return cls(mtype, tid.rstrip(b"\0").decode(errors="replace"), layer, off, n, body, version)
+        return cls(mtype, tid.rstrip(b"\0").decode(errors="replace"), layer, off, n, body, version,
+                   checksum)
+
+
+def body_checksum(body: torch.Tensor) -> int:
+    """The header's checksum of a host LAYER body: the low 32 bits of its XXH3-64 (about
+    10 GB/s on one core)."""
+    return xxhash.xxh3_64_intdigest(body.view(-1).view(torch.uint8).numpy()) & 0xFFFFFFFF
 
 
 def ids_bytes(num_blocks: int) -> int:

@@ -50,11 +50,15 @@ import torch
 from engine.kv_connector import KVConnector
 from engine.scheduler import SchedulerOutput
 from kvtransfer.sender import KVSender, TransferHandle, TransferStats
-from kvtransfer.transport import Transport, TransportError
+from kvtransfer.transport import Transport
 from kvtransfer.wire import CompatKey
 from services import tracing
 
 from .decoders import KnownDecoders
+
+
+class PushFailed(RuntimeError):
+    """A push failed on this worker's engine thread: a local fault, not the destination's."""
 
 
 class DestinationRefused(Exception):
@@ -144,11 +148,11 @@ class KVPush(KVConnector):
 
     async def finish(self, push: Push, timeout: float) -> TransferStats:
         """Wait until every layer was sent; forgets the push. Raises KVTransferTimeout,
-        TransportError (also for a push that failed on the engine thread) or ValueError."""
+        TransportError, PushFailed (the push failed on the engine thread) or ValueError."""
         self._pushes.pop(push.request_id, None)
         try:
             if push.error is not None:
-                raise TransportError(f"KV push failed: {push.error}")
+                raise PushFailed(f"KV push failed: {push.error}")
             st = await self.sender.finish(push.handle, timeout=timeout)
         except Exception as e:
             push.span.set_status(tracing.error_status(str(e)))

@@ -47,10 +47,15 @@ from services.worker_server import Draining, RpcStatus, WorkerParts
 from .admission import PrefillAdmission
 from .config import PrefillWorkerConfig
 from .decoders import KnownDecoders
-from .kv_push import DestinationRefused, KVPush, Push
+from .kv_push import DestinationRefused, KVPush, Push, PushFailed
 
 log = logging.getLogger(__name__)
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+
+
+class _DestinationFault(RpcStatus):
+    """The destination's KV endpoint failed (connect, handshake, send): its decode worker's
+    fault, told to the gateway by trailing metadata (protoconv.KV_DESTINATION_FAULT)."""
 
 
 @dataclass
@@ -95,6 +100,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         except Draining as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except RpcStatus as e:
+            if isinstance(e, _DestinationFault):
+                context.set_trailing_metadata((protoconv.KV_DESTINATION_FAULT,))
             await context.abort(e.code, e.message)
         except asyncio.CancelledError:
             if rid in self._aborted:
@@ -208,7 +215,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         except IncompatibleKV as e:
             raise RpcStatus(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         except TransportError as e:
-            raise RpcStatus(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            raise _DestinationFault(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except ValueError as e:
             raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
@@ -251,8 +258,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                 call.transfer = await self.kv.finish(call.push, self.cfg.kv_send_timeout_s)
             except KVTransferTimeout as e:
                 self.metrics.observe_kv_failure()
-                raise RpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
-            except (TransportError, ValueError) as e:
+                raise _DestinationFault(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
+            except TransportError as e:
+                self.metrics.observe_kv_failure()
+                raise _DestinationFault(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            except PushFailed as e:          # this worker's fault: retried on another
+                self.metrics.observe_kv_failure()
+                raise RpcStatus(grpc.StatusCode.INTERNAL, str(e)) from None
+            except ValueError as e:
                 self.metrics.observe_kv_failure()
                 raise RpcStatus(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             self.metrics.observe_kv_transfer(call.transfer.bytes_sent, time.perf_counter() - call.t0)

@@ -21,6 +21,9 @@ FINISH_TO_PROTO = {
     "prefill_done": common_pb2.FINISH_REASON_UNSPECIFIED,   # not finished for the client
 }
 FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items() if k != "prefill_done"}
+# Trailing metadata of a failed Prefill whose cause is the destination's KV endpoint (connect,
+# handshake or send failed): the gateway blames the decode worker, not the prefill worker.
+KV_DESTINATION_FAULT = ("pdserve-fault", "kv-destination")
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:

@@ -69,10 +69,13 @@ class System:
     """Both workers and a gateway on one loop (running in a thread of its own)."""
 
     def __init__(self, model_dir: str, prefill_options: dict = {}, decode_options: dict = {},
-                 prefill_config: dict = {}):
+                 prefill_config: dict = {}, prefill_transport=None):
         """`*_options`: more EngineOptions by name for that worker (test_quant_pd.py);
-        `prefill_config`: more PrefillWorkerConfig fields (test_admission_prefill.py)."""
+        `prefill_config`: more PrefillWorkerConfig fields (test_admission_prefill.py);
+        `prefill_transport`: the prefill worker's KV transport (a LoopbackTransport by
+        default; test_faults_kv.py tampers with its messages)."""
         self.model_dir, self.prefill_config = model_dir, prefill_config
+        self.prefill_transport = prefill_transport or LoopbackTransport()
         self.prefill_options, self.decode_options = prefill_options, decode_options
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="pd-inprocess", daemon=True)
@@ -97,7 +100,7 @@ class System:
             block_size=BS, num_blocks=64, **self.decode_options))
         ready = [asyncio.Event(), asyncio.Event()]
         self.tasks = [
-            asyncio.create_task(serve(pcfg, PREFILL, transport=LoopbackTransport(), ready=ready[0],
+            asyncio.create_task(serve(pcfg, PREFILL, transport=self.prefill_transport, ready=ready[0],
                                       stop=self.stop_event)),
             asyncio.create_task(serve(dcfg, DECODE, transport=LoopbackTransport(), ready=ready[1],
                                       stop=self.stop_event))]
