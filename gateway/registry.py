@@ -4,6 +4,9 @@
     every health_interval_s, per worker:  Health.Check  -> healthy = SERVING
                                           Stats         -> last stats (load, free blocks)
     a call that fails with UNAVAILABLE -> mark_failed(): skipped until the next probe passes
+    a probe that times out is load, not death (a kubelet's failureThreshold): a healthy
+        worker stays in routing through SLOW_PROBES_TOLERATED timeouts in a row; any other
+        probe error (refused, reset) or NOT_SERVING takes it out at once
     hold(seconds): skipped at least that long, whatever the probes say (a fault they do not
         see: a decode worker's KV endpoint)
     probes unanswered (an RPC error, not NOT_SERVING) for stall_timeout_s -> mark_lost():
@@ -34,6 +37,7 @@ from services.security import MTLS, channel
 log = logging.getLogger(__name__)
 
 RETIRE_TIMEOUT_S = 600.0
+SLOW_PROBES_TOLERATED = 2
 _SERVICE_NAMES = {"prefill": "pdserve.v1.PrefillWorker", "decode": "pdserve.v1.DecodeWorker"}
 
 
@@ -58,6 +62,7 @@ class Worker:
         self.last_error = ""
         self.streams: set = set()    # open calls to cut if it is lost (.cut(worker, reason))
         self.failing_since: float | None = None   # loop time of the first unanswered probe
+        self.slow_probes = 0         # probe timeouts in a row
         self.held_until = 0.0        # loop time before which probes may not bring it back
 
     def load_key(self):
@@ -159,7 +164,7 @@ class WorkerPool:
         """Health.Check (the service's name, "" if the server does not know it), then Stats."""
         was = w.healthy
         now = asyncio.get_running_loop().time()
-        answered = False
+        answered = slow = False
         try:
             status = await self._check(w)
             answered = True
@@ -170,12 +175,16 @@ class WorkerPool:
             w.last_error = "" if healthy else f"health status {status}"
         except grpc.aio.AioRpcError as e:
             healthy = False
+            slow = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             w.last_error = f"{e.code().name}: {e.details()}"
         except asyncio.CancelledError:
             raise
         except Exception as e:  # never let one bad worker stop the loop
             healthy = False
             w.last_error = f"{type(e).__name__}: {e}"
+        w.slow_probes = w.slow_probes + 1 if slow else 0
+        if slow and was and w.slow_probes <= SLOW_PROBES_TOLERATED:
+            healthy = True
         w.healthy = healthy and asyncio.get_running_loop().time() >= w.held_until
         if answered:
             w.failing_since = None

@@ -78,3 +78,58 @@ def test_streams_still_on_a_removed_worker_at_the_retire_timeout_are_cut_then_cl
         await pool.stop()
 
     asyncio.run(main())
+
+
+class SlowHealth(health_aio.HealthServicer):
+    """A health servicer that answers after `delay_s` (a worker busy enough to be slow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.delay_s = 0.0
+
+    async def Check(self, request, context):
+        await asyncio.sleep(self.delay_s)
+        return await super().Check(request, context)
+
+
+def test_one_slow_probe_keeps_a_worker_in_routing_a_refused_one_does_not():
+    """A probe timeout is tolerated SLOW_PROBES_TOLERATED times in a row (load, as a
+    kubelet's failureThreshold), then the worker leaves routing; an answer brings the count
+    back to zero; a refused connection takes it out at the first probe."""
+    async def main():
+        health = SlowHealth()
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        await health.set("pdserve.v1.DecodeWorker", health_pb2.HealthCheckResponse.SERVING)
+        pool = registry.WorkerPool("decode", decode_pb2_grpc.DecodeWorkerStub, 60, 0.2,
+                                   stall_timeout_s=60)
+        address = f"127.0.0.1:{port}"
+        await pool.on_change([address], [])
+        w = pool.workers[address]
+        w.stats = None
+        health.delay_s = 0.0
+        # Stats is not served by this server: make the healthy path only check health.
+        w.stub = type("NoStats", (), {"Stats": staticmethod(_stats)})()
+        await pool.probe(w)
+        assert w.healthy
+        health.delay_s = 0.5                     # every probe now times out (0.2 s)
+        for _ in range(registry.SLOW_PROBES_TOLERATED):
+            await pool.probe(w)
+            assert w.healthy and "DEADLINE_EXCEEDED" in w.last_error
+        await pool.probe(w)
+        assert not w.healthy
+        health.delay_s = 0.0
+        await pool.probe(w)
+        assert w.healthy and w.slow_probes == 0
+        await server.stop(None)                  # refused: out at once
+        await pool.probe(w)
+        assert not w.healthy and "DEADLINE_EXCEEDED" not in w.last_error
+        await pool.stop()
+
+    asyncio.run(main())
+
+
+async def _stats(request, timeout=None):
+    return None
