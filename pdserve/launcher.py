@@ -310,8 +310,10 @@ class Launcher:
                  f"#{c.restarts + 1} in {delay:g}s")
         return None
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every child (gateway first), SIGKILL what is left after grace_s."""
+    def stop(self, grace_s: float = 35.0) -> None:
+        """SIGTERM every child (gateway first), SIGKILL what is left after grace_s: longer
+        than the gateway's and workers' default drain (--drain-timeout-s 30), so streams in
+        flight finish; an idle system exits at once."""
         for c in reversed(self.children):
             if c.popen is not None and c.popen.poll() is None:
                 c.popen.send_signal(signal.SIGTERM)
