@@ -152,7 +152,8 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
             if path == "embed_tokens":
                 model.embed_tokens = QuantEmbedding(qw, dtype)
                 if model.lm_head is None:       # tied: the head reads the same codes
-                    model.lm_head = QuantLinear.from_quantized(qw.method, qw)
+                    model.lm_head = (QuantLinear.sharing(model.embed_tokens) if qw.group
+                                     else QuantLinear.from_quantized(qw.method, qw))
             else:
                 bias = tensors.get(path + ".bias")
                 _set(model, path, QuantLinear.from_quantized(

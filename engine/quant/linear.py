@@ -37,7 +37,11 @@ from .quantize import (FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantWeight, 
 SMALL_M = 16                    # up to this many rows: the weight-only kernels
 
 
-HEAD = "int8"                   # the output head and embedding table under every method
+# the output head and embedding table under every method: int8 with a float16 scale per 32
+# values (GGUF Q8_0's layout). SmolLM2-135M, int8 decoder linears, 511 tokens of GPL-3: head and
+# embedding int8 per row -1.39% perplexity, int8_g32 -0.51%, float -0.42%
+# (bench/logs/2026-11-30-quant-eval.log). None: leave them in the model dtype.
+HEAD: str | None = "int8_g32"
 
 
 def check_method(name: str) -> str:
@@ -57,6 +61,7 @@ class QuantLinear(nn.Module):
         self.group = int(method.split("_g")[1]) if "_g" in method else 0
         # torch's CPU int4 kernel needs N % 16 == 0; other shapes keep the plain layout
         self.cpu_int4 = self.on_cpu and bool(self.group) and out_features % 16 == 0
+        self.group_major = False        # see `sharing`
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -109,6 +114,20 @@ class QuantLinear(nn.Module):
             self.register_buffer("scale", qw.scale.float())
         return self
 
+    @classmethod
+    def sharing(cls, emb: "QuantEmbedding") -> "QuantLinear":
+        """A tied head over an int8_g32 embedding table's own codes (group-major [K/32, V, 32])
+        and scales: one copy for lookups and logits. On CPU it runs torch's int8 kernel (per
+        channel scales) once per group of 32 columns and sums; elsewhere it dequantizes."""
+        n_groups, n, g = emb.qweight.shape
+        self = cls("int8_g32", n_groups * g, n, None, emb.qweight.device)
+        self.cpu_int4, self.group_major = False, True
+        self.register_buffer("qweight", emb.qweight)
+        self.register_buffer("scale", emb.scale)
+        if self.on_cpu:
+            self.register_buffer("group_scales", emb.scale.T.bfloat16().contiguous())   # [K/32, V]
+        return self
+
     def _int4pack(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         sz = torch.stack((scale.T, zero.T), dim=-1).contiguous()
@@ -125,6 +144,8 @@ class QuantLinear(nn.Module):
             return Fp8Weight(self.qweight, self.scale)
         if self.method == "int8":
             return Int8Weight(self.qweight, self.scale.float())
+        if self.group_major:
+            return Int8Weight(self.qweight.transpose(0, 1).reshape(n, k), self.scale, self.group)
         if not self.cpu_int4:
             if self.method == "int8_g32":
                 return Int8Weight(self.qweight, self.scale, self.group)
@@ -156,6 +177,13 @@ class QuantLinear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if self.on_cpu:
+            if self.group_major:
+                xb, g, y = x.bfloat16(), self.group, None
+                for i in range(self.qweight.shape[0]):
+                    part = torch.ops.aten._weight_int8pack_mm(
+                        xb[:, i * g:(i + 1) * g].contiguous(), self.qweight[i], self.group_scales[i])
+                    y = part.float() if y is None else y.add_(part)
+                return y
             if self.method == "int8" and m <= SMALL_M:
                 return torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.qweight, self.scale)
             if self.cpu_int4:
@@ -188,22 +216,32 @@ def _int4pack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 class QuantEmbedding(nn.Module):
-    """nn.Embedding over an int8 table with a scale per row, or per group of a row (int8_g32)."""
+    """nn.Embedding over an int8 table with a scale per row, or per group of a row (int8_g32:
+    codes held group-major, [K/g, V, g], the layout a tied head shares: QuantLinear.sharing)."""
 
     def __init__(self, qw: Int8Weight, dtype: torch.dtype):
         super().__init__()
         self.dtype, self.group = dtype, qw.group
-        self.register_buffer("qweight", qw.q)
-        self.register_buffer("scale", qw.scale if qw.group else qw.scale.float())
+        if qw.group:
+            v, k = qw.q.shape
+            self.register_buffer("qweight", qw.q.view(v, k // qw.group, qw.group).transpose(0, 1).contiguous())
+            self.register_buffer("scale", qw.scale)
+        else:
+            self.register_buffer("qweight", qw.q)
+            self.register_buffer("scale", qw.scale.float())
 
     def quantized(self) -> Int8Weight:
-        return Int8Weight(self.qweight, self.scale, self.group)
+        if self.group:
+            g, v, _ = self.qweight.shape
+            return Int8Weight(self.qweight.transpose(0, 1).reshape(v, g * self.group), self.scale, self.group)
+        return Int8Weight(self.qweight, self.scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q, s = self.qweight[ids].float(), self.scale[ids].float()
+        s = self.scale[ids].float()
         if self.group:
-            return (q.unflatten(-1, (-1, self.group)) * s[..., None]).flatten(-2).to(self.dtype)
-        return (q * s[..., None]).to(self.dtype)
+            q = self.qweight[:, ids].movedim(0, -2).float()            # [..., K/g, g]
+            return (q * s[..., None]).flatten(-2).to(self.dtype)
+        return (self.qweight[ids].float() * s[..., None]).to(self.dtype)
 
 
 def scaled_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rowwise: bool) -> torch.Tensor:
@@ -226,22 +264,23 @@ _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
     """Replace every decoder linear layer of a loaded CausalLM that is still nn.Linear by a
-    QuantLinear of `method`, in place; the float weights are dropped. The output head becomes
-    int8 under every method (SmolLM2-135M: an fp8 head and embedding cost +3.0% perplexity, int8
-    ones 0.5%; llama.cpp keeps its output in 8 bits too) and the embedding table int8 with a
-    scale per row, shared with a tied head (a lookup dequantizes the rows it reads), unless the
-    checkpoint already held them quantized. Norms stay as they are. 'none' and 'auto' (the
-    loader has already installed what the checkpoint holds quantized) leave the model as is."""
+    QuantLinear of `method`, in place; the float weights are dropped. The output head and the
+    embedding table become HEAD (int8_g32) under every method (SmolLM2-135M: an fp8 head and
+    embedding cost +3.0% perplexity; llama.cpp keeps its output in 8 bits too), one table shared
+    with a tied head (a lookup dequantizes the rows it reads), unless the checkpoint already
+    held them quantized. Norms stay as they are. 'none' and 'auto' (the loader has already
+    installed what the checkpoint holds quantized) leave the model as is."""
     if check_method(method) in ("none", "auto"):
         return model
-    if model.lm_head is not None and not isinstance(model.lm_head, QuantLinear):
+    if HEAD is not None and model.lm_head is not None and not isinstance(model.lm_head, QuantLinear):
         model.lm_head = QuantLinear.from_float(HEAD, model.lm_head.weight.data)
-    if not isinstance(model.embed_tokens, QuantEmbedding):
+    if HEAD is not None and not isinstance(model.embed_tokens, QuantEmbedding):
         emb = model.embed_tokens.weight.data
         q8 = quantize_int8(emb, 32 if HEAD == "int8_g32" else 0)
-        if model.lm_head is None:   # tied: one int8 table (per-row scales) for lookups and logits
-            model.lm_head = QuantLinear.from_quantized(HEAD, q8)
         model.embed_tokens = QuantEmbedding(q8, emb.dtype)
+        if model.lm_head is None:   # tied: one int8 table for lookups and logits
+            model.lm_head = (QuantLinear.sharing(model.embed_tokens) if q8.group
+                             else QuantLinear.from_quantized(HEAD, q8))
     for layer in model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name in _LINEARS:

@@ -159,3 +159,17 @@ def test_fused_parts_of_different_types_are_dequantized(files):
     assert torch.equal(qkv.weight, want)
     assert isinstance(model.layers[1].self_attn.qkv_proj, QuantLinear)
     assert isinstance(model.layers[0].mlp.gate_up_proj, QuantLinear)
+
+
+def test_tied_q8_0_table_is_one_copy_for_lookups_and_logits(files):
+    d = files("llama-tied", "Q8_0")
+    raw = {t.name: t for t in open_gguf(d / "m.gguf").raw_tensors()}
+    model = LLM(d / "m.gguf", num_blocks=8).engine.model
+    emb, head = model.embed_tokens, model.lm_head
+    assert isinstance(emb, QuantEmbedding) and head.qweight.data_ptr() == emb.qweight.data_ptr()
+    want = torch.from_numpy(raw["model.embed_tokens.weight"].dequantize())
+    assert torch.equal(head.dequantize(), want)
+    assert torch.equal(emb(torch.arange(want.shape[0])), want)
+    h = torch.randn(3, want.shape[1])
+    ref = h @ want.T
+    torch.testing.assert_close(head(h), ref, atol=0.01 * ref.abs().max().item(), rtol=0.01)
