@@ -129,14 +129,14 @@ def test_engine_variant_runs_and_saves_memory(tiny, method, max_ratio):
 
 
 def test_engine_int8_greedy_agreement_floor(tiny, float_outputs):
-    """Measured on this model: 13 of 32 prompts give the same 16 greedy tokens with int8
-    weights (19 with the decoder linears alone in int8, head and embedding in float32); the
-    same model with bf16 weights gives 17 of 32: the random tiny model has near-ties.
-    Floor: 11."""
+    """Measured on this model: 15 of 32 prompts give the same 16 greedy tokens with int8
+    weights (head and embedding int8_g32; 13 with them int8 per row, 19 with them in float32);
+    the same model with bf16 weights gives 17 of 32: the random tiny model has near-ties.
+    Floor: 13."""
     out = LLM(tiny, quantization="int8", block_size=8, num_blocks=256).generate(
         _prompts(32), SamplingParams(temperature=0.0, max_tokens=16))
     same = sum(list(o.token_ids) == f for o, f in zip(out, float_outputs))
-    assert same >= 11, f"int8 greedy output identical on {same}/32 prompts"
+    assert same >= 13, f"int8 greedy output identical on {same}/32 prompts"
 
 
 def test_bad_quantization_names():
