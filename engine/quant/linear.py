@@ -6,8 +6,8 @@ Where each method runs (x: [M, K] activations, M = tokens in the step):
               CPU                                         CUDA
   int8        M <= 16: aten._weight_int8pack_mm (bf16 x)   M <= 16: Triton w8_matmul
               else: dequantize, F.linear                   else: dequantize, F.linear
-  int8_g32    aten._weight_int4pack_mm_for_cpu (bf16 x),   dequantize, F.linear
-              the codes split in two nibbles (below)
+  int8_g32    aten._weight_int4pack_mm_for_cpu (bf16 x),   M <= 16: Triton int4_matmul, the
+              the codes split in two nibbles (below)       same split; else dequantize, F.linear
   int4_gN     aten._weight_int4pack_mm_for_cpu (bf16 x)    M <= 16: Triton int4_matmul
                                                            else: dequantize, F.linear
   fp8         dequantize, F.linear (saves memory only)     M <= 16: Triton w8_matmul
@@ -22,7 +22,9 @@ float16 ones). Layers with N % 16 != 0, which it refuses, keep the plain layout 
 int8_g32 (GGUF Q8_0: a scale per 32 values, which torch's int8 kernel, per channel only, cannot
 take) runs on the same kernel: q = 16 * hi + lo with hi = q >> 4 in [-8, 7] and lo = q & 15,
 so x @ W.T = [x, x] @ [hi part | lo part].T, the hi groups with scale 16 s and zero 0, the lo
-groups with scale s and zero 8 s (the kernel computes (code - 8) * scale + zero).
+groups with scale s and zero 8 s (the kernel computes (code - 8) * scale + zero). On CUDA the
+same split feeds the Triton int4 kernel (w = code * scale + min: hi groups 16 s and -128 s,
+lo groups s and 0), the split codes being the only copy (N x K bytes, as int8).
 """
 from __future__ import annotations
 
@@ -100,15 +102,16 @@ class QuantLinear(nn.Module):
                 if method.startswith("int4"):
                     self.register_buffer("min", qw.min)
             if not self.cpu_int4:
-                self.register_buffer("qweight", qw.packed if method.startswith("int4") else qw.q)
+                self.register_buffer("qweight", qw.packed if method.startswith("int4")
+                                     else pack_int4(_nibble_split(qw.q)))
             elif method.startswith("int4"):
                 # torch's int4 dequantization is (q - 8) * scale + zero
                 s = qw.scale.float()
                 self._int4pack(unpack_int4(qw.packed), s, qw.min.float() + 8 * s)
             else:
-                q, s = qw.q.to(torch.int32), qw.scale.float()
-                self._int4pack(torch.cat(((q >> 4) + 8, q & 15), dim=1),
-                               torch.cat((16 * s, s), dim=1), torch.cat((torch.zeros_like(s), 8 * s), dim=1))
+                s = qw.scale.float()
+                self._int4pack(_nibble_split(qw.q), torch.cat((16 * s, s), dim=1),
+                               torch.cat((torch.zeros_like(s), 8 * s), dim=1))
         else:
             self.register_buffer("qweight", qw.q)
             self.register_buffer("scale", qw.scale.float())
@@ -148,15 +151,14 @@ class QuantLinear(nn.Module):
             return Int8Weight(self.qweight.transpose(0, 1).reshape(n, k), self.scale, self.group)
         if not self.cpu_int4:
             if self.method == "int8_g32":
-                return Int8Weight(self.qweight, self.scale, self.group)
+                return Int8Weight(_nibble_join(unpack_int4(self.qweight)), self.scale, self.group)
             return Int4Weight(self.qweight, self.scale, self.min, self.group)
         sz = self.scales_and_zeros.float()
         if self.method == "int8_g32":
-            c = _int4pack_codes(self.qweight, n, 2 * k)
             scale = getattr(self, "scale", None)
             if scale is None:           # the lo groups' scales
                 scale = sz[k // self.group:, :, 0].T.half()
-            return Int8Weight((16 * (c[:, :k] - 8) + c[:, k:]).to(torch.int8), scale, self.group)
+            return Int8Weight(_nibble_join(_int4pack_codes(self.qweight, n, 2 * k)), scale, self.group)
         scale, mn = getattr(self, "scale", None), getattr(self, "min", None)
         if scale is None:
             scale, mn = sz[..., 0].T, sz[..., 1].T - 8 * sz[..., 0].T
@@ -194,7 +196,9 @@ class QuantLinear(nn.Module):
                     xb, self.qweight, self.group, self.scales_and_zeros)
             return nn.functional.linear(x, self.dequantize(x.dtype))
         from engine.kernels import quant_matmul as qm
-        if m <= SMALL_M and self.method != "int8_g32":
+        if m <= SMALL_M and not self.group_major:
+            if self.method == "int8_g32":
+                return qm.int4_matmul(torch.cat((x, x), dim=1), self.qweight, *int8_g32_split_scales(self.scale), 32)
             if self.method.startswith("int4"):
                 return qm.int4_matmul(x, self.qweight, self.scale, self.min, self.group)
             return qm.w8_matmul(x, self.qweight, self._channel_scale())
@@ -205,6 +209,23 @@ class QuantLinear(nn.Module):
     def _channel_scale(self) -> torch.Tensor:
         s = self.scale
         return s.expand(self.out_features).contiguous() if s.numel() == 1 and self.out_features > 1 else s
+
+
+def _nibble_split(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> codes 0..15 [N, 2K]: (q >> 4) + 8, then q & 15 (q = 16 hi + lo)."""
+    q = q.to(torch.int32)
+    return torch.cat(((q >> 4) + 8, q & 15), dim=1)
+
+
+def _nibble_join(c: torch.Tensor) -> torch.Tensor:
+    k = c.shape[1] // 2
+    return (16 * (c[:, :k] - 8) + c[:, k:]).to(torch.int8)
+
+
+def int8_g32_split_scales(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8_g32 layer's float16 scales [N, K/32] -> the int4 kernel's scale and min
+    [N, 2K/32] for the nibble split: hi groups 16 s and -128 s, lo groups s and 0 (exact)."""
+    return torch.cat((16 * scale, scale), dim=1), torch.cat((-128 * scale, torch.zeros_like(scale)), dim=1)
 
 
 def _int4pack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

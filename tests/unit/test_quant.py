@@ -177,3 +177,22 @@ def test_int8_g32_cpu_split_holds_every_code_exactly():
     x = torch.randn(3, 512)
     want = x @ dequantize_int8(qw).T
     torch.testing.assert_close(lin(x), want, atol=0.01 * want.abs().max().item(), rtol=0.01)
+
+
+def test_int8_g32_plain_layout_and_triton_split():
+    """Off torch's CPU int4 layout (N % 16 != 0 here; CUDA) an int8_g32 layer holds its codes
+    split in nibbles: they read back exactly, and the Triton int4 kernel (under the
+    interpreter) on [x, x] with the split scales computes x @ W.T."""
+    from engine.kernels import quant_matmul as qm
+    from engine.quant.linear import int8_g32_split_scales
+    codes = torch.arange(-128, 128, dtype=torch.int8).repeat(40, 1)[:, torch.randperm(256)][:, :128]
+    qw = Int8Weight(codes.contiguous(), (torch.rand(40, 4) * 0.1 + 1e-3).half(), 32)
+    lin = QuantLinear.from_quantized("int8_g32", qw)
+    assert not lin.cpu_int4
+    held = lin.quantized()
+    assert torch.equal(held.q, qw.q) and torch.equal(held.scale, qw.scale)
+    x = torch.randn(3, 128)
+    want = x @ dequantize_int8(qw).T
+    torch.testing.assert_close(lin(x), want)
+    got = qm.int4_matmul(torch.cat((x, x), dim=1), lin.qweight, *int8_g32_split_scales(lin.scale), 32)
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
