@@ -129,7 +129,7 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
         methods = {"float" if isinstance(p, torch.Tensor) else p.method for p in parts}
         if len(methods) > 1:       # stored in different layouts: the fused layer is float
             parts = [p if isinstance(p, torch.Tensor) else dequantize(p) for p in parts]
-        tensors[name] = torch.cat(parts) if methods == {"float"} or len(methods) > 1 else cat_rows(parts)
+        tensors[name] = torch.cat(parts) if isinstance(parts[0], torch.Tensor) else cat_rows(parts)
     missing = sorted(set(params) - set(tensors))
     if missing:
         raise ValueError(f"checkpoint in {config.model_dir} lacks tensors: {missing[:8]}"
