@@ -6,7 +6,8 @@
    OUT_DIR (a pre-quantized checkpoint only serves its own method: int8 needs float weights).
 2. int8 decoder linears with the head and embedding int8 per row, int8_g32, and float:
    `pdserve eval perplexity`'s table for each (engine.quant.linear.HEAD set in turn).
-3. One [N x K] layer at 1 token, 1 thread: float32, the int8 per-channel kernel, int8_g32 as
+3. The int8 engine's decode speed with each head layout (alternating rounds).
+4. One [N x K] layer at 1 token, 1 thread: float32, the int8 per-channel kernel, int8_g32 as
    two nibble halves on the int4 kernel, and int8_g32 group-major (a loop of the int8 kernel
    over the groups: the tied head's layout); microseconds, median of rounds.
 """
@@ -49,6 +50,30 @@ def head_ablation(model: Path, text: str, limit: int, context: int = 256) -> Non
         print(f"\n### int8 decoder linears; head and embedding: {head or 'float32'}\n", flush=True)
         print(ev.variant_table(rows, text), flush=True)
     L.HEAD = "int8_g32"
+
+
+def head_speed(model: Path, tokens: int = 64, rounds: int = 3) -> None:
+    """int8 engines with each head/embedding layout, one stream: decode tok/s, the engines
+    taking turns (median of `rounds`)."""
+    import engine.quant.linear as L
+    from engine import LLM
+    from engine.quant import weight_bytes
+    from pdserve.eval import _decode_tok_s
+    llms, speeds = {}, {}
+    for head in ("int8", "int8_g32", None):
+        L.HEAD = head
+        llms[head] = LLM(str(model), quantization="int8", num_blocks=64)
+    L.HEAD = "int8_g32"
+    for _ in range(rounds):
+        for head, llm in llms.items():
+            speeds.setdefault(head, []).append(_decode_tok_s(llm, list(range(5, 37)), tokens))
+    print(f"\n### int8 engine decode by head/embedding layout, one stream, {tokens} tokens, median "
+          f"of {rounds} alternating rounds\n\n| head and embedding | weights MB | decode tok/s | rounds |\n"
+          "|---|---|---|---|")
+    for head, llm in llms.items():
+        print(f"| {head or 'float32'} | {weight_bytes(llm.engine.model) / 1e6:.1f} | "
+              f"{statistics.median(speeds[head]):.1f} | {' '.join(f'{v:.1f}' for v in speeds[head])} |",
+              flush=True)
 
 
 def _us(f, rounds: int = 5, n: int = 20) -> float:
@@ -94,6 +119,7 @@ def main() -> None:
     print(f"float export of {a.gguf.name}: {model}", flush=True)
     layer_costs([(1536, 576), (49152, 576)])
     head_ablation(model, a.text, a.limit)
+    head_speed(model)
 
 
 if __name__ == "__main__":
