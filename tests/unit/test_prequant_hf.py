@@ -115,15 +115,13 @@ def test_outputs_within_the_quantization_error_of_the_float_model(src, ckpt, nam
     print(f"{name}: quantization moves logprobs by up to {quant_err:.3f}, bf16 budget {budget:.3f}")
 
 
-@pytest.mark.parametrize("name", ["fp8_tensor", "fp8_channel_inv", "ct_int4_g128", "ct_fp8_channel"])
+@pytest.mark.parametrize("name", ["fp8_channel_inv", "ct_int4_g128", "ct_fp8_channel"])
 def test_transformers_loads_the_same_checkpoint_the_same_way(ckpt, name):
     """transformers reads fp8 scales named `weight_scale_inv` only (a `weight_scale` checkpoint,
     vLLM's name, loads with its scales left out: not compared), and compressed-tensors through
     that package, both dequantized on CPU: its weights equal pdserve's (int4: to the rounding of
     its float16 dequantization)."""
     import transformers as T
-    if name == "fp8_tensor":
-        pytest.skip("transformers ignores weight_scale (it reads weight_scale_inv)")
     d = ckpt(name)
     kw = {}
     if name.startswith("ct_"):
