@@ -4,8 +4,8 @@
 Where each method runs (x: [M, K] activations, M = tokens in the step):
 
               CPU                                         CUDA
-  int8        M <= 16: aten._weight_int8pack_mm (bf16 x)   M <= 16: Triton w8_matmul
-              else: dequantize, F.linear                   else: dequantize, F.linear
+  int8        aten._weight_int8pack_mm (bf16 x)            M <= 16: Triton w8_matmul
+                                                           else: dequantize, F.linear
   int8_g32    aten._weight_int4pack_mm_for_cpu (bf16 x),   M <= 16: Triton int4_matmul, the
               the codes split in two nibbles (below)       same split; else dequantize, F.linear
   int4_gN     aten._weight_int4pack_mm_for_cpu (bf16 x)    M <= 16: Triton int4_matmul
@@ -15,7 +15,11 @@ Where each method runs (x: [M, K] activations, M = tokens in the step):
                                                            per token (per tensor for fp8_tensor)
 
 torch's CPU int8/int4 kernels are fast only for bfloat16 activations (float32 ones take a
-slow generic path: measured 8-25x slower), so x is rounded to bfloat16 for them.
+slow generic path: measured 8-25x slower), so x is rounded to bfloat16 for them. On CPU each
+method takes one path whatever M is, so a prompt prefilled in chunks (a prefill worker's) and
+one prefilled whole compute alike (int8 used to dequantize above 16 rows: a P/D test caught the
+two differing at a near-tie; the kernel costs ~15% more there: 12.6 vs 10.9 ms at 64 rows,
+bench/logs/2026-11-30-quant-cpu.log).
 The CPU int4 kernel wants its own packed layout (`_convert_weight_to_int4pack_for_cpu`) and
 bfloat16 scale/zero pairs, derived from the scale and min kept as given (exact: a GGUF's
 float16 ones). Layers with N % 16 != 0, which it refuses, keep the plain layout and dequantize.
@@ -187,7 +191,7 @@ class QuantLinear(nn.Module):
                         xb[:, i * g:(i + 1) * g].contiguous(), self.qweight[i], self.group_scales[i])
                     y = part.float() if y is None else y.add_(part)
                 return y
-            if self.method == "int8" and m <= SMALL_M:
+            if self.method == "int8":
                 return torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.qweight, self.scale)
             if self.cpu_int4:
                 xb = x.bfloat16()
