@@ -45,9 +45,10 @@ SMALL_M = 16                    # up to this many rows: the weight-only kernels
 
 # the output head and embedding table under every method: int8 with a float16 scale per 32
 # values (GGUF Q8_0's layout). SmolLM2-135M, int8 decoder linears, 2047 tokens of GPL-3
-# (bench/logs/2026-11-30-quant-eval.log): perplexity +0.30% with the head and embedding int8
-# per row, +0.30% int8_g32, +0.36% float32; greedy tokens agreeing 60.5%, 65.0%, 74.6%; weights
-# 0.50x, 0.51x, 0.82x of bf16. None: leave them in the model dtype.
+# (bench/logs/2026-11-30-quant-eval.log, measured while int8 above 16 rows still ran in float32):
+# perplexity +0.30% with the head and embedding int8 per row, +0.30% int8_g32, +0.36% float32;
+# greedy tokens agreeing 60.5%, 65.0%, 74.6%; weights 0.50x, 0.51x, 0.82x of bf16.
+# None: leave them in the model dtype.
 HEAD: str | None = "int8_g32"
 
 
