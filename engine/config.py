@@ -158,7 +158,8 @@ class ModelConfig:
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")    # what engine.kernels dispatches on
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8", "int4_g32", "int4_g128", "fp8", "fp8_tensor")   # engine.quant
+QUANTIZATIONS = ("auto", "none", "int8", "int8_g32", "int4_g32", "int4_g128", "fp8",
+                 "fp8_tensor")                                                  # engine.quant
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 
 
@@ -227,9 +228,12 @@ class EngineOptions:
         "help": "auto (Triton on CUDA, torch references on CPU) | torch | triton"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length; unset: the model's (capped by it in any case)"})
-    quantization: str = field(default="none", metadata={
-        "help": "weights: none | int8 (per channel) | int4_g32 | int4_g128 (group-wise) | "
-                "fp8 (per channel) | fp8_tensor"})
+    quantization: str = field(default="auto", metadata={
+        "help": "weights: auto (as the checkpoint holds them: pre-quantized GGUF Q8_0/Q4_0/Q4_1 "
+                "tensors or quantization_config stay quantized) | none (float; a pre-quantized "
+                "checkpoint is dequantized) | int8 (per channel) | int8_g32 (GGUF Q8_0) | "
+                "int4_g32 | int4_g128 (group-wise) | fp8 (per channel) | fp8_tensor; on a "
+                "pre-quantized checkpoint the method must be the one it holds"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: str = field(default="", metadata={
@@ -269,7 +273,7 @@ class EngineConfig:
     dtype: str
     kernel_backend: str
     speculative: SpeculativeConfig | None
-    quantization: str = "none"
+    quantization: str = "auto"
 
     @classmethod
     def build(cls, model_dir: str | Path, options: EngineOptions) -> "EngineConfig":

@@ -67,8 +67,8 @@ class LLMEngine:
         self.config = config
         mc = config.model
         self.dtype = config.torch_dtype
-        self.model = quantize_model(load_model(mc, self.dtype, config.device, config.kernel_backend),
-                                    config.quantization)
+        self.model = quantize_model(load_model(mc, self.dtype, config.device, config.kernel_backend,
+                                               config.quantization), config.quantization)
         self.tokenizer = Tokenizer.from_dir(mc.model_dir) if has_tokenizer(mc.model_dir) else None
         eos = set(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self.eos_token_ids = eos

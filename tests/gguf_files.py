@@ -32,9 +32,10 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2",
                tokenizer_model: str = "gpt2", arch: str | None = None,
-               chat_template: str | None = None) -> Path:
+               chat_template: str | None = None, types: dict[str, str] | None = None) -> Path:
     """hf_dir (config.json, model.safetensors, tokenizer.json) -> out, a GGUF file. 2-D
-    weights are stored as `qtype`, everything else as F32."""
+    weights are stored as `qtype` (or as `types` names them: GGUF tensor name -> type),
+    everything else as F32."""
     import gguf
 
     c = json.loads((hf_dir / "config.json").read_text())
@@ -74,11 +75,11 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2"
     if chat_template:
         w.add_chat_template(chat_template)
 
-    q = gguf.GGMLQuantizationType[qtype]
     for name, t in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
         t = t.astype(np.float32)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             t = permute(t, heads if ".q_proj." in name else kv)
+        q = gguf.GGMLQuantizationType[(types or {}).get(gguf_name(name), qtype)]
         if t.ndim == 2 and q != gguf.GGMLQuantizationType.F32:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(t, q), raw_dtype=q)
         else:
@@ -90,15 +91,15 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2"
     return out
 
 
-def tiny_hf_dir(kind: str, out: Path) -> Path:
-    """A random transformers model of `kind` (tests/hf_models.py) beside the tiny model's
-    byte-level BPE tokenizer and chat template."""
+def tiny_hf_dir(kind: str, out: Path, **overrides) -> Path:
+    """A random transformers model of `kind` (tests/hf_models.py; `overrides` for its config)
+    beside the tiny model's byte-level BPE tokenizer and chat template."""
     import shutil
 
     from engine.tiny_model import make_tiny_model
     from tests.hf_models import make_hf_model
     tiny = make_tiny_model(out / "tiny")
-    d = make_hf_model(kind, out / kind, vocab_size=1024)
+    d = make_hf_model(kind, out / kind, **dict(dict(vocab_size=1024), **overrides))
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny / f, d / f)
     return d

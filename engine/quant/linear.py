@@ -4,8 +4,10 @@
 Where each method runs (x: [M, K] activations, M = tokens in the step):
 
               CPU                                         CUDA
-  int8        M <= 16: aten._weight_int8pack_mm (bf16 x)   M <= 16: Triton w8_matmul
-              else: dequantize, F.linear                   else: dequantize, F.linear
+  int8        aten._weight_int8pack_mm (bf16 x)            M <= 16: Triton w8_matmul
+                                                           else: dequantize, F.linear
+  int8_g32    aten._weight_int4pack_mm_for_cpu (bf16 x),   M <= 16: Triton int4_matmul, the
+              the codes split in two nibbles (below)       same split; else dequantize, F.linear
   int4_gN     aten._weight_int4pack_mm_for_cpu (bf16 x)    M <= 16: Triton int4_matmul
                                                            else: dequantize, F.linear
   fp8         dequantize, F.linear (saves memory only)     M <= 16: Triton w8_matmul
@@ -13,10 +15,20 @@ Where each method runs (x: [M, K] activations, M = tokens in the step):
                                                            per token (per tensor for fp8_tensor)
 
 torch's CPU int8/int4 kernels are fast only for bfloat16 activations (float32 ones take a
-slow generic path: measured 8-25x slower), so x is rounded to bfloat16 for them.
+slow generic path: measured 8-25x slower), so x is rounded to bfloat16 for them. On CPU each
+method takes one path whatever M is, so a prompt prefilled in chunks (a prefill worker's) and
+one prefilled whole compute alike (int8 used to dequantize above 16 rows: a P/D test caught the
+two differing at a near-tie; the kernel costs ~15% more there: 12.6 vs 10.9 ms at 64 rows,
+bench/logs/2026-11-30-quant-cpu.log).
 The CPU int4 kernel wants its own packed layout (`_convert_weight_to_int4pack_for_cpu`) and
-scale/zero pairs; on CPU that is the only copy kept (layers with N % 16 != 0, which it
-refuses, keep the plain layout and dequantize).
+bfloat16 scale/zero pairs, derived from the scale and min kept as given (exact: a GGUF's
+float16 ones). Layers with N % 16 != 0, which it refuses, keep the plain layout and dequantize.
+int8_g32 (GGUF Q8_0: a scale per 32 values, which torch's int8 kernel, per channel only, cannot
+take) runs on the same kernel: q = 16 * hi + lo with hi = q >> 4 in [-8, 7] and lo = q & 15,
+so x @ W.T = [x, x] @ [hi part | lo part].T, the hi groups with scale 16 s and zero 0, the lo
+groups with scale s and zero 8 s (the kernel computes (code - 8) * scale + zero). On CUDA the
+same split feeds the Triton int4 kernel (w = code * scale + min: hi groups 16 s and -128 s,
+lo groups s and 0), the split codes being the only copy (N x K bytes, as int8).
 """
 from __future__ import annotations
 
@@ -25,10 +37,19 @@ from torch import nn
 
 from engine.config import QUANTIZATIONS as METHODS
 
-from .quantize import (FP8_MAX, Int4Weight, dequantize_int4, quantize_fp8, quantize_int4, quantize_int8,
-                       unpack_int4)
+from .quantize import (FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantWeight, dequantize, pack_int4,
+                       quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
 
 SMALL_M = 16                    # up to this many rows: the weight-only kernels
+
+
+# the output head and embedding table under every method: int8 with a float16 scale per 32
+# values (GGUF Q8_0's layout). SmolLM2-135M, int8 decoder linears, 2047 tokens of GPL-3
+# (bench/logs/2026-11-30-quant-eval.log, measured while int8 above 16 rows still ran in float32):
+# perplexity +0.30% with the head and embedding int8 per row, +0.30% int8_g32, +0.36% float32;
+# greedy tokens agreeing 60.5%, 65.0%, 74.6%; weights 0.50x, 0.51x, 0.82x of bf16.
+# None: leave them in the model dtype.
+HEAD: str | None = "int8_g32"
 
 
 def check_method(name: str) -> str:
@@ -45,73 +66,113 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.method, self.in_features, self.out_features = method, in_features, out_features
         self.on_cpu = torch.device(device).type == "cpu"
+        self.group = int(method.split("_g")[1]) if "_g" in method else 0
         # torch's CPU int4 kernel needs N % 16 == 0; other shapes keep the plain layout
-        self.cpu_int4 = self.on_cpu and method.startswith("int4") and out_features % 16 == 0
-        self.group = int(method.split("_g")[1]) if method.startswith("int4") else 0
+        self.cpu_int4 = self.on_cpu and bool(self.group) and out_features % 16 == 0
+        self.group_major = False        # see `sharing`
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def from_float(cls, method: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        n, k = weight.shape
-        if method == "int8":
-            return cls.from_quantized(method, quantize_int8(weight), bias)
+        if method in ("int8", "int8_g32"):
+            return cls.from_quantized(method, quantize_int8(weight, 32 if method == "int8_g32" else 0),
+                                      bias, keep_scales=False)
         if method.startswith("int4"):
-            return cls.from_quantized(method, quantize_int4(weight, int(method.split("_g")[1])), bias)
+            return cls.from_quantized(method, quantize_int4(weight, int(method.split("_g")[1])), bias,
+                                      keep_scales=False)
         if method in ("fp8", "fp8_tensor"):
             return cls.from_quantized(method, quantize_fp8(weight, method == "fp8"), bias)
         raise ValueError(f"cannot quantize to {method!r}")
 
     @classmethod
-    def from_quantized(cls, method: str, qw, bias: torch.Tensor | None = None) -> "QuantLinear":
-        """From an Int8Weight / Int4Weight / Fp8Weight (on the device the layer runs on)."""
-        if method.startswith("int4"):
-            n, k = qw.shape
-            dev = qw.packed.device
+    def from_quantized(cls, method: str, qw: QuantWeight, bias: torch.Tensor | None = None,
+                       keep_scales: bool = True) -> "QuantLinear":
+        """From an Int8Weight / Int4Weight / Fp8Weight (on the device the layer runs on), its
+        codes and scales kept as given. `keep_scales=False`: in torch's CPU int4 layout, keep
+        only the kernel's bfloat16 scales (1 bit a weight less at group 32; `quantized()` then
+        reads them back from those)."""
+        if isinstance(qw, Int4Weight):
+            (n, k), dev = qw.shape, qw.packed.device
         else:
-            n, k = qw.q.shape
-            dev = qw.q.device
+            (n, k), dev = qw.q.shape, qw.q.device
         self = cls(method, k, n, bias, dev)
+        if self.group and qw.group != self.group:
+            raise ValueError(f"{method} layer given group-{qw.group} weights")
         if method == "int8":
             self.register_buffer("qweight", qw.q)
-            self.register_buffer("scale", qw.scale.float())
-            if self.on_cpu:     # the CPU kernel takes scales in the activation dtype
-                self.scale = self.scale.bfloat16()
-        elif method.startswith("int4"):
-            if self.group != qw.group:
-                raise ValueError(f"{method} layer given group-{qw.group} weights")
-            if self.cpu_int4:
-                codes = unpack_int4(qw.packed)
-                self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-                # torch's int4 dequantization is (q - 8) * scale + zero
-                zero = qw.min.float() + 8 * qw.scale.float()
-                sz = torch.stack((qw.scale.float().T, zero.T), dim=-1).contiguous()
-                self.register_buffer("scales_and_zeros", sz.bfloat16())   # [K/g, N, 2]
-            else:
-                self.register_buffer("qweight", qw.packed)
+            # the CPU kernel takes scales in the activation dtype
+            self.register_buffer("scale", qw.scale.bfloat16() if self.on_cpu else qw.scale.float())
+        elif self.group:
+            if keep_scales or not self.cpu_int4:
                 self.register_buffer("scale", qw.scale)
-                self.register_buffer("min", qw.min)
+                if method.startswith("int4"):
+                    self.register_buffer("min", qw.min)
+            if not self.cpu_int4:
+                self.register_buffer("qweight", qw.packed if method.startswith("int4")
+                                     else pack_int4(_nibble_split(qw.q)))
+            elif method.startswith("int4"):
+                # torch's int4 dequantization is (q - 8) * scale + zero
+                s = qw.scale.float()
+                self._int4pack(unpack_int4(qw.packed), s, qw.min.float() + 8 * s)
+            else:
+                s = qw.scale.float()
+                self._int4pack(_nibble_split(qw.q), torch.cat((16 * s, s), dim=1),
+                               torch.cat((torch.zeros_like(s), 8 * s), dim=1))
         else:
             self.register_buffer("qweight", qw.q)
             self.register_buffer("scale", qw.scale.float())
         return self
 
+    @classmethod
+    def sharing(cls, emb: "QuantEmbedding") -> "QuantLinear":
+        """A tied head over an int8_g32 embedding table's own codes (group-major [K/32, V, 32])
+        and scales: one copy for lookups and logits. On CPU it runs torch's int8 kernel (per
+        channel scales) once per group of 32 columns and sums; elsewhere it dequantizes."""
+        n_groups, n, g = emb.qweight.shape
+        self = cls("int8_g32", n_groups * g, n, None, emb.qweight.device)
+        self.cpu_int4, self.group_major = False, True
+        self.register_buffer("qweight", emb.qweight)
+        self.register_buffer("scale", emb.scale)
+        if self.on_cpu:
+            self.register_buffer("group_scales", emb.scale.T.bfloat16().contiguous())   # [K/32, V]
+        return self
+
+    def _int4pack(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        sz = torch.stack((scale.T, zero.T), dim=-1).contiguous()
+        self.register_buffer("scales_and_zeros", sz.bfloat16())        # [K'/g, N, 2]
+
     def extra_repr(self) -> str:
         return f"{self.method}, in={self.in_features}, out={self.out_features}"
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The [N, K] weight this layer multiplies by (off the CPU int4 layout: not kept)."""
+    def quantized(self) -> QuantWeight:
+        """The codes and scales this layer holds, in the quantize.py layout (read back exactly
+        from the CPU kernel's packed layout)."""
+        n, k = self.out_features, self.in_features
+        if self.method.startswith("fp8"):
+            return Fp8Weight(self.qweight, self.scale)
         if self.method == "int8":
-            w = self.qweight.float() * self.scale.float()[:, None]
-        elif self.method.startswith("int4"):
-            if self.cpu_int4:
-                eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-                w = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    eye, self.qweight, self.group, self.scales_and_zeros).float().T
-            else:
-                w = dequantize_int4(Int4Weight(self.qweight, self.scale, self.min, self.group))
-        else:
-            w = self.qweight.float() * (self.scale[:, None] if self.method == "fp8" else self.scale)
-        return w.to(dtype)
+            return Int8Weight(self.qweight, self.scale.float())
+        if self.group_major:
+            return Int8Weight(self.qweight.transpose(0, 1).reshape(n, k), self.scale, self.group)
+        if not self.cpu_int4:
+            if self.method == "int8_g32":
+                return Int8Weight(_nibble_join(unpack_int4(self.qweight)), self.scale, self.group)
+            return Int4Weight(self.qweight, self.scale, self.min, self.group)
+        sz = self.scales_and_zeros.float()
+        if self.method == "int8_g32":
+            scale = getattr(self, "scale", None)
+            if scale is None:           # the lo groups' scales
+                scale = sz[k // self.group:, :, 0].T.half()
+            return Int8Weight(_nibble_join(_int4pack_codes(self.qweight, n, 2 * k)), scale, self.group)
+        scale, mn = getattr(self, "scale", None), getattr(self, "min", None)
+        if scale is None:
+            scale, mn = sz[..., 0].T, sz[..., 1].T - 8 * sz[..., 0].T
+        return Int4Weight(pack_int4(_int4pack_codes(self.qweight, n, k)), scale, mn, self.group)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The [N, K] weight this layer multiplies by."""
+        return dequantize(self.quantized()).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -124,14 +185,26 @@ class QuantLinear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if self.on_cpu:
-            if self.method == "int8" and m <= SMALL_M:
+            if self.group_major:
+                xb, g, y = x.bfloat16(), self.group, None
+                for i in range(self.qweight.shape[0]):
+                    part = torch.ops.aten._weight_int8pack_mm(
+                        xb[:, i * g:(i + 1) * g].contiguous(), self.qweight[i], self.group_scales[i])
+                    y = part.float() if y is None else y.add_(part)
+                return y
+            if self.method == "int8":
                 return torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.qweight, self.scale)
             if self.cpu_int4:
+                xb = x.bfloat16()
+                if self.method == "int8_g32":
+                    xb = torch.cat((xb, xb), dim=1)
                 return torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    x.bfloat16(), self.qweight, self.group, self.scales_and_zeros)
+                    xb, self.qweight, self.group, self.scales_and_zeros)
             return nn.functional.linear(x, self.dequantize(x.dtype))
         from engine.kernels import quant_matmul as qm
-        if m <= SMALL_M:
+        if m <= SMALL_M and not self.group_major:
+            if self.method == "int8_g32":
+                return qm.int4_matmul(torch.cat((x, x), dim=1), self.qweight, *int8_g32_split_scales(self.scale), 32)
             if self.method.startswith("int4"):
                 return qm.int4_matmul(x, self.qweight, self.scale, self.min, self.group)
             return qm.w8_matmul(x, self.qweight, self._channel_scale())
@@ -144,17 +217,58 @@ class QuantLinear(nn.Module):
         return s.expand(self.out_features).contiguous() if s.numel() == 1 and self.out_features > 1 else s
 
 
-class QuantEmbedding(nn.Module):
-    """nn.Embedding over an int8 table with a scale per row."""
+def _nibble_split(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> codes 0..15 [N, 2K]: (q >> 4) + 8, then q & 15 (q = 16 hi + lo)."""
+    q = q.to(torch.int32)
+    return torch.cat(((q >> 4) + 8, q & 15), dim=1)
 
-    def __init__(self, qw, dtype: torch.dtype):
+
+def _nibble_join(c: torch.Tensor) -> torch.Tensor:
+    k = c.shape[1] // 2
+    return (16 * (c[:, :k] - 8) + c[:, k:]).to(torch.int8)
+
+
+def int8_g32_split_scales(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8_g32 layer's float16 scales [N, K/32] -> the int4 kernel's scale and min
+    [N, 2K/32] for the nibble split: hi groups 16 s and -128 s, lo groups s and 0 (exact)."""
+    return torch.cat((16 * scale, scale), dim=1), torch.cat((-128 * scale, torch.zeros_like(scale)), dim=1)
+
+
+def _int4pack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The [N, K] int32 codes held in torch's CPU int4 layout: the kernel run on the identity
+    with scale 1 and zero 8 returns each code (small integers, exact in bfloat16)."""
+    sz = torch.tensor([1.0, 8.0], dtype=torch.bfloat16).expand(k // 32, n, 2).contiguous()
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 32, sz).T.to(torch.int32)
+
+
+class QuantEmbedding(nn.Module):
+    """nn.Embedding over an int8 table with a scale per row, or per group of a row (int8_g32:
+    codes held group-major, [K/g, V, g], the layout a tied head shares: QuantLinear.sharing)."""
+
+    def __init__(self, qw: Int8Weight, dtype: torch.dtype):
         super().__init__()
-        self.dtype = dtype
-        self.register_buffer("qweight", qw.q)
-        self.register_buffer("scale", qw.scale.float())
+        self.dtype, self.group = dtype, qw.group
+        if qw.group:
+            v, k = qw.q.shape
+            self.register_buffer("qweight", qw.q.view(v, k // qw.group, qw.group).transpose(0, 1).contiguous())
+            self.register_buffer("scale", qw.scale)
+        else:
+            self.register_buffer("qweight", qw.q)
+            self.register_buffer("scale", qw.scale.float())
+
+    def quantized(self) -> Int8Weight:
+        if self.group:
+            g, v, _ = self.qweight.shape
+            return Int8Weight(self.qweight.transpose(0, 1).reshape(v, g * self.group), self.scale, self.group)
+        return Int8Weight(self.qweight, self.scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.qweight[ids].float() * self.scale[ids, None]).to(self.dtype)
+        s = self.scale[ids].float()
+        if self.group:
+            q = self.qweight[:, ids].movedim(0, -2).float()            # [..., K/g, g]
+            return (q * s[..., None]).flatten(-2).to(self.dtype)
+        return (self.qweight[ids].float() * s[..., None]).to(self.dtype)
 
 
 def scaled_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rowwise: bool) -> torch.Tensor:
@@ -176,21 +290,24 @@ _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
-    """Replace every decoder linear layer of a loaded CausalLM by a QuantLinear of `method`, in
-    place; the float weights are dropped. The output head becomes int8 under every method
-    (SmolLM2-135M: an fp8 head and embedding cost +3.0% perplexity, int8 ones 0.5%; llama.cpp
-    keeps its output in 8 bits too) and the embedding table int8 with a scale per row, shared
-    with a tied head (a lookup dequantizes the rows it reads). Norms stay as they are. 'none'
-    leaves the model untouched."""
-    if check_method(method) == "none":
+    """Replace every decoder linear layer of a loaded CausalLM that is still nn.Linear by a
+    QuantLinear of `method`, in place; the float weights are dropped. The output head and the
+    embedding table become HEAD (int8_g32) under every method (SmolLM2-135M: an fp8 head and
+    embedding cost +3.0% perplexity; llama.cpp keeps its output in 8 bits too), one table shared
+    with a tied head (a lookup dequantizes the rows it reads), unless the checkpoint already
+    held them quantized. Norms stay as they are. 'none' and 'auto' (the loader has already
+    installed what the checkpoint holds quantized) leave the model as is."""
+    if check_method(method) in ("none", "auto"):
         return model
-    emb = model.embed_tokens.weight.data
-    q8 = quantize_int8(emb)
-    if model.lm_head is not None:
-        model.lm_head = QuantLinear.from_float("int8", model.lm_head.weight.data)
-    else:                       # tied: one int8 table (per-row scales) for lookups and logits
-        model.lm_head = QuantLinear.from_quantized("int8", q8)
-    model.embed_tokens = QuantEmbedding(q8, emb.dtype)
+    if HEAD is not None and model.lm_head is not None and not isinstance(model.lm_head, QuantLinear):
+        model.lm_head = QuantLinear.from_float(HEAD, model.lm_head.weight.data)
+    if HEAD is not None and not isinstance(model.embed_tokens, QuantEmbedding):
+        emb = model.embed_tokens.weight.data
+        q8 = quantize_int8(emb, 32 if HEAD == "int8_g32" else 0)
+        model.embed_tokens = QuantEmbedding(q8, emb.dtype)
+        if model.lm_head is None:   # tied: one int8 table for lookups and logits
+            model.lm_head = (QuantLinear.sharing(model.embed_tokens) if q8.group
+                             else QuantLinear.from_quantized(HEAD, q8))
     for layer in model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name in _LINEARS:

@@ -52,9 +52,11 @@ def _hf(d):
 @pytest.mark.parametrize("kind,qtype", [("llama", "F32"), ("llama", "Q8_0"), ("llama", "Q4_1"),
                                         ("qwen2", "F32"), ("qwen2", "Q4_1")])
 def test_greedy_equals_transformers_on_the_same_file(files, kind, qtype):
+    """Dequantized at load (quantization "none"), as transformers does; kept quantized (the
+    default): tests/unit/test_prequant_gguf.py."""
     d = files(kind, qtype)
     model, hf_tok = _hf(d)
-    llm = LLM(d / "m.gguf", num_blocks=32, block_size=8)
+    llm = LLM(d / "m.gguf", num_blocks=32, block_size=8, quantization="none")
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     assert prompts == [hf_tok.encode(p) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW,
