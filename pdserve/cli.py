@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    launcher.die_with_parent()
     args = build_parser().parse_args(argv)
     return args.func(args) or 0
 

@@ -20,8 +20,8 @@ restart count, which the worker also exports as the `pdserve:process_restarts` g
 (environment PDSERVE_RESTARTS); the gateway probes it back in while the others keep
 serving. Only the gateway's death, or a worker crashing more than max_restarts times within
 restart_window_s (a crash loop), stops everything and exits non-zero. Children also get
-SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so none is ever
-orphaned. Every wait has a deadline.
+SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, set by each child
+at its start: `die_with_parent`), so none is ever orphaned. Every wait has a deadline.
 """
 from __future__ import annotations
 
@@ -84,11 +84,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _pdeathsig() -> None:  # runs in the child between fork and exec
+PARENT_ENV = "PDSERVE_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """In a launcher's child (PARENT_ENV set): SIGTERM from the kernel when the launcher
+    dies (PR_SET_PDEATHSIG), and exit at once if it already has. Done by the child itself,
+    not in a preexec_fn: a preexec_fn makes subprocess fork() where it would vfork(), and
+    fork() runs grpc's fork handlers in the child, which can abort there while the launcher
+    holds channels ("epoll_wait error: Bad file descriptor", grpc/grpc#43055)."""
+    parent = os.environ.pop(PARENT_ENV, "")
+    if not parent:
+        return
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):       # the launcher died before the prctl
+        sys.exit(f"pdserve: the launcher (pid {parent}) is gone")
 
 
 @dataclass
@@ -229,11 +242,11 @@ class Launcher:
 
     def _popen(self, c: Child) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PDSERVE_RESTARTS=str(c.restarts))
+                   PDSERVE_RESTARTS=str(c.restarts), **{PARENT_ENV: str(os.getpid())})
         out = c.log
         c.popen = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *c.argv], env=env,
                                    stdout=out, stderr=subprocess.STDOUT if out else None,
-                                   stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
+                                   stdin=subprocess.DEVNULL)
 
     def _mtls_args(self) -> list[str]:
         if self.mtls is None:
