@@ -2,7 +2,7 @@
 open-loop Poisson arrivals at multiples of the measured capacity, admission control off
 (today's behaviour, run first) and on (the gateway's --slo-ttft-ms/--slo-itl-ms).
 
-    python bench/goodput.py [--rates 0.5,1,1.5,2,3] [--duration 12] [--slo-factor 5]
+    python bench/goodput.py [--rates 0.5,1,1.5,2,3] [--duration 30] [--slo-factor 5]
                             [--prompt-tokens 64] [--output-tokens 32] [--capacity-clients 32]
 
 Per system (off, then on), started fresh, same processes and thread counts (every worker
@@ -199,7 +199,8 @@ def log(*a) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rates", default="0.5,1,1.5,2,3", help="multiples of the capacity")
-    ap.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals per rate")
+    ap.add_argument("--duration", type=float, default=30.0,
+                    help="seconds of arrivals per rate (12 s windows swung by 20% between runs)")
     ap.add_argument("--slo-factor", type=float, default=5.0)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=32)
