@@ -27,7 +27,7 @@ from typing import AsyncIterator
 import grpc
 
 from engine.output_processor import OutputProcessor
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import StopStrings, Tokenizer
 from protos.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from services import tracing
 from services.metrics import Metrics
@@ -129,6 +129,8 @@ class Gateway:
     # -- one request ---------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
         """Stream the completion of one prompt (params.n must be 1)."""
+        if inp.params.stop:          # the stop-string automaton is built off the event loop
+            await asyncio.to_thread(StopStrings.prepare, inp.params.stop)
         req = self._admit(inp)
         self.in_flight += 1
         last, first = time.monotonic(), True       # latencies for admission's SLOs

@@ -109,3 +109,16 @@ def test_output_processor_holds_and_cuts_like_the_reference():
             assert sent == text[:k + 1][:k + 1 - naive_held(text[:k + 1], stops)]
         else:
             assert naive_find(text, stops, len(text)) is None
+
+
+def test_prepare_builds_the_automaton_a_later_matcher_reuses():
+    """The gateway builds a stop list's automaton in a worker thread (StopStrings.prepare);
+    the matcher its output processor makes afterwards must not build it again."""
+    from engine.tokenizer import _automaton
+    stops = [f"{i:04d}" + "x" * 1000 for i in range(16)]
+    StopStrings.prepare(stops)
+    before = _automaton.cache_info()
+    m = StopStrings(stops)
+    after = _automaton.cache_info()
+    assert after.misses == before.misses and after.hits == before.hits + 1
+    assert m.feed("0003" + "x" * 1000) == (0, stops[3])
