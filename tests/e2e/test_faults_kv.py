@@ -279,14 +279,8 @@ def mitm():
 
 @pytest.fixture(scope="module")
 def system(model_dir, mitm):
-    s = System(model_dir, prefill_transport=mitm)
-    try:
-        s.run(s.start(), 90)
+    with System.started(model_dir, prefill_transport=mitm) as s:
         yield s
-        s.run(s.stop(), 45)
-    finally:
-        s.loop.call_soon_threadsafe(s.loop.stop)
-        s.thread.join(10)
 
 
 @pytest.fixture(scope="module")

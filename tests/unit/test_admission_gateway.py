@@ -153,14 +153,8 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def system(model_dir):
-    s = System(model_dir)
-    try:
-        s.run(s.start(), 90)
+    with System.started(model_dir) as s:
         yield s
-        s.run(s.stop(), 45)
-    finally:
-        s.loop.call_soon_threadsafe(s.loop.stop)
-        s.thread.join(10)
 
 
 def _input(max_tokens: int) -> GenerateInput:

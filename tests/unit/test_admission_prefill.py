@@ -52,15 +52,9 @@ def test_the_rate_counts_busy_seconds_only_and_refuses_what_cannot_finish_in_tim
 
 @pytest.fixture(scope="module")
 def system(model_dir):
-    s = System(model_dir, prefill_options={"max_num_batched_tokens": 4},    # 100 steps
-               prefill_config={"max_queued_prefill_tokens": BOUND})
-    try:
-        s.run(s.start(), 90)
+    with System.started(model_dir, prefill_options={"max_num_batched_tokens": 4},  # 100 steps
+                        prefill_config={"max_queued_prefill_tokens": BOUND}) as s:
         yield s
-        s.run(s.stop(), 45)
-    finally:
-        s.loop.call_soon_threadsafe(s.loop.stop)
-        s.thread.join(10)
 
 
 @pytest.fixture(scope="module")

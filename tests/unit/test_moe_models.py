@@ -119,7 +119,6 @@ def test_over_pd_through_the_gateway(tmp_path, models):
     tiny = ensure_default_model()                # the gateway needs a tokenizer to detokenize
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (d / name).write_bytes((tiny / name).read_bytes())
-    system = System(str(d))
     prompts = _prompts()[:4]
 
     async def one(prompt):
@@ -131,15 +130,8 @@ def test_over_pd_through_the_gateway(tmp_path, models):
         outs = await asyncio.gather(*map(one, prompts))
         assert outs == [toks for toks, _ in ref[:4]]
         await system.wait_all_free()
-    try:
-        system.run(system.start(), 90)
-        try:
-            system.run(main())
-        finally:
-            system.run(system.stop(), 45)
-    finally:
-        system.loop.call_soon_threadsafe(system.loop.stop)
-        system.thread.join(10)
+    with System.started(str(d)) as system:
+        system.run(main())
 
 
 def _copy(src, d):

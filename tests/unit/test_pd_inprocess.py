@@ -8,6 +8,7 @@ bounded by a deadline. Every wait inside has its own deadline too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
 
@@ -81,6 +82,22 @@ class System:
         self.thread = threading.Thread(target=self.loop.run_forever, name="pd-inprocess", daemon=True)
         self.thread.start()
 
+    @classmethod
+    @contextlib.contextmanager
+    def started(cls, model_dir: str, **kwargs):
+        """A started System (arguments as the constructor's); on exit its workers and
+        gateway are stopped, also when the body failed, and its loop's thread ends."""
+        s = cls(model_dir, **kwargs)
+        try:
+            s.run(s.start(), 90)
+            try:
+                yield s
+            finally:
+                s.run(s.stop(), 45)
+        finally:
+            s.loop.call_soon_threadsafe(s.loop.stop)
+            s.thread.join(10)
+
     def run(self, coro, timeout: float = TEST_S):
         """Run `coro` on the system's loop, failing after `timeout` seconds."""
         fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop)
@@ -152,14 +169,8 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def system(model_dir):
-    s = System(model_dir)
-    try:
-        s.run(s.start(), 90)
+    with System.started(model_dir) as s:
         yield s
-        s.run(s.stop(), 45)
-    finally:
-        s.loop.call_soon_threadsafe(s.loop.stop)
-        s.thread.join(10)
 
 
 @pytest.fixture(scope="module")

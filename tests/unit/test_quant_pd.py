@@ -19,20 +19,6 @@ VARIANTS = [dict(quantization="int8"), dict(quantization="int4_g32"), dict(quant
             dict(quantization="int8", kv_cache_dtype="int8")]
 
 
-def _start(model_dir, pre, dec):
-    s = System(model_dir, pre, dec)
-    s.run(s.start(), 90)
-    return s
-
-
-def _stop(s):
-    try:
-        s.run(s.stop(), 45)
-    finally:
-        s.loop.call_soon_threadsafe(s.loop.stop)
-        s.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def model_dir():
     from engine.tiny_model import ensure_default_model
@@ -45,8 +31,7 @@ def test_variant_over_pd_matches_offline(model_dir, options):
     llm = LLM(model_dir, block_size=BS, num_blocks=64, **options)
     refs = [llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
             for p in prompts]
-    s = _start(model_dir, options, options)
-    try:
+    with System.started(model_dir, prefill_options=options, decode_options=options) as s:
         async def main():
             for prompt, ref in zip(prompts, refs):
                 inp = GenerateInput("q-" + uuid.uuid4().hex, prompt,
@@ -55,13 +40,10 @@ def test_variant_over_pd_matches_offline(model_dir, options):
                 assert tokens == list(ref.token_ids)
             await s.wait_all_free()
         s.run(main())
-    finally:
-        _stop(s)
 
 
 def test_kv_dtype_mismatch_is_failed_precondition(model_dir):
-    s = _start(model_dir, dict(kv_cache_dtype="fp8_e4m3"), {})
-    try:
+    with System.started(model_dir, prefill_options=dict(kv_cache_dtype="fp8_e4m3")) as s:
         async def main():
             rid, prompt = "mm-" + uuid.uuid4().hex, _prompt(20, 1)
             stream = s.dec.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
@@ -77,5 +59,3 @@ def test_kv_dtype_mismatch_is_failed_precondition(model_dir):
             stream.cancel()
             await s.wait_all_free()
         s.run(main())
-    finally:
-        _stop(s)

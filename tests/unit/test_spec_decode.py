@@ -310,7 +310,6 @@ def test_greedy_unchanged_over_prefill_decode(model_dir, monkeypatch):
 
     prompts = _prompts()[:3]
     ref = LLM(model_dir, block_size=BS, num_blocks=64).generate(prompts, _greedy(24))
-    system = System(model_dir, decode_options={"speculative": "ngram:n=3,k=4"})
     accepted = []                 # the decode worker's engine runs in this process
     verify = LLMEngine._verify
 
@@ -336,13 +335,8 @@ def test_greedy_unchanged_over_prefill_decode(model_dir, monkeypatch):
         assert sum(accepted) > 0, accepted
         await system.wait_all_free()
 
-    try:
-        system.run(system.start(), 90)
+    with System.started(model_dir, decode_options={"speculative": "ngram:n=3,k=4"}) as system:
         system.run(main())
-        system.run(system.stop(), 45)
-    finally:
-        system.loop.call_soon_threadsafe(system.loop.stop)
-        system.thread.join(10)
 
 
 def test_off_switch_travels_over_grpc_and_counters_reach_metrics(model_dir):
