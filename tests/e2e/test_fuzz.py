@@ -13,9 +13,7 @@ import random
 from collections import Counter
 import shutil
 import subprocess
-import sys
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import grpc
 import pytest

@@ -13,7 +13,6 @@ at test time (tests/certs.py).
 """
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 import time

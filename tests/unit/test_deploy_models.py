@@ -10,7 +10,6 @@ models through `pdserve up`; the manifests' executed test runs the dev overlay.)
 """
 from __future__ import annotations
 
-import json
 
 import pytest
 

@@ -4,7 +4,6 @@ already gone exits at once. Real processes; the child is the code path `pdserve.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
