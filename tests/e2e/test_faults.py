@@ -98,13 +98,24 @@ def stream(stub, ids, n_tokens: int, started: threading.Event, timeout_s: float 
     return got, last
 
 
+def greedy(llm, ps, n_tokens: int) -> list[list[int]]:
+    """The engine's greedy continuations of `ps`, n_tokens each (EOS ignored): what every
+    stream must equal, however a fault was handled."""
+    return [o.token_ids for o in llm.generate(ps, SamplingParams(
+        temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+
+
+def child(supervised, role: str, address: str):
+    """The launcher's child process of the `role` worker at `address`."""
+    return next(c for c in supervised.workers(role) if c.address == address)
+
+
 def test_sigkill_decode_under_supervision(supervised, llm):
     """SIGKILL the busier decode worker mid-stream: every stream migrates or completes with
     the engine's greedy tokens, the supervisor restarts the worker, and the gateway routes
     to it again within a few health intervals of it serving."""
     ps, n_tokens = prompts(llm, 6), 120
-    want = [o.token_ids for o in llm.generate(ps, SamplingParams(
-        temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+    want = greedy(llm, ps, n_tokens)
     stub = gen_stub(supervised.grpc_address)
     started = [threading.Event() for _ in ps]
     with ThreadPoolExecutor(len(ps)) as pool:
@@ -113,7 +124,7 @@ def test_sigkill_decode_under_supervision(supervised, llm):
             assert e.wait(60), "a stream did not start"
         running = stats(supervised, "decode")
         victim_addr = max(running, key=lambda a: running[a].num_running)
-        victim = next(c for c in supervised.workers("decode") if c.address == victim_addr)
+        victim = child(supervised, "decode", victim_addr)
         os.kill(victim.pid, signal.SIGKILL)
         t_kill = time.monotonic()
         results = [f.result(timeout=120) for f in futs]
@@ -142,8 +153,7 @@ def test_sigstop_decode_streams_migrate(supervised, llm):
     every stream completes with the engine's greedy tokens while it is still stopped. After
     SIGCONT the stopped worker frees the blocks of the streams it lost and serves again."""
     ps, n_tokens = prompts(llm, 6), 100
-    want = [o.token_ids for o in llm.generate(ps, SamplingParams(
-        temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+    want = greedy(llm, ps, n_tokens)
     stub = gen_stub(supervised.grpc_address)
     started = [threading.Event() for _ in ps]
     with ThreadPoolExecutor(len(ps)) as pool:
@@ -153,7 +163,7 @@ def test_sigstop_decode_streams_migrate(supervised, llm):
         running = stats(supervised, "decode")
         victim_addr = max(running, key=lambda a: running[a].num_running)
         assert running[victim_addr].num_running, "no stream on a decode worker"
-        victim = next(c for c in supervised.workers("decode") if c.address == victim_addr)
+        victim = child(supervised, "decode", victim_addr)
         restarts, migrated = victim.restarts, fallbacks(supervised, "migrate")
         os.kill(victim.pid, signal.SIGSTOP)
         t_stop = time.monotonic()
@@ -173,27 +183,39 @@ def test_sigstop_decode_streams_migrate(supervised, llm):
     assert victim.restarts == restarts, "the stopped worker was restarted, not resumed"
 
 
+def _long_prompt_burst(llm, seed: int, n_tokens: int = 4):
+    """10 prompts of 1,200 random tokens, the engine's greedy continuations of them
+    (n_tokens each), and n_tokens."""
+    rng = random.Random(seed)
+    ps = [[rng.randrange(3, 900) for _ in range(1200)] for _ in range(10)]
+    want = greedy(llm, ps, n_tokens)
+    return ps, want, n_tokens
+
+
+def _busiest_prefill(supervised):
+    """The launcher's child of the prefill worker holding the most requests, once one holds
+    at least 2 (waited for up to 60 s)."""
+    def queued():
+        s = stats(supervised, "prefill")
+        busy = {a: x.num_running + x.num_waiting for a, x in s.items()}
+        return max(busy.values()) >= 2, busy
+    busy = wait_until(queued, 60, "a prefill worker with queued work")
+    address = max(busy, key=busy.get)
+    return child(supervised, "prefill", address)
+
+
 def test_sigkill_prefill_during_a_burst_of_long_prompts(supervised, llm):
     """SIGKILL the prefill worker with queued work while a burst of long prompts runs: every
     Prefill it held is retried on the other prefill worker, no request is lost and each
     equals the engine's greedy output; the supervisor restarts the killed worker."""
-    rng = random.Random(12)
-    ps, n_tokens = [[rng.randrange(3, 900) for _ in range(1200)] for _ in range(10)], 4
-    want = [o.token_ids for o in llm.generate(ps, SamplingParams(
-        temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+    ps, want, n_tokens = _long_prompt_burst(llm, seed=12)
     stub = gen_stub(supervised.grpc_address)
     retried = fallbacks(supervised, "retry")
     with ThreadPoolExecutor(len(ps)) as pool:
         futs = [pool.submit(collect, stub, request(ids, n_tokens, ignore_eos=True), 120)
                 for ids in ps]
-
-        def queued():
-            s = stats(supervised, "prefill")
-            busy = {a: x.num_running + x.num_waiting for a, x in s.items()}
-            return max(busy.values()) >= 2, busy
-        busy = wait_until(queued, 60, "a prefill worker with queued work")
-        victim_addr = max(busy, key=busy.get)
-        victim = next(c for c in supervised.workers("prefill") if c.address == victim_addr)
+        victim = _busiest_prefill(supervised)
+        victim_addr = victim.address
         restarts = victim.restarts
         os.kill(victim.pid, signal.SIGKILL)
         results = [f.result(timeout=120) for f in futs]
@@ -212,23 +234,14 @@ def test_sigstop_prefill_during_a_burst_is_retried_elsewhere(supervised, llm):
     Prefills and retries them on the other prefill worker, so every request completes with
     the engine's greedy output while it is still stopped. After SIGCONT it frees
     everything it held and serves again."""
-    rng = random.Random(13)
-    ps, n_tokens = [[rng.randrange(3, 900) for _ in range(1200)] for _ in range(10)], 4
-    want = [o.token_ids for o in llm.generate(ps, SamplingParams(
-        temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+    ps, want, n_tokens = _long_prompt_burst(llm, seed=13)
     stub = gen_stub(supervised.grpc_address)
     retried = fallbacks(supervised, "retry")
     with ThreadPoolExecutor(len(ps)) as pool:
         futs = [pool.submit(collect, stub, request(ids, n_tokens, ignore_eos=True), 120)
                 for ids in ps]
-
-        def queued():
-            s = stats(supervised, "prefill")
-            busy = {a: x.num_running + x.num_waiting for a, x in s.items()}
-            return max(busy.values()) >= 2, busy
-        busy = wait_until(queued, 60, "a prefill worker with queued work")
-        victim_addr = max(busy, key=busy.get)
-        victim = next(c for c in supervised.workers("prefill") if c.address == victim_addr)
+        victim = _busiest_prefill(supervised)
+        victim_addr = victim.address
         restarts = victim.restarts
         os.kill(victim.pid, signal.SIGSTOP)
         try:
@@ -256,8 +269,7 @@ def test_draining_decode_worker_removed_from_discovery_finishes_its_streams(supe
     from gateway.request import GenerateInput
 
     ps, n_tokens = prompts(llm, 4), 80
-    want = [o.token_ids for o in llm.generate(ps, SamplingParams(
-        temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+    want = greedy(llm, ps, n_tokens)
     loop = asyncio.new_event_loop()
     th = threading.Thread(target=loop.run_forever, name="removal-gateway", daemon=True)
     th.start()
@@ -288,7 +300,7 @@ def test_draining_decode_worker_removed_from_discovery_finishes_its_streams(supe
         running = stats(supervised, "decode")
         victim_addr = max(running, key=lambda a: running[a].num_running)
         assert running[victim_addr].num_running, "no stream on a decode worker"
-        victim = next(c for c in supervised.workers("decode") if c.address == victim_addr)
+        victim = child(supervised, "decode", victim_addr)
         restarts, w = victim.restarts, gw.decode.workers[victim_addr]
         os.kill(victim.pid, signal.SIGTERM)
         run(gw.decode.on_change([], [victim_addr]))
@@ -366,8 +378,7 @@ def test_gateway_drains_on_sigterm(supervised, llm, model_dir, tmp_path, drain_s
             proc.wait(10)
     assert rc == 0
     if drain_s > 1:
-        want = [o.token_ids for o in llm.generate(ps, SamplingParams(
-            temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+        want = greedy(llm, ps, n_tokens)
         assert [o[0] for o in outcomes] == want, "a drained stream did not finish as the engine's"
     else:
         assert all(isinstance(o, grpc.StatusCode) for o in outcomes), \
