@@ -37,7 +37,7 @@ from .admission import Admission
 from .config import GatewayConfig
 from .discovery import WorkerSet, resolver_from_args
 from .prompt import check_prompt
-from .registry import WorkerPool
+from .registry import PoolStates, WorkerPool
 from .request import GatewayError, GenerateEvent, GenerateInput, RequestState
 from .routing import Router
 from .segment import Segments
@@ -78,12 +78,16 @@ class Gateway:
         self.vocab_size = cfg.vocab_size(model_dir)
         self.metrics = Metrics("gateway")    # the caller serves metrics.registry
         mtls = MTLS.from_config(cfg)         # workers over mTLS when configured
+        # Workers must serve this model: their KV compat key names it as the engine does
+        # (engine.config.ModelConfig.name: the model directory's name).
+        served = model_dir.name.removesuffix(".gguf")
         self.prefill = WorkerPool("prefill", prefill_pb2_grpc.PrefillWorkerStub,
                                   cfg.health_interval_s, cfg.probe_timeout_s, mtls,
-                                  cfg.stall_timeout_s)
+                                  cfg.stall_timeout_s, model=served)
         self.decode = WorkerPool("decode", decode_pb2_grpc.DecodeWorkerStub,
                                  cfg.health_interval_s, cfg.probe_timeout_s, mtls,
-                                 cfg.stall_timeout_s)
+                                 cfg.stall_timeout_s, model=served)
+        self.metrics.registry.register(PoolStates([self.prefill, self.decode]))
         self._sets = [
             (WorkerSet(resolver_from_args(cfg.prefill, cfg.prefill_dns, cfg.discovery_interval_s),
                        name="prefill"), self.prefill),

@@ -9,6 +9,9 @@
         probe error (refused, reset) or NOT_SERVING takes it out at once
     hold(seconds): skipped at least that long, whatever the probes say (a fault they do not
         see: a decode worker's KV endpoint)
+    a worker whose Stats name another model (KvCompat.model, the KV handshake's model name:
+        its model directory's) than the pool's `model` never becomes healthy: logged once
+        at ERROR, its last_error says which model it serves, counted by `states()`
     probes unanswered (an RPC error, not NOT_SERVING) for stall_timeout_s -> mark_lost():
         the streams open on it are cut (Worker.streams; the gateway migrates them). A
         draining worker answers NOT_SERVING: it is only skipped and keeps its streams.
@@ -30,6 +33,7 @@ from typing import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.core import GaugeMetricFamily
 
 from protos.pdserve.v1 import common_pb2
 from services.security import MTLS, channel
@@ -64,6 +68,7 @@ class Worker:
         self.failing_since: float | None = None   # loop time of the first unanswered probe
         self.slow_probes = 0         # probe timeouts in a row
         self.held_until = 0.0        # loop time before which probes may not bring it back
+        self.wrong_model = ""        # the model its Stats name, when not its pool's
 
     def load_key(self):
         s = self.stats
@@ -100,8 +105,9 @@ class WorkerPool:
 
     def __init__(self, kind: str, stub_cls, health_interval_s: float, probe_timeout_s: float,
                  mtls: MTLS | None = None, stall_timeout_s: float = 3.0,
-                 retire_timeout_s: float = RETIRE_TIMEOUT_S):
+                 retire_timeout_s: float = RETIRE_TIMEOUT_S, model: str = ""):
         self.kind = kind
+        self.model = model           # what its workers' Stats must name ("": any)
         self.stall_timeout_s = stall_timeout_s
         self.retire_timeout_s = retire_timeout_s
         self._stub_cls = stub_cls
@@ -169,10 +175,13 @@ class WorkerPool:
             status = await self._check(w)
             answered = True
             healthy = status == health_pb2.HealthCheckResponse.SERVING
-            if healthy:
-                w.stats = await w.stub.Stats(common_pb2.StatsRequest(),
-                                             timeout=self.probe_timeout_s)
             w.last_error = "" if healthy else f"health status {status}"
+            if healthy:
+                stats = await w.stub.Stats(common_pb2.StatsRequest(),
+                                           timeout=self.probe_timeout_s)
+                healthy = self._check_model(w, stats)
+                if healthy:
+                    w.stats = stats
         except grpc.aio.AioRpcError as e:
             healthy = False
             slow = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -196,6 +205,27 @@ class WorkerPool:
             log.info("%s worker %s is healthy", self.kind, w.address)
         elif was and not healthy:
             log.warning("%s worker %s is unhealthy: %s", self.kind, w.address, w.last_error)
+
+    def _check_model(self, w: Worker, stats) -> bool:
+        """Whether `stats` name this pool's model (or none: an older worker); if not, the
+        worker's last_error says which it serves."""
+        served = stats.compat.model if stats is not None and stats.HasField("compat") else ""
+        wrong = served if self.model and served and served != self.model else ""
+        if wrong and wrong != w.wrong_model:
+            log.error("%s worker %s serves model %r, but this pool is model %r's: kept out "
+                      "of routing (check the pool's addresses or DNS name)", self.kind,
+                      w.address, wrong, self.model)
+        w.wrong_model = wrong
+        if wrong:
+            w.last_error = f"serves model {wrong!r}, not {self.model!r}"
+        return not wrong
+
+    def states(self) -> dict[str, int]:
+        """Workers by state: healthy, wrong_model, unhealthy."""
+        out = dict.fromkeys(("healthy", "wrong_model", "unhealthy"), 0)
+        for w in self.workers.values():
+            out["healthy" if w.healthy else "wrong_model" if w.wrong_model else "unhealthy"] += 1
+        return out
 
     async def _check(self, w: Worker) -> int:
         try:
@@ -234,6 +264,22 @@ class WorkerPool:
             if w.stats is not None and w.stats.compat.block_size:
                 return w.stats.compat.block_size
         return default
+
+
+class PoolStates:
+    """A Prometheus collector: pdserve:gateway_workers{pool, state}, each pool's workers by
+    state (`WorkerPool.states`); wrong_model > 0 means a pool lists another model's worker."""
+
+    def __init__(self, pools: Sequence[WorkerPool]):
+        self.pools = pools
+
+    def collect(self):
+        fam = GaugeMetricFamily("pdserve:gateway_workers", "Workers the gateway knows, by "
+                                "pool and state", labels=("role", "pool", "state"))
+        for pool in self.pools:
+            for state, n in pool.states().items():
+                fam.add_metric(("gateway", pool.kind, state), n)
+        yield fam
 
 
 class PrefixAffinity:

@@ -20,7 +20,8 @@ from . import launcher
 
 def _make_tiny_model(args) -> int:
     from engine.tiny_model import make_tiny_model
-    path = make_tiny_model(args.dir, seed=args.seed)
+    size = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+    path = make_tiny_model(args.dir, seed=args.seed, **size)
     print(path)
     return 0
 
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("make-tiny-model", help="write the tiny random Llama model used by default")
     t.add_argument("dir")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--vocab-size", type=int, default=0,
+                   help="tokens in the vocabulary (0: the default model's, 1024)")
     t.set_defaults(func=_make_tiny_model)
     for role, (help_, cls, runner) in ROLES.items():
         r = sub.add_parser(role, help=help_)

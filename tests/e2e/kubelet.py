@@ -9,8 +9,10 @@ what cannot be had without a cluster made explicit:
 - env: `value`s, and `valueFrom.fieldRef` filled as the downward API does (metadata.name,
   metadata.namespace, status.podIP); `$(VAR)` in args and env expanded as the kubelet does;
 - volumes: each mount path is a directory of the pod (emptyDir: fresh; a PVC: one directory
-  shared by every pod; a Secret: its files, from the test) and arguments naming a path under
-  a mount are rewritten to that directory;
+  shared by every pod; a Secret: its files, from the test; a ConfigMap: its files, from the
+  rendered ConfigMap) and arguments naming a path under a mount are rewritten to that
+  directory, as are such paths in a ConfigMap's JSON files (JSON strings that are paths, e.g.
+  a models file's model directories);
 - the image's ENTRYPOINT (`pdserve`, deploy/Dockerfile) is `pdserve.cli.main` from this
   checkout, run through tests/e2e/cluster_dns_shim.py (cluster DNS); init containers run to
   completion first;
@@ -74,6 +76,15 @@ def probe_ok(probe: dict, ip: str) -> bool:
     raise AssertionError(f"probe kind not emulated: {probe}")
 
 
+def host_path(path: str, mounts: dict[str, Path]) -> str:
+    """A path as a container sees it -> the pod's directory holding it (unchanged if no
+    mount holds it)."""
+    for mount, host_dir in mounts.items():
+        if path == mount or path.startswith(mount + "/"):
+            return str(host_dir) + path[len(mount):]
+    return path
+
+
 def kv_loopback(argv: list[str], pod_ip: str) -> list[str]:
     """`--kv-host POD_IP --kv-port N` -> `--kv-host 127.0.0.1 --kv-port FREE` (see above)."""
     argv = list(argv)
@@ -89,7 +100,7 @@ def kv_loopback(argv: list[str], pod_ip: str) -> list[str]:
 class Pod:
     def __init__(self, deployment: dict, name: str, ip: str, workdir: Path,
                  shared_volumes: dict[str, Path], secrets: dict[str, dict[str, bytes]],
-                 hosts_file: Path):
+                 hosts_file: Path, config_maps: dict[str, dict[str, str]] | None = None):
         self.deployment, self.name, self.ip = deployment, name, ip
         self.namespace = deployment["metadata"]["namespace"]
         self.template = deployment["spec"]["template"]
@@ -97,13 +108,14 @@ class Pod:
         self.labels = self.template["metadata"]["labels"]
         self.dir = workdir / name
         self.hosts_file = hosts_file
-        self.mounts = self._volumes(shared_volumes, secrets)
+        self.mounts = self._volumes(shared_volumes, secrets, config_maps or {})
         self.proc: subprocess.Popen | None = None
         self.terminating = False
         self.log_path = self.dir / "container.log"
 
-    def _volumes(self, shared: dict[str, Path], secrets: dict[str, dict[str, bytes]]) -> dict[str, Path]:
-        out = {}
+    def _volumes(self, shared: dict[str, Path], secrets: dict[str, dict[str, bytes]],
+                 config_maps: dict[str, dict[str, str]]) -> dict[str, Path]:
+        out, texts = {}, {}
         for v in self.spec.get("volumes", []):
             if "persistentVolumeClaim" in v:
                 path = shared[v["persistentVolumeClaim"]["claimName"]]
@@ -115,10 +127,19 @@ class Pod:
                 path.mkdir(parents=True)
                 for key, data in files.items():
                     (path / key).write_bytes(data)
+            elif "configMap" in v:
+                path = self.dir / "configmaps" / v["name"]
+                texts.update({path / k: t for k, t in config_maps[v["configMap"]["name"]].items()})
             else:
                 raise AssertionError(f"volume kind not emulated: {v}")
             path.mkdir(parents=True, exist_ok=True)
             out[v["name"]] = path
+        mounts = {m["mountPath"]: out[m["name"]] for m in self.container.get("volumeMounts", [])}
+        for path, text in texts.items():
+            if path.suffix == ".json":
+                text = re.sub(r'"(/[^"]*)"', lambda m: json.dumps(host_path(m.group(1), mounts)),
+                              text)
+            path.write_text(text)
         return out
 
     def _env(self, container: dict) -> dict[str, str]:
@@ -137,12 +158,7 @@ class Pod:
         argv = []
         for a in container.get("command", []) + container.get("args", []):
             a = expand(a, env)
-            if a == "0.0.0.0":
-                a = self.ip
-            for path, host_dir in mounts.items():
-                if a == path or a.startswith(path + "/"):
-                    a = str(host_dir) + a[len(path):]
-            argv.append(a)
+            argv.append(self.ip if a == "0.0.0.0" else host_path(a, mounts))
         if "--kv-host" in argv:
             argv = kv_loopback(argv, self.ip)
         assert "command" not in container, "the manifests use the image's entrypoint"

@@ -1,13 +1,15 @@
 """deploy/: the rendered manifests, executed as a cluster would run them (tests/e2e/kubelet.py).
 
 Every overlay renders with kustomize (`kubectl kustomize`: a missing kubectl fails the test,
-.ci/run installs it). The dev overlay (CPU) is then run: each Deployment's pod template as
+.ci/run installs it). The CPU overlays are then run: each Deployment's pod template as
 local processes with their own 127.x.y.z pod IP, downward-API env, init containers, probes
 sent as the kubelet sends them with the manifest's timeouts, and the headless Services' DNS
 names answered with their ready pods through the gateway's resolver seam. Requests go to the
-gateway Service's port. The decode Deployment is scaled 1 -> 2 -> 1 (SIGTERM) while 20
-streaming requests run. The prod overlay (GPUs) is rendered and its arguments parsed by the
-real command line; it is not run here (no GPU).
+gateway Service's port. dev: the decode Deployment is scaled 1 -> 2 -> 1 (SIGTERM) while 20
+streaming requests run. dev-two-models: both models' pools come up Ready, each model's
+requests are served by its own pools (the workers' Stats count them) with its own weights
+and vocabulary, an unknown model is 404 / NOT_FOUND. The prod overlays (GPUs) are rendered
+and prod's arguments parsed by the real command line; they are not run here (no GPU).
 
 The HPA contract: every metric an HPA names, through the prometheus-adapter rule that serves
 it, is in a real scrape of a worker under load, at the port and path its pod's annotations
@@ -25,6 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -96,6 +99,7 @@ class Cluster:
     def __init__(self, docs: list[dict], workdir: Path, secrets: dict[str, dict[str, bytes]]):
         self.docs, self.workdir, self.secrets = docs, workdir, secrets
         self.deployments = by_kind(docs, "Deployment")
+        self.config_maps = {n: cm.get("data", {}) for n, cm in by_kind(docs, "ConfigMap").items()}
         self.services = by_kind(docs, "Service")
         self.endpoints = Endpoints([s for s in self.services.values()
                                     if s["spec"].get("clusterIP") == "None"],
@@ -112,12 +116,22 @@ class Cluster:
         dep = self.deployments[deployment]
         n = sum(p.deployment is dep for p in self.pods)
         pod = Pod(dep, f"{deployment}-{n}", next(self._ips), self.workdir, {}, self.secrets,
-                  self.endpoints.path)
+                  self.endpoints.path, self.config_maps)
         with self._lock:
             self.pods.append(pod)
         pod.start()
         pod.wait_started()
         return pod
+
+    def start_all(self) -> None:
+        """Every Deployment's replicas, each pod Ready before the next starts; the gateways
+        (Ready once they know a healthy worker) last."""
+        def is_gateway(name):
+            labels = self.deployments[name]["spec"]["template"]["metadata"]["labels"]
+            return labels["app.kubernetes.io/component"] == "gateway"
+        for name in sorted(self.deployments, key=is_gateway):
+            for _ in range(self.deployments[name]["spec"].get("replicas", 1)):
+                self.wait_ready(self.start_pod(name))
 
     def wait_ready(self, pod: Pod, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
@@ -192,9 +206,7 @@ def cluster(rendered, tmp_path_factory):
     c = Cluster(rendered["dev"], workdir, secrets(workdir))
     c.start()
     try:
-        for name in ("pdserve-prefill", "pdserve-decode", "pdserve-gateway"):
-            for _ in range(c.deployments[name]["spec"].get("replicas", 1)):
-                c.wait_ready(c.start_pod(name))
+        c.start_all()
         yield c
     finally:
         c.stop()
@@ -211,6 +223,98 @@ def wait_for_log(pod: Pod, pattern: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
+# ---------------------------------------------------------- the dev-two-models overlay, run
+def worker_stats(cluster, pod: Pod):
+    """The worker's Stats over its gRPC port, with the pods' mTLS certificate."""
+    from protos.pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+    stub = {"prefill": prefill_pb2_grpc.PrefillWorkerStub,
+            "decode": decode_pb2_grpc.DecodeWorkerStub}[pod.labels["app.kubernetes.io/component"]]
+    tls = cluster.secrets["pdserve-mtls"]
+    creds = grpc.ssl_channel_credentials(tls["ca.crt"], tls["tls.key"], tls["tls.crt"])
+    port = next(p["containerPort"] for p in pod.container["ports"] if p["name"] == "grpc")
+    with grpc.secure_channel(f"{pod.ip}:{port}", creds, options=[
+            ("grpc.ssl_target_name_override", "pdserve-worker")]) as ch:
+        return stub(ch).Stats(common_pb2.StatsRequest(), timeout=10)
+
+
+class TestTwoModels:
+    """dev-two-models: two tiny models (vocabularies of 1024 and 512 tokens) behind one
+    gateway, each with its own prefill and decode Deployments. Its pods run before the dev
+    overlay's (whose fixture lives to the end of the module) and stop when these tests end."""
+
+    MODELS = ("M", "second")
+
+    @pytest.fixture(scope="class")
+    def two(self, rendered, tmp_path_factory):
+        workdir = tmp_path_factory.mktemp("two-models")
+        c = Cluster(rendered["dev-two-models"], workdir, secrets(workdir))
+        c.start()
+        try:
+            c.start_all()
+            yield c
+        finally:
+            c.stop()
+
+    def test_each_model_is_served_by_its_own_pools(self, two):
+        """Every pod of both models is Ready; each worker's Stats name its Deployment's
+        model; each model's requests move KV through its own pools only; greedy completions
+        equal each model's `LLM` on the model files its pods wrote; each model checks its
+        own vocabulary (token 700 exists only in M's)."""
+        import openai
+        from engine import LLM
+        from engine.sampling_params import SamplingParams
+        assert set(two.endpoints.ready) == {p.name for p in two.pods}
+        assert len(two.pods) == 5
+        workers = [p for p in two.pods if p.labels["app.kubernetes.io/component"] != "gateway"]
+        gateway = next(p for p in two.pods if p not in workers)
+        assert {p.labels["app.kubernetes.io/instance"] for p in workers} == set(self.MODELS)
+        for p in workers:
+            assert worker_stats(two, p).compat.model == p.labels["app.kubernetes.io/instance"]
+        client = openai.OpenAI(base_url=gateway_url(two), api_key=API_KEY, timeout=60,
+                               max_retries=0)
+        assert sorted(m.id for m in client.models.list().data) == sorted(self.MODELS)
+        prompt = [5, 17, 42, 99, 7, 300]
+        for model in self.MODELS:
+            llm = LLM(str(gateway.mounts["models"] / model))
+            want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6,
+                                                         ignore_eos=True))[0].token_ids
+            before = {p.name: worker_stats(two, p).transfers.transfers_done for p in workers}
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=6,
+                                          temperature=0, extra_body={"ignore_eos": True})
+            assert r.model == model and r.choices[0].text == llm.tokenizer.decode(want)
+            chat = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                temperature=0)
+            assert chat.model == model and chat.usage.completion_tokens >= 1
+            moved = {p.name: worker_stats(two, p).transfers.transfers_done - before[p.name]
+                     for p in workers}
+            assert moved == {p.name: 2 if p.labels["app.kubernetes.io/instance"] == model else 0
+                             for p in workers}, model
+        assert client.completions.create(model="M", prompt=[5, 700, 9], max_tokens=2,
+                                         temperature=0).usage.prompt_tokens == 3
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="second", prompt=[5, 700, 9], max_tokens=2)
+
+    def test_unknown_model_is_404_and_not_found(self, two):
+        import openai
+        from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+        client = openai.OpenAI(base_url=gateway_url(two), api_key=API_KEY, timeout=60,
+                               max_retries=0)
+        with pytest.raises(openai.NotFoundError) as e:
+            client.chat.completions.create(model="third", messages=[{"role": "user",
+                                                                     "content": "Hi"}])
+        assert e.value.code == "model_not_found" and "'M', 'second'" in e.value.message
+        req = generation_pb2.GenerateRequest(
+            model="third", token_ids=common_pb2.TokenIds(ids=[5, 6, 7]),
+            sampling=common_pb2.SamplingParams(max_tokens=2))
+        with grpc.insecure_channel(two.service_address("pdserve-gateway", "grpc")) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(generation_pb2_grpc.GenerationStub(ch).Generate(
+                    req, timeout=30, metadata=[("authorization", f"Bearer {API_KEY}")]))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value
+
+
+# ----------------------------------------------------------------------- the dev overlay
 def test_requests_through_the_gateway_service(cluster):
     import openai
     client = openai.OpenAI(base_url=gateway_url(cluster), api_key=API_KEY, timeout=60)

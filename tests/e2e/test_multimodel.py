@@ -228,6 +228,66 @@ def test_gateway_metrics_are_per_model(system):
     assert set(ok) == set(MODELS) and all(v >= len(TEXTS) for v in ok.values()), ok
 
 
+def test_a_pool_listing_another_models_worker_never_routes_to_it(system, llms, caplog):
+    """A gateway for beta whose pools also list alpha's workers: the workers' Stats name
+    the model they serve (the KV compat key's), so alpha's stay out of routing, logged, in
+    the gateway's metrics and in the error a pool of alpha's workers alone gives; beta's
+    serve beta's requests greedily as its LLM, and alpha's workers move no KV."""
+    import asyncio
+    from prometheus_client import generate_latest
+    from gateway.config import GatewayConfig
+    from gateway.core import Gateway
+    from gateway.request import GatewayError, GenerateInput
+
+    def pools(*models):
+        return {r: ",".join(a for m in models for a in system.pools[m][r])
+                for r in ("prefill", "decode")}
+
+    prompts = [llms["beta"].tokenizer.encode(t) for t in TEXTS]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    want = [o.token_ids for o in llms["beta"].generate(prompts, params)]
+
+    async def run(**pools):
+        gw = Gateway(GatewayConfig(model=system.dirs["beta"], request_timeout_s=60, **pools))
+        await gw.start()
+        try:
+            states = {p.kind: p.states() for p in (gw.prefill, gw.decode)}
+            scrape = {(s.labels["pool"], s.labels["state"]): s.value
+                      for f in text_string_to_metric_families(
+                          generate_latest(gw.metrics.registry).decode())
+                      for s in f.samples if s.name == "pdserve:gateway_workers"}
+            outs = []
+            for i, ids in enumerate(prompts):
+                try:
+                    outs.append([t async for ev in gw.generate(
+                        GenerateInput(f"wrong-model-{i}", ids, params)) for t in ev.token_ids])
+                except GatewayError as e:
+                    outs.append(e)
+            return states, scrape, outs
+        finally:
+            await gw.stop()
+
+    before = {m: transfers(system, m) for m in MODELS}
+    with caplog.at_level("ERROR", logger="gateway.registry"):
+        states, scrape, outs = asyncio.run(run(**pools("alpha", "beta")))
+    assert states == {r: {"healthy": 1, "wrong_model": 1, "unhealthy": 0}
+                      for r in ("prefill", "decode")}
+    assert scrape[("prefill", "wrong_model")] == scrape[("decode", "wrong_model")] == 1
+    assert outs == want
+    assert transfers(system, "alpha") == before["alpha"]
+    after = transfers(system, "beta")
+    assert {k: after[k] - before["beta"][k] for k in after} == {k: len(TEXTS) for k in after}
+    for r in ("prefill", "decode"):
+        (a,) = system.pools["alpha"][r]
+        assert any(a in m and "serves model 'alpha'" in m and "'beta'" in m
+                   for m in caplog.messages), (r, caplog.messages)
+    # alpha's workers alone: no request, and the error says why
+    states, _, outs = asyncio.run(run(**pools("alpha")))
+    assert states["decode"] == {"healthy": 0, "wrong_model": 1, "unhealthy": 0}
+    assert all(isinstance(e, GatewayError) and e.code == grpc.StatusCode.UNAVAILABLE
+               and "serves model 'alpha', not 'beta'" in e.message for e in outs), outs
+
+
 def test_every_block_returns_and_every_process_stops(system):
     def idle():
         busy = {k: (s.free_kv_blocks, s.total_kv_blocks, s.num_running, s.num_waiting)

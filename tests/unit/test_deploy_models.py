@@ -1,4 +1,5 @@
-"""deploy/k8s/overlays/prod-two-models: two models behind one gateway, as rendered by kustomize.
+"""deploy/k8s/overlays/{prod,dev}-two-models: two models behind one gateway, as rendered by
+kustomize.
 
 Each model's pools must be its own: no selector (Deployment, Service, PodDisruptionBudget)
 matches another pool's pods, each prefill pool sends KV to its own model's decode Service,
@@ -6,7 +7,7 @@ each pool has its own HPA; the gateway's models file, read by gateway/models.py 
 names for each model the headless Services of exactly that model's pools; the gateway's
 arguments parse with the real command line; the NetworkPolicies cover the second model's
 pods as they cover the first's. (Run as processes: tests/e2e/test_multimodel.py runs two
-models through `pdserve up`; the manifests' executed test runs the dev overlay.)
+models through `pdserve up`; tests/e2e/test_manifests.py executes dev-two-models.)
 """
 from __future__ import annotations
 
@@ -15,13 +16,18 @@ import pytest
 
 from tests.unit.test_deploy import K8S_VERSION, _allowed, _by_kind, _render, _validate_docs
 
-OVERLAY = "overlays/prod-two-models"
+NAMESPACES = {"prod-two-models": "pdserve", "dev-two-models": "pdserve-dev"}
 POOLS = {"pdserve-prefill", "pdserve-decode", "second-pdserve-prefill", "second-pdserve-decode"}
 
 
+@pytest.fixture(scope="module", params=sorted(NAMESPACES))
+def overlay(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def docs():
-    return _render(OVERLAY)
+def docs(overlay):
+    return _render(f"overlays/{overlay}")
 
 
 def _args(dep) -> list[str]:
@@ -41,9 +47,10 @@ def _selected(selector: dict, deps: dict) -> set[str]:
     return {n for n, d in deps.items() if _selects(selector, d["spec"]["template"]["metadata"]["labels"])}
 
 
-def test_renders_and_validates_in_one_namespace(docs):
-    _validate_docs(docs, f"kubectl kustomize {OVERLAY} (k8s {K8S_VERSION})")
-    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"pdserve"}
+def test_renders_and_validates_in_one_namespace(docs, overlay):
+    _validate_docs(docs, f"kubectl kustomize overlays/{overlay} (k8s {K8S_VERSION})")
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == \
+        {NAMESPACES[overlay]}
     assert set(_by_kind(docs, "Deployment")) == POOLS | {"pdserve-gateway"}
 
 
@@ -57,7 +64,7 @@ def test_no_selector_reaches_another_pool(docs):
             assert _selected(sel.get("matchLabels", sel), deps) == {name}, (kind, name)
 
 
-def test_each_pool_has_its_model_its_decoders_and_its_hpa(docs):
+def test_each_pool_has_its_model_its_decoders_and_its_hpa(docs, overlay):
     deps, services = _by_kind(docs, "Deployment"), _by_kind(docs, "Service")
     model = {n: _flag(_args(deps[n]), "--model") for n in POOLS}
     assert model == {"pdserve-prefill": "/models/M", "pdserve-decode": "/models/M",
@@ -69,7 +76,8 @@ def test_each_pool_has_its_model_its_decoders_and_its_hpa(docs):
         assert len(decoders) == 1 and _args(deps[next(iter(decoders))])[0] == "decode"
         assert model[next(iter(decoders))] == model[prefill]
     hpas = _by_kind(docs, "HorizontalPodAutoscaler")
-    assert {h["spec"]["scaleTargetRef"]["name"] for h in hpas.values()} == POOLS
+    assert {h["spec"]["scaleTargetRef"]["name"] for h in hpas.values()} == \
+        (set() if overlay.startswith("dev") else POOLS)      # dev has no autoscaling
     for name, hpa in hpas.items():      # the second model's pools scale on the same signals
         twin = hpas.get(name.removeprefix("second-"))
         assert hpa["spec"]["metrics"] == twin["spec"]["metrics"], name
@@ -83,7 +91,7 @@ def test_gateway_models_file_names_each_models_own_pools(docs, tmp_path):
 
     deps, services = _by_kind(docs, "Deployment"), _by_kind(docs, "Service")
     gw = deps["pdserve-gateway"]
-    args = [a.replace("$(POD_NAMESPACE)", "pdserve") for a in _args(gw)]
+    args = [a.replace("$(POD_NAMESPACE)", gw["metadata"]["namespace"]) for a in _args(gw)]
     cfg = config_from_args(ROLES["gateway"][1], build_parser().parse_args(args))
     assert cfg.host == "0.0.0.0" and not cfg.model and not cfg.prefill_dns
     # the file at --models-file is the ConfigMap's key, through the pod's volume mount
@@ -109,11 +117,11 @@ def test_gateway_models_file_names_each_models_own_pools(docs, tmp_path):
             assert _args(deps[pool])[0] == role and _flag(_args(deps[pool]), "--model") == e.model
 
 
-def test_network_policies_cover_the_second_models_pods(docs):
+def test_network_policies_cover_the_second_models_pods(docs, overlay):
     policies = list(_by_kind(docs, "NetworkPolicy").values())
     deps = _by_kind(docs, "Deployment")
     labels = {n: d["spec"]["template"]["metadata"]["labels"] for n, d in deps.items()}
-    ns = "pdserve"
+    ns = NAMESPACES[overlay]
     other = {"app": "something-else"}
     for prefix in ("", "second-"):
         prefill, decode = labels[prefix + "pdserve-prefill"], labels[prefix + "pdserve-decode"]
@@ -123,3 +131,16 @@ def test_network_policies_cover_the_second_models_pods(docs):
         assert not _allowed(policies, decode, 50081, other, ns, ns)
         assert not _allowed(policies, decode, 50071, other, ns, ns)
         assert _allowed(policies, decode, 9090, {}, "monitoring", ns)
+
+
+def test_every_pod_writes_a_model_with_the_same_arguments(docs, overlay):
+    """dev-two-models: each pod writes the models it reads (init containers); every writer of
+    one model path gives make-tiny-model (deterministic) the same arguments, so the gateway's
+    tokenizer is its workers'. prod reads the models from the volume."""
+    writers: dict[str, set] = {}
+    for dep in _by_kind(docs, "Deployment").values():
+        for init in dep["spec"]["template"]["spec"].get("initContainers", []):
+            assert init["args"][0] == "make-tiny-model"
+            writers.setdefault(init["args"][1], set()).add(tuple(init["args"]))
+    want = {} if overlay.startswith("prod") else {"/models/M": 1, "/models/second": 1}
+    assert {path: len(args) for path, args in writers.items()} == want
