@@ -60,7 +60,7 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = None   # [num_blocks, block_size, nkv, hd], bound later
         self.k_scales = self.v_scales = None # [num_blocks, nkv] fp32 for an 8-bit cache
 
-    def forward(self, positions, x, meta: AttentionMetadata, cos_sin):
+    def forward(self, positions, x, meta: AttentionMetadata, cos_sin, rope_rows=None):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.nh, self.hd)
@@ -70,7 +70,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         scales = dict(k_scales=self.k_scales, v_scales=self.v_scales, backend=self.backend)
         q = K.rotary_embedding_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
-                                        meta.slot_mapping, **scales)
+                                        meta.slot_mapping, rows=rope_rows, **scales)
         if meta.decode_only:
             o = K.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                          meta.context_lens, self.scale,
@@ -110,12 +110,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
 
-    def forward(self, positions, h, residual, meta, cos_sin):
+    def forward(self, positions, h, residual, meta, cos_sin, rope_rows=None):
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, meta, cos_sin)
+        h = self.self_attn(positions, h, meta, cos_sin, rope_rows)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -145,8 +145,9 @@ class CausalLM(nn.Module):
         """[T] ids -> [T, hidden] final hidden states. `layer_hook(i)` runs once layer i's KV
         is in the cache (the prefill worker ships it while later layers compute)."""
         h, residual = self.embed_tokens(input_ids), None
+        rows = K.rope_rows(positions, self.cos_sin, backend=self.backend)     # once, every layer
         for i, layer in enumerate(self.layers):
-            h, residual = layer(positions, h, residual, meta, self.cos_sin)
+            h, residual = layer(positions, h, residual, meta, self.cos_sin, rows)
             if layer_hook is not None:
                 layer_hook(i)
         h, _ = self.norm(h, residual)

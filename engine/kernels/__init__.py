@@ -23,7 +23,7 @@ from . import reference
 from .rope import build_cos_sin_cache
 
 __all__ = ["use_triton", "write_kv_cache", "paged_prefill_attention", "paged_decode_attention",
-           "rms_norm", "rotary_embedding", "rotary_embedding_write_kv", "silu_and_mul",
+           "rms_norm", "rope_rows", "rotary_embedding", "rotary_embedding_write_kv", "silu_and_mul",
            "build_cos_sin_cache"]
 
 
@@ -107,15 +107,26 @@ def rotary_embedding(positions, q, k, cos_sin_cache, *, q_out=None, k_out=None,
     return _into(q_out, qr), _into(k_out, kr)
 
 
+def rope_rows(positions, cos_sin_cache, *, backend: str = "auto"):
+    """The torch path's cos/sin rows of `positions`, gathered once per forward pass and handed
+    to every layer's rotary op as `rows=`; None on the Triton path (its kernel reads the
+    cache itself)."""
+    if use_triton(cos_sin_cache, backend):
+        return None
+    return reference.rope_rows(positions, cos_sin_cache)
+
+
 def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                              *, q_out=None, k_scales=None, v_scales=None, backend: str = "auto"):
+                              *, q_out=None, k_scales=None, v_scales=None, rows=None,
+                              backend: str = "auto"):
     """rotary_embedding on q and k, then write_kv_cache of the rotated k and v: one kernel
-    on the Triton path. Returns the rotated q. With `k_scales`/`v_scales` the cache is 8-bit."""
+    on the Triton path. Returns the rotated q. With `k_scales`/`v_scales` the cache is 8-bit.
+    `rows`: rope_rows(positions, cos_sin_cache) (the torch path; ignored by Triton)."""
     if use_triton(q, backend):
         _no_quantized_kv("rotary + KV cache write", k_scales)
         return _triton_op("rotary_kv", "rotary_embedding_write_kv")(
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out=q_out)
-    qr, kr = reference.rotary_embedding(positions, q, k, cos_sin_cache)
+    qr, kr = reference.rotary_embedding(positions, q, k, cos_sin_cache, rows)
     write_kv_cache(kr, v, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales,
                    backend=backend)
     return _into(q_out, qr)
