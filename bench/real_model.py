@@ -7,9 +7,10 @@ llama.cpp's server (llama-cpp-python), in one run, with one client; plus transfo
                                [--requests 4,16,32] [--prompt-tokens 64] [--output-tokens 64]
 
 Same cores for everyone: this process pins itself to --cpus before starting any server, and
-every server inherits that affinity; thread budgets are len(--cpus) for each: pdserve's two
-workers one torch thread each, transformers OMP_NUM_THREADS=len(cpus), llama.cpp
---n_threads len(cpus). The GGUF file is the one input: pdserve and llama.cpp load it
+every server inherits that affinity; thread budgets: pdserve's two workers
+--pdserve-threads torch threads each (default 1: the cores split between the two roles; with
+len(cpus) each worker may use every core, as the others do -- at one stream the roles take
+turns), transformers OMP_NUM_THREADS=len(cpus), llama.cpp --n_threads len(cpus). The GGUF file is the one input: pdserve and llama.cpp load it
 directly; transformers serve gets transformers' own float32 dequantization of it saved as a
 directory (hf_dir_from_gguf: it cannot serve the GGUF itself).
 
@@ -128,8 +129,9 @@ def run_levels(base, model, ps_by_level, max_tokens):
 def bench_pdserve(model, ps_by_level, max_tokens, log_dir, threads):
     port = free_port()
     t0 = time.perf_counter()
-    launcher = Launcher(model, 1, 1, http_port=port, log_dir=log_dir,
-                        gateway_args=["--request-timeout-s", "1800"])
+    worker = ["--num-threads", str(threads)]
+    launcher = Launcher(model, 1, 1, http_port=port, log_dir=log_dir, prefill_args=worker,
+                        decode_args=worker, gateway_args=["--request-timeout-s", "1800"])
     launcher.start(900)
     print(f"pdserve ready in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
     try:
@@ -282,6 +284,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--servers", default="pdserve,transformers,llama.cpp")
+    ap.add_argument("--pdserve-threads", type=int, default=1,
+                    help="torch threads of each pdserve worker (1 or len(--cpus))")
     ap.add_argument("--perplexity", type=int, default=0, metavar="N", help="instead: perplexity "
                     "of the GPL-3's first N tokens, pdserve's engine vs transformers")
     args = ap.parse_args()
@@ -308,14 +312,15 @@ def main() -> int:
     for name in args.servers.split(","):
         t0 = time.time()
         try:
-            res[name] = runners[name](model, ps_by_level, args.output_tokens, log_dir, len(cpus))
+            threads = args.pdserve_threads if name == "pdserve" else len(cpus)
+            res[name] = runners[name](model, ps_by_level, args.output_tokens, log_dir, threads)
         except (RuntimeError, OSError) as e:
             print(f"{name}: {e} (logs in {log_dir})", file=sys.stderr, flush=True)
             res[name] = None
         print(f"{name} done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     gen = bench_generate(model, ps[0], args.output_tokens, len(cpus))
-    print(f"\nmodel {Path(model).name}; cpus {cpus} for every server (pdserve: 2 workers x 1 "
-          f"torch thread; transformers: OMP_NUM_THREADS={len(cpus)}; llama.cpp: --n_threads "
+    print(f"\nmodel {Path(model).name}; cpus {cpus} for every server (pdserve: 2 workers x "
+          f"{args.pdserve_threads} torch thread(s); transformers: OMP_NUM_THREADS={len(cpus)}; llama.cpp: --n_threads "
           f"{len(cpus)}); ~{args.prompt_tokens}-token prompts, max {args.output_tokens} output "
           f"tokens, streaming chat, greedy; requests per level {dict(zip(levels, counts))}\n")
     print(table(res))
