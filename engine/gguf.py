@@ -1,4 +1,4 @@
-"""GGUF model files (llama.cpp's format) read with the `gguf` package, torch-free.
+"""GGUF model files (llama.cpp's format), torch-free.
 
 A GGUF file holds, in one file, what a Hugging Face directory spreads over several:
 
@@ -14,12 +14,20 @@ llama.cpp's converter permutes the rows of Llama's q/k projections (rotary pairs
 become neighbours (2i, 2i+1)); `raw_tensors` undoes it. Rows are whole quantization blocks
 apart, so the un-permutation applies to quantized rows unchanged.
 
+The header (metadata and tensor table) is parsed here with `struct`: the `gguf` package's
+reader builds a numpy view per metadata item and took 7.5 s on SmolLM2's 49k-token
+vocabulary, in every process that opened the file; this takes well under a second. Tensor
+data are numpy views of the memory-mapped file, shaped as the `gguf` reader shapes them (its
+quantization tables and dequantizers are still used).
+
 Anything this module cannot map (architecture, tensor type, tokenizer model or pre-tokenizer,
 rope scaling) is a ValueError naming it. The module imports numpy and `gguf`, never torch:
 the gateway reads tokenizers and configs through it.
 """
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -86,15 +94,92 @@ class RawTensor:
         return out if out.flags.writeable else out.copy()     # F32 is a view of the file
 
 
+@dataclass
+class GGUFTensor:
+    name: str
+    type_name: str            # the GGML type's name: F32, Q4_1, ...
+    shape: tuple[int, ...]    # as GGUF lists it, the fastest dimension first
+    data: np.ndarray          # a view of the file: float rows, or uint8 rows of quantized blocks
+
+
+# GGUF metadata value types -> struct format (8: string, 9: array)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_FLOATS = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
+           "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
+    """(metadata {key: value}, tensors) of a GGUF file (versions 2 and 3, little-endian)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    at = 0
+
+    def take(fmt: str):
+        nonlocal at
+        v = struct.unpack_from("<" + fmt, buf, at)
+        at += struct.calcsize("<" + fmt)
+        return v[0] if len(v) == 1 else v
+
+    def string() -> str:
+        nonlocal at
+        n = take("Q")
+        at += n
+        return buf[at - n:at].decode("utf-8", errors="replace")
+
+    def value(kind: int):
+        if kind == 8:
+            return string()
+        if kind == 9:
+            item, n = take("IQ")
+            if item in _SCALARS:                              # one unpack for the whole array
+                return list(take(f"{n}{_SCALARS[item]}")) if n != 1 else [take(_SCALARS[item])]
+            return [value(item) for _ in range(n)]
+        if kind not in _SCALARS:
+            raise ValueError(f"{path}: unknown GGUF metadata type {kind}")
+        return take(_SCALARS[kind])
+
+    if buf[:4] != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r})")
+    at = 4
+    version, n_tensors, n_kv = take("IQQ")
+    if version not in (2, 3):
+        raise ValueError(f"{path}: unsupported GGUF version {version}")
+    meta = {}
+    for _ in range(n_kv):
+        key = string()
+        meta[key] = value(take("I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = take(f"{take('I')}Q")
+        dims = (dims,) if isinstance(dims, int) else dims
+        kind, offset = take("IQ")
+        infos.append((name, dims, GGMLQuantizationType(kind), offset))
+    align = int(meta.get("general.alignment", 32))
+    start = -(-at // align) * align
+    tensors = []
+    for name, dims, kind, offset in infos:
+        n = int(np.prod(dims))
+        rows = tuple(reversed(dims))
+        if kind.name in _FLOATS:
+            data = np.frombuffer(buf, _FLOATS[kind.name], n, start + offset).reshape(rows)
+        else:
+            block, size = GGML_QUANT_SIZES[kind]
+            data = np.frombuffer(buf, np.uint8, n * size // block, start + offset) \
+                .reshape(*rows[:-1], rows[-1] * size // block)
+        tensors.append(GGUFTensor(name, kind.name, dims, data))
+    return meta, tensors
+
+
 class GGUFModel:
     """A GGUF file's config, tokenizer and tensors. Use `open_gguf(path)` (cached)."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
         self.path = Path(path)
         try:
-            self.reader = GGUFReader(str(self.path))
-        except (ValueError, OSError) as e:
+            self.meta, self.tensor_table = read_gguf(self.path)
+        except (ValueError, OSError, struct.error) as e:
             raise ValueError(f"{self.path}: not a readable GGUF file ({e})") from None
         self.arch = self.get("general.architecture")
         if self.arch not in ARCHITECTURES:
@@ -102,15 +187,14 @@ class GGUFModel:
                              f"supported are {sorted(ARCHITECTURES)}")
 
     def get(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self.meta.get(key, default)
 
     def _arch(self, key: str, default=None):
         return self.get(f"{self.arch}.{key}", default)
 
     def hf_config(self) -> dict:
         """The config.json transformers would write for this model."""
-        names = {t.name for t in self.reader.tensors}
+        names = {t.name for t in self.tensor_table}
         if "rope_freqs.weight" in names:
             raise ValueError(f"{self.path.name}: rope frequency factors (Llama 3.1 rope "
                              "scaling) are not supported")
@@ -119,12 +203,12 @@ class GGUFModel:
             raise ValueError(f"{self.path.name}: unsupported rope scaling {scaling!r}")
         heads = self._arch("attention.head_count")
         hidden = self._arch("embedding_length")
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        embd = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
+        tokens = self.get("tokenizer.ggml.tokens", [])
+        embd = next(t for t in self.tensor_table if t.name == "token_embd.weight")
         return {
             "architectures": [ARCHITECTURES[self.arch]], "model_type": self.arch,
             "vocab_size": int(self._arch("vocab_size") or int(embd.shape[1])
-                              or len(tokens.data)),
+                              or len(tokens)),
             "hidden_size": hidden, "intermediate_size": self._arch("feed_forward_length"),
             "num_hidden_layers": self._arch("block_count"), "num_attention_heads": heads,
             "num_key_value_heads": self._arch("attention.head_count_kv", heads),
@@ -141,8 +225,8 @@ class GGUFModel:
         """Every tensor, still in its stored type; q/k rows back in Hugging Face order.
         An unsupported type or an unknown tensor name is a ValueError."""
         c = self.hf_config()
-        for t in self.reader.tensors:
-            kind = t.tensor_type.name
+        for t in self.tensor_table:
+            kind = t.type_name
             if kind not in TENSOR_TYPES:
                 raise ValueError(f"{self.path.name}: tensor {t.name} has unsupported type "
                                  f"{kind}: supported are {', '.join(TENSOR_TYPES)}")
@@ -186,7 +270,7 @@ class GGUFModel:
                   "add_bos_token": bool(self.get("tokenizer.ggml.add_bos_token", False)),
                   "model_max_length": self._arch("context_length")}
         templates = {}
-        for key in self.reader.fields:
+        for key in self.meta:
             if key == "tokenizer.chat_template":
                 templates["default"] = self.get(key)
             elif key.startswith("tokenizer.chat_template."):
@@ -195,12 +279,17 @@ class GGUFModel:
         return tok, config, templates, ({} if eos is None else {"eos_token_id": int(eos)})
 
 
-@lru_cache(maxsize=4)
 def open_gguf(path: str | Path) -> GGUFModel:
-    """The GGUF model at `path` (a file, or a directory holding one; see find_gguf)."""
+    """The GGUF model at `path` (a file, or a directory holding one; see find_gguf), parsed
+    once per process and file."""
     f = find_gguf(path)
     if f is None:
         raise ValueError(f"{path}: no GGUF file found")
+    return _open(f.resolve())
+
+
+@lru_cache(maxsize=4)
+def _open(f: Path) -> GGUFModel:
     return GGUFModel(f)
 
 

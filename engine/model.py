@@ -125,12 +125,17 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = c
         self.backend = check_kernel_backend(backend)
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        # on the meta device (the loader's build, which then fills every tensor) nothing is
+        # drawn or computed: torch's first meta normal_ and meta arithmetic cost ~1 s each
+        meta = torch.empty(0).is_meta
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=torch.empty(
+            c.vocab_size, c.hidden_size) if meta else None)
         self.layers = nn.ModuleList(DecoderLayer(c, backend, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.register_buffer("cos_sin", build_cos_sin_cache(
-            c.head_dim, c.max_model_len + 1, c.rope_theta, c.rope_scaling), persistent=False)
+        self.register_buffer("cos_sin", torch.empty(c.max_model_len + 1, c.head_dim) if meta else
+                             build_cos_sin_cache(c.head_dim, c.max_model_len + 1, c.rope_theta,
+                                                 c.rope_scaling), persistent=False)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
         """kv_cache: [num_layers, 2, num_blocks, block_size, nkv, hd]; kv_scales [num_layers,

@@ -145,3 +145,26 @@ def test_config_without_architectures_falls_back_to_model_type(files, tmp_path):
     a = LLM(src, num_blocks=16).generate([[1, 5, 9]], SamplingParams(temperature=0, max_tokens=6))
     b = LLM(d, num_blocks=16).generate([[1, 5, 9]], SamplingParams(temperature=0, max_tokens=6))
     assert a[0].token_ids == b[0].token_ids
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
+def test_header_parser_reads_what_the_gguf_package_reads(files, qtype, tmp_path):
+    """read_gguf (struct over the mapped file) against the `gguf` package's own reader: every
+    metadata value (strings, string and integer arrays, floats, bools), every tensor's name,
+    type, dims and data view; and a truncated file is a clear ValueError."""
+    from gguf import GGUFReader
+
+    from engine.gguf import GGUFModel, read_gguf
+    path = files("llama", qtype) / "m.gguf"
+    meta, tensors = read_gguf(path)
+    ref = GGUFReader(str(path))
+    assert meta == {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert len(tensors) == len(ref.tensors)
+    for got, want in zip(tensors, ref.tensors):
+        assert (got.name, got.type_name, got.shape) == (want.name, want.tensor_type.name,
+                                                        tuple(want.shape.tolist()))
+        assert got.data.dtype == want.data.dtype and np.array_equal(got.data, want.data)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:4096])
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        GGUFModel(cut)
