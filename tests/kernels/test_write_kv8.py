@@ -91,3 +91,41 @@ def test_bad_arguments_raise():
         write_kv_cache_quant(k, k, kc, kc.clone(), s, s[:, :2], slots)
     with pytest.raises(ValueError, match="slot_mapping has shape"):
         write_kv_cache_quant(k, k, kc, kc.clone(), s, s, slots[:1])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_rotary_then_quantized_write_dispatch(kv_dtype):
+    # rotary_embedding_write_kv on the Triton path with scales: the Triton rotary, then the
+    # quantized write, against the torch path (reference rotary, reference quantized write).
+    # V is not rotated: its codes and scales are bit-identical. K goes through two rotary
+    # implementations that may round differently in the last bit (on CPU they agree bit for
+    # bit; a GPU's fused multiply-adds may not): scales within 1e-6 relative, K codes within
+    # one code step (1 for int8; an e4m3 ulp, 2^(e-3) at exponent e >= -6, for fp8).
+    import engine.kernels as K
+    from engine.kernels.rope import build_cos_sin_cache
+    gen, seed = fresh_generator()
+    t, hq = 11, 6
+    qkv = randn(gen, t, (hq + 2 * H) * D)                      # q, k, v: strided views of it
+    q, k, v = (x.view(t, -1, D) for x in qkv.split([hq * D, H * D, H * D], dim=1))
+    slots = torch.tensor([16, 17, 18, -1, 19, 3, 40, 41, 42, -1, 20])
+    pos = torch.randint(0, 100, (t,), generator=gen)
+    cos_sin = build_cos_sin_cache(D, 100, 10000.0)
+    want = [torch.zeros(NB, BS, H, D, dtype=kv_dtype) for _ in range(2)] + \
+        [torch.zeros(NB, H) for _ in range(2)]
+    got = [x.clone().to(DEVICE) for x in want]
+    want_q = K.rotary_embedding_write_kv(pos, q, k, v, cos_sin, want[0], want[1], slots,
+                                         k_scales=want[2], v_scales=want[3], backend="torch")
+    qkv_d = qkv.clone().to(DEVICE)
+    q_d, k_d, v_d = (x.view(t, -1, D) for x in qkv_d.split([hq * D, H * D, H * D], dim=1))
+    got_q = K.rotary_embedding_write_kv(*on_device(pos), q_d, k_d, v_d, *on_device(cos_sin),
+                                        got[0], got[1], *on_device(slots), k_scales=got[2],
+                                        v_scales=got[3], backend="triton")
+    torch.testing.assert_close(got_q.cpu(), want_q, atol=1e-5, rtol=1e-5)
+    kc, vc, ks, vs = (x.cpu() for x in got)
+    assert torch.equal(vc.view(torch.int8), want[1].view(torch.int8)), f"seed={seed}"
+    assert torch.equal(vs, want[3]), f"seed={seed}"
+    torch.testing.assert_close(ks, want[2], atol=0, rtol=1e-6)
+    a, b = kc.float(), want[0].float()
+    top = torch.maximum(a.abs(), b.abs()).clamp(min=2 ** -6)
+    step = 1.0 if kv_dtype == torch.int8 else torch.exp2(torch.floor(torch.log2(top)) - 3)
+    assert bool(((a - b).abs() <= step).all()), f"seed={seed}"
