@@ -111,6 +111,7 @@ def _write_block_head(x_ptr, stride_xt, stride_xh, cache_ptr, scale_ptr, toks, o
         held = tl.load(base + s[:, None] * stride_co, mask=smask, other=0.0).to(tl.float32)
         requant = _to_code(held * tl.math.div_rn(old, new), QMAX, IS_INT)
         tl.store(base + s[:, None] * stride_co, requant.to(cache_ptr.dtype.element_ty), mask=smask)
+    tl.debug_barrier()      # every warp has read `old` before one of them overwrites it
     tl.store(sptr, new)
     codes = _to_code(tl.math.div_rn(x, tl.maximum(new, TINY)), QMAX, IS_INT)
     tl.store(base + offs[:, None] * stride_co, codes.to(cache_ptr.dtype.element_ty),
