@@ -19,6 +19,9 @@
 CUDA graphs: nothing here reads device values on the host. S comes from `max_context_len`
 (a host int: the engine's graphs pass their context-length bucket); when omitted it is block_tables.shape[1] * block_size, the most a block table
 of that width can hold, which is also static. Sequences with ctx_len 0 (padding) get zeros.
+
+An 8-bit cache (k_scales/v_scales given) is read by the same kernel, compiled with KV_SCALED
+(_attention_tile applies the per-(block, KV head) scales).
 """
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def write_kv_cache_quant(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor
     Slots must be distinct."""
     check_tensor("k_cache", k_cache, 4, KV8_DTYPES)
     dev = k_cache.device
-    nb, bs, h, d = k_cache.shape
+    _, bs, h, d = k_cache.shape
     check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), dev)
     check_shape("v_cache", v_cache, k_cache.shape)
     if v_cache.stride() != k_cache.stride():

@@ -23,6 +23,9 @@ running max m, running sum l, unnormalised acc; one division at the end.
 Launch: on CUDA, chunks of at least TUNE_MIN_Q tokens pick their tile sizes and pipelining
 with triton.autotune (keyed on G, head dim and dtype; tuned once per process on the first such
 call); shorter chunks, and the interpreter, use _LAUNCH.
+
+An 8-bit cache (k_scales/v_scales given) is read by the same kernel, compiled with KV_SCALED
+(_attention_tile applies the per-(block, KV head) scales).
 """
 from __future__ import annotations
 
