@@ -45,21 +45,17 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _no_quantized_kv(op: str, k_scales) -> None:
-    if k_scales is not None:
-        raise ValueError(f"the Triton {op} kernel does not read an 8-bit KV cache yet: use "
-                         "kernel_backend=torch with kv_cache_dtype fp8_e4m3/int8")
-
-
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scales=None, v_scales=None,
                    backend: str = "auto") -> None:
     """`k_scales`/`v_scales` [num_blocks, H_kv] fp32: the cache is 8-bit (see reference.py)."""
-    if k_scales is not None and not use_triton(k_cache, backend):
+    if use_triton(k_cache, backend):
+        if k_scales is not None:
+            return _triton_op("kv_cache", "write_kv_cache_quant")(k, v, k_cache, v_cache, k_scales,
+                                                                  v_scales, slot_mapping)
+        return _triton_op("kv_cache", "write_kv_cache")(k, v, k_cache, v_cache, slot_mapping)
+    if k_scales is not None:
         return reference.write_kv_cache_quant(k, v, k_cache, v_cache, k_scales, v_scales,
                                               slot_mapping)
-    if use_triton(k_cache, backend):
-        _no_quantized_kv("KV cache write", k_scales)
-        return _triton_op("kv_cache", "write_kv_cache")(k, v, k_cache, v_cache, slot_mapping)
     return reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -67,10 +63,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
                             *, max_q_len: int | None = None, out=None, k_scales=None,
                             v_scales=None, backend: str = "auto"):
     if use_triton(q, backend):
-        _no_quantized_kv("prefill attention", k_scales)
         return _triton_op("prefill_attention", "paged_prefill_attention")(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-            max_q_len=max_q_len, out=out)
+            max_q_len=max_q_len, out=out, k_scales=k_scales, v_scales=v_scales)
     return _into(out, reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                         cu_seqlens_q, context_lens, scale,
                                                         k_scales, v_scales))
@@ -80,10 +75,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                            *, max_context_len: int | None = None, out=None, k_scales=None,
                            v_scales=None, backend: str = "auto"):
     if use_triton(q, backend):
-        _no_quantized_kv("decode attention", k_scales)
         return _triton_op("decode_attention", "paged_decode_attention")(
             q, k_cache, v_cache, block_tables, context_lens, scale,
-            max_context_len=max_context_len, out=out)
+            max_context_len=max_context_len, out=out, k_scales=k_scales, v_scales=v_scales)
     return _into(out, reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                        context_lens, scale, k_scales, v_scales))
 
@@ -120,10 +114,17 @@ def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cach
                               *, q_out=None, k_scales=None, v_scales=None, rows=None,
                               backend: str = "auto"):
     """rotary_embedding on q and k, then write_kv_cache of the rotated k and v: one kernel
-    on the Triton path. Returns the rotated q. With `k_scales`/`v_scales` the cache is 8-bit.
-    `rows`: rope_rows(positions, cos_sin_cache) (the torch path; ignored by Triton)."""
+    on the Triton path. Returns the rotated q. With `k_scales`/`v_scales` the cache is 8-bit:
+    on the Triton path the rotary kernel, then the quantized write (a kernel of its own, its
+    tokens grouped by block on the host). `rows`: rope_rows(positions, cos_sin_cache) (the
+    torch path; ignored by Triton)."""
+    if use_triton(q, backend) and k_scales is not None:
+        qr, kr = _triton_op("rotary", "rotary_embedding")(positions, q, k, cos_sin_cache,
+                                                          q_out=q_out)
+        _triton_op("kv_cache", "write_kv_cache_quant")(kr, v, k_cache, v_cache, k_scales,
+                                                       v_scales, slot_mapping)
+        return qr
     if use_triton(q, backend):
-        _no_quantized_kv("rotary + KV cache write", k_scales)
         return _triton_op("rotary_kv", "rotary_embedding_write_kv")(
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out=q_out)
     qr, kr = reference.rotary_embedding(positions, q, k, cos_sin_cache, rows)

@@ -7,6 +7,11 @@ through the block table, folded into a running (max, sum, acc) online softmax.
     computed in int64: blk * stride_cb passes 2^31 once a layer's pool holds 2^31 elements.
 
     scores are kept in the log2 domain (scale * log2(e) folded in) so exp2 replaces exp.
+
+    An 8-bit cache (KV_SCALED; layout in reference.py): K and V hold codes, key j stands for
+    code * scale[blk, kv_head]. The codes are converted exactly to q's dtype for the dots and
+    each key's scale is applied in fp32 to what the dots produce: its scores (K) and its
+    probabilities (V), one scalar per (block, KV head) read alongside the block table.
 """
 import triton
 import triton.language as tl
@@ -15,8 +20,10 @@ import triton.language as tl
 @triton.jit
 def _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, key_end, qpos,
                  scale_log2, block_size, stride_cb, stride_co, head_off, d, dmask,
+                 ks_ptr, vs_ptr, stride_sb,
                  CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, KV_SCALED: tl.constexpr):
+    # ks_ptr, vs_ptr: the scales of this KV head (scales + kv_head), read when KV_SCALED
     tok = n0 + tl.arange(0, BLOCK_N)                                     # [N] key positions
     tmask = tok < key_end
     blk = tl.load(bt_row_ptr + tok // block_size, mask=tmask, other=0).to(tl.int64)
@@ -24,10 +31,15 @@ def _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, key_end, qpos,
     kv_mask = tmask[:, None] & dmask[None, :]
     k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)   # [N, D]
     v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
+    if KV_SCALED:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    elif UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2             # [M, N] fp32
+    if KV_SCALED:
+        s = s * tl.load(ks_ptr + blk * stride_sb, mask=tmask, other=0.0)[None, :]
     visible = tmask[None, :]
     if CAUSAL:
         visible = visible & (tok[None, :] <= qpos[:, None])
@@ -36,5 +48,9 @@ def _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, key_end, qpos,
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    if KV_SCALED:
+        pv = p * tl.load(vs_ptr + blk * stride_sb, mask=tmask, other=0.0)[None, :]
+    else:
+        pv = p
+    acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PREC)
     return m_new, l, acc

@@ -7,6 +7,7 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KV8_DTYPES = (torch.float8_e4m3fn, torch.int8)        # an 8-bit cache with scales (reference.py)
 
 
 def interpreting() -> bool:
@@ -49,18 +50,45 @@ def upcast_dot(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
+def check_kv_scales(k_cache: torch.Tensor, k_scales, v_scales) -> None:
+    """Scales come in pairs, with an 8-bit cache only: [blocks, H_kv] fp32, contiguous (the
+    kernels index both with one row stride)."""
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("k_scales and v_scales come together")
+    if k_scales is None:
+        return
+    if k_cache.dtype not in KV8_DTYPES:
+        raise ValueError(f"scales given with a {k_cache.dtype} cache; expected one of {list(KV8_DTYPES)}")
+    for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+        check_tensor(name, s, 2, (torch.float32,), k_cache.device)
+        check_shape(name, s, (k_cache.shape[0], k_cache.shape[2]))
+        if not s.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def scale_args(k_cache: torch.Tensor, k_scales, v_scales) -> tuple:
+    """(k_scales, v_scales, row stride) for a kernel; the cache stands in for absent scales
+    (never read: KV_SCALED is False)."""
+    if k_scales is None:
+        return k_cache, k_cache, 0
+    return k_scales, v_scales, k_scales.stride(0)
+
+
 def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor) -> tuple[int, int]:
+                          block_tables: torch.Tensor, k_scales=None,
+                          v_scales=None) -> tuple[int, int]:
     """What both paged attention kernels require: q [N, H_q, D]; K and V caches
-    [blocks, block_size, H_kv, D] of q's dtype and device with the same strides (the kernels
-    index both with one set); H_q a multiple of H_kv; int32 block tables. -> (block_size, H_kv)."""
+    [blocks, block_size, H_kv, D] of q's dtype (or 8-bit with scales, check_kv_scales) and
+    device with the same strides (the kernels index both with one set); H_q a multiple of
+    H_kv; int32 block tables. -> (block_size, H_kv)."""
     check_tensor("q", q, 3, FLOAT_DTYPES)
     dev, d = q.device, q.shape[2]
-    check_tensor("k_cache", k_cache, 4, (q.dtype,), dev)
+    check_tensor("k_cache", k_cache, 4, KV8_DTYPES if k_scales is not None else (q.dtype,), dev)
+    check_kv_scales(k_cache, k_scales, v_scales)
     _, bs, hkv, dk = k_cache.shape
     if dk != d:
         raise ValueError(f"k_cache head_dim {dk} != q head_dim {d}")
-    check_tensor("v_cache", v_cache, 4, (q.dtype,), dev)
+    check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), dev)
     check_shape("v_cache", v_cache, k_cache.shape)
     if v_cache.stride() != k_cache.stride():
         raise ValueError(f"v_cache strides {v_cache.stride()} differ from k_cache's {k_cache.stride()}")

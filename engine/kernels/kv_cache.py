@@ -1,11 +1,17 @@
-"""write_kv_cache: scatter this step's K/V rows into their paged-cache slots."""
+"""write_kv_cache: scatter this step's K/V rows into their paged-cache slots.
+write_kv_cache_quant: the same into an 8-bit cache, keeping each (block, KV head)'s scale
+exactly as reference.write_kv_cache_quant does (codes and scales equal bit for bit)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from ._checks import FLOAT_DTYPES, check_shape, check_tensor
+from ._checks import FLOAT_DTYPES, KV8_DTYPES, check_kv_scales, check_shape, check_tensor
+from .reference import KV_QMAX
+
+TINY = tl.constexpr(torch.finfo(torch.float32).tiny)
+ROUND_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (x + M) - M rounds |x| < 2^22 half to even
 
 
 @triton.jit
@@ -60,3 +66,117 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         bs, h, d,
         BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d))
+
+
+@triton.jit
+def _to_code(x, QMAX: tl.constexpr, IS_INT: tl.constexpr):
+    """x already divided by its scale -> the code's value in fp32 (reference._to_code):
+    clamped to +-QMAX and rounded half to even, to an integer (int8) or to the e4m3 grid
+    (quantum 2^(e-3) at exponent e, 2^-9 below 2^-6), so the final cast is exact. The
+    rounding is done here because libdevice's rint has no interpreter version and the
+    interpreter's fp32 -> fp8 cast does not round to nearest even (GPUs' does)."""
+    x = tl.minimum(tl.maximum(x, -QMAX), QMAX)
+    if IS_INT:
+        return (x + ROUND_MAGIC) - ROUND_MAGIC
+    bits = x.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    quantum = ((e + 124) << 23).to(tl.float32, bitcast=True)            # 2^(e-3)
+    r = (tl.abs(x) + ROUND_MAGIC * quantum) - ROUND_MAGIC * quantum
+    return tl.where(bits < 0, -r, r)                                      # -0.0 stays -0.0
+
+
+@triton.jit
+def _write_block_head(x_ptr, stride_xt, stride_xh, cache_ptr, scale_ptr, toks, offs, tmask, fresh,
+                      blk, h, stride_cb, stride_co, stride_ch, stride_sb, block_size, D,
+                      QMAX: tl.constexpr, IS_INT: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    # x[toks, h] (this call's tokens of block blk, at offsets offs) -> codes, and the scale:
+    #   old = 0 if the block is fresh else scale[blk, h];  new = max(old, amax / QMAX)
+    #   new > old > 0: the block's other slots are requantized, code * (old / new)
+    #   the tokens: code(x / max(new, tiny))
+    d = tl.arange(0, BLOCK_D)
+    dmask = d[None, :] < D
+    x = tl.load(x_ptr + toks[:, None] * stride_xt + h * stride_xh + d[None, :],
+                mask=tmask[:, None] & dmask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    sptr = scale_ptr + blk * stride_sb + h
+    old = tl.where(fresh, 0.0, tl.load(sptr))
+    new = tl.maximum(old, tl.math.div_rn(amax, QMAX))
+    base = cache_ptr + blk * stride_cb + h * stride_ch + d[None, :]
+    if (new > old) & (old > 0):
+        # slots this call does not write (the two stores below never touch one address)
+        s = tl.arange(0, BLOCK_S)
+        written = tl.max(((s[:, None] == offs[None, :]) & tmask[None, :]).to(tl.int32), axis=1)
+        smask = ((s < block_size) & (written == 0))[:, None] & dmask
+        held = tl.load(base + s[:, None] * stride_co, mask=smask, other=0.0).to(tl.float32)
+        requant = _to_code(held * tl.math.div_rn(old, new), QMAX, IS_INT)
+        tl.store(base + s[:, None] * stride_co, requant.to(cache_ptr.dtype.element_ty), mask=smask)
+    tl.debug_barrier()      # every warp has read `old` before one of them overwrites it
+    tl.store(sptr, new)
+    codes = _to_code(tl.math.div_rn(x, tl.maximum(new, TINY)), QMAX, IS_INT)
+    tl.store(base + offs[:, None] * stride_co, codes.to(cache_ptr.dtype.element_ty),
+             mask=tmask[:, None] & dmask)
+
+
+@triton.jit
+def _write_kv_cache_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
+                                 order_ptr, start_ptr, count_ptr,
+                                 stride_kt, stride_kh, stride_vt, stride_vh,
+                                 stride_cb, stride_co, stride_ch, stride_sb, block_size, D,
+                                 QMAX: tl.constexpr, IS_INT: tl.constexpr,
+                                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid (runs, H_kv): run r = the count[r] tokens order[start[r]:][:count[r]] of this call
+    # that land in one block (at most block_size of them: slots are distinct)
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK_S)
+    tmask = i < tl.load(count_ptr + r)
+    toks = tl.load(order_ptr + tl.load(start_ptr + r) + i, mask=tmask, other=0).to(tl.int64)
+    slots = tl.load(slot_ptr + toks, mask=tmask, other=0).to(tl.int64)
+    blk = tl.max(tl.where(tmask, slots // block_size, 0), axis=0)
+    offs = slots % block_size
+    fresh = tl.max(((offs == 0) & tmask).to(tl.int32), axis=0) > 0   # its first slot: new block
+    _write_block_head(k_ptr, stride_kt, stride_kh, kc_ptr, ks_ptr, toks, offs, tmask, fresh, blk, h,
+                      stride_cb, stride_co, stride_ch, stride_sb, block_size, D,
+                      QMAX, IS_INT, BLOCK_S, BLOCK_D)
+    _write_block_head(v_ptr, stride_vt, stride_vh, vc_ptr, vs_ptr, toks, offs, tmask, fresh, blk, h,
+                      stride_cb, stride_co, stride_ch, stride_sb, block_size, D,
+                      QMAX, IS_INT, BLOCK_S, BLOCK_D)
+
+
+def write_kv_cache_quant(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, k_scales: torch.Tensor, v_scales: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    """write_kv_cache into an 8-bit cache (float8_e4m3fn or int8) with scales [num_blocks, H_kv]
+    fp32 (reference.py). The host groups this call's tokens by block (a device sync: the
+    8-bit cache runs without CUDA graphs); one program per (block, KV head) then sets the
+    scale, requantizes what the block holds when the scale grows, and writes the codes.
+    Slots must be distinct."""
+    check_tensor("k_cache", k_cache, 4, KV8_DTYPES)
+    dev = k_cache.device
+    _, bs, h, d = k_cache.shape
+    check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), dev)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache strides {v_cache.stride()} differ from k_cache's {k_cache.stride()}")
+    check_kv_scales(k_cache, k_scales, v_scales)
+    check_tensor("k", k, 3, FLOAT_DTYPES, dev)
+    t = k.shape[0]
+    for name, x in (("k", k), ("v", v)):
+        check_tensor(name, x, 3, FLOAT_DTYPES, dev)
+        check_shape(name, x, (t, h, d))
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), dev)
+    check_shape("slot_mapping", slot_mapping, (t,))
+    toks = torch.nonzero(slot_mapping >= 0).flatten()
+    if toks.numel() == 0:
+        return
+    blocks, inv, counts = torch.unique(slot_mapping[toks].long() // bs, return_inverse=True,
+                                       return_counts=True)
+    order = toks[torch.argsort(inv, stable=True)]
+    starts = counts.cumsum(0) - counts
+    _write_kv_cache_quant_kernel[(blocks.numel(), h)](
+        k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping, order, starts, counts,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scales.stride(0), bs, d,
+        QMAX=KV_QMAX[k_cache.dtype], IS_INT=k_cache.dtype == torch.int8,
+        BLOCK_S=triton.next_power_of_2(bs), BLOCK_D=triton.next_power_of_2(d))

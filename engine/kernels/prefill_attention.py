@@ -23,6 +23,9 @@ running max m, running sum l, unnormalised acc; one division at the end.
 Launch: on CUDA, chunks of at least TUNE_MIN_Q tokens pick their tile sizes and pipelining
 with triton.autotune (keyed on G, head dim and dtype; tuned once per process on the first such
 call); shorter chunks, and the interpreter, use _LAUNCH.
+
+An 8-bit cache (k_scales/v_scales given) is read by the same kernel, compiled with KV_SCALED
+(_attention_tile applies the per-(block, KV head) scales).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import triton.language as tl
 
 from ._attention_tile import _attend_tile
 from ._checks import (check_out, check_paged_attention, check_shape, check_tensor,
-                      dot_precision, interpreting, upcast_dot)
+                      dot_precision, interpreting, scale_args, upcast_dot)
 from .decode_attention import LOG2E
 
 # untuned launch: short chunks (launch-bound) and the interpreter
@@ -50,9 +53,9 @@ _CONFIGS = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
 def _paged_prefill_attention_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, scale_log2,
         stride_qt, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
-        stride_ot, stride_oh, block_size, D,
+        stride_ot, stride_oh, block_size, D, ks_ptr, vs_ptr, stride_sb,
         G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        PREC: tl.constexpr, UPCAST: tl.constexpr):
+        PREC: tl.constexpr, UPCAST: tl.constexpr, KV_SCALED: tl.constexpr):
     TOK = BLOCK_M // G                               # tokens per tile
     kvh = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -86,14 +89,17 @@ def _paged_prefill_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b * stride_bt
     head_off = kvh.to(tl.int64) * stride_ch
+    ks_row, vs_row = ks_ptr + kvh, vs_ptr + kvh
     for n0 in range(0, full_end, BLOCK_N):
         m, l, acc = _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_row, n0, full_end, qpos,
                                  scale_log2, block_size, stride_cb, stride_co, head_off, d, dmask,
-                                 CAUSAL=False, BLOCK_N=BLOCK_N, PREC=PREC, UPCAST=UPCAST)
+                                 ks_row, vs_row, stride_sb, CAUSAL=False, BLOCK_N=BLOCK_N,
+                                 PREC=PREC, UPCAST=UPCAST, KV_SCALED=KV_SCALED)
     for n0 in range(full_end, last_pos + 1, BLOCK_N):
         m, l, acc = _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_row, n0, last_pos + 1, qpos,
                                  scale_log2, block_size, stride_cb, stride_co, head_off, d, dmask,
-                                 CAUSAL=True, BLOCK_N=BLOCK_N, PREC=PREC, UPCAST=UPCAST)
+                                 ks_row, vs_row, stride_sb, CAUSAL=True, BLOCK_N=BLOCK_N,
+                                 PREC=PREC, UPCAST=UPCAST, KV_SCALED=KV_SCALED)
     o = acc / l[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -105,13 +111,15 @@ _tuned_kernel = triton.autotune(_CONFIGS, key=["G", "D"])(_paged_prefill_attenti
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             context_lens: torch.Tensor, scale: float, *, max_q_len: int | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H_q, D] -> [T, H_q, D]. The chunk's own K/V must already be in the cache.
+    k_scales, v_scales: [num_blocks, H_kv] fp32 when the cache is 8-bit (reference.py).
 
     max_q_len: a host int >= every chunk length (the scheduler knows it); when omitted it is
     read from cu_seqlens_q, which syncs with the device. Requires context_lens[b] >= q_len[b].
     """
-    bs, hkv = check_paged_attention(q, k_cache, v_cache, block_tables)
+    bs, hkv = check_paged_attention(q, k_cache, v_cache, block_tables, k_scales, v_scales)
     dev = q.device
     t, hq, d = q.shape
     nseq = block_tables.shape[0]
@@ -131,9 +139,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, float(scale) * LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), out.stride(0), out.stride(1), bs, d)
+            block_tables.stride(0), out.stride(0), out.stride(1), bs, d,
+            *scale_args(k_cache, k_scales, v_scales))
     consts = dict(G=g, BLOCK_D=triton.next_power_of_2(d), PREC=dot_precision(q.dtype),
-                  UPCAST=upcast_dot(q.dtype))
+                  UPCAST=upcast_dot(q.dtype), KV_SCALED=k_scales is not None)
 
     def grid(meta):
         return hkv, nseq, triton.cdiv(max_q_len, meta["BLOCK_M"] // g)

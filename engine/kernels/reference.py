@@ -17,6 +17,8 @@ K and for V: element (block, offset, head, :) stands for q * scale[block, head].
 a (block, head) is its amax / QMAX over the tokens written so far: set when the block's first
 slot is written and raised (the block's earlier entries requantized) when a later token
 exceeds it. No calibration; a block that is never rewritten keeps its first quantization.
+The Triton path reads and writes the same cache: kv_cache.write_kv_cache_quant keeps these
+codes and scales bit for bit, and both paged attention kernels apply the scales per tile.
 """
 from __future__ import annotations
 
