@@ -4,6 +4,7 @@ weights are stacked at load time.
     router   logits = x @ gate.T  [T, E]  ->  softmax (fp32)  ->  top-k  (-> renormalise)
     experts  engine.kernels.fused_moe over the stacked weights:
              gate_up_proj [E, 2I, H] = cat(gate, up) of each expert,  down_proj [E, H, I]
+             (with --quantization: engine.quant.QuantExperts, one quantized layer per expert)
     shared   Qwen2-MoE only: + sigmoid(x @ shared_expert_gate.T) * dense MLP(x)
 
 Routing is device-side tensor ops of shapes fixed by T (no host sync), so a decode step with
@@ -44,8 +45,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x):
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        out = K.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
-                          backend=self.backend)
+        if isinstance(self.experts, Experts):
+            out = K.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                              backend=self.backend)
+        else:   # quantized: engine.quant.QuantExperts, a QuantLinear per expert
+            out = self.experts(x, weights, ids, backend=self.backend)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
