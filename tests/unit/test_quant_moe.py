@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from engine import LLM
+from engine import LLM, LLMEngine
 from engine.kernels import reference
 from engine.moe import Experts, SparseMoeBlock, select_experts
 from engine.quant import QuantExperts, QuantLinear, weight_bytes
 from engine.sampling_params import SamplingParams
 from tests.hf_models import make_hf_model
-from tests.unit.test_engine_vs_hf import assert_no_blocks_held
+from tests.unit.test_engine_vs_hf import assert_no_blocks_held, run_staggered
 
 KINDS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 # the tests' MoE models (tests/hf_models.py) with every in-features a multiple of 128, so that
@@ -133,3 +133,44 @@ def test_int8_greedy_agreement_floor(models, kind):
         _prompts(32), params)]
     same = sum(a == b for a, b in zip(got, want))
     assert same >= FLOOR[kind], f"int8 greedy output identical on {same}/32 prompts"
+
+
+def test_padded_decode_graph_path(models):
+    """The CUDA-graph decode path (static buffers, batches padded to a bucket, run eagerly on
+    CPU) with quantized experts: the padding rows are routed to experts too, and must not
+    change the live rows' tokens. (On CUDA the runner captures no graphs for such a model: the
+    experts' loop waits on the device.)"""
+    d, _ = models("mixtral")
+    plain = LLMEngine.from_model_dir(d, quantization="int8", num_blocks=256, max_num_seqs=8)
+    padded = LLMEngine.from_model_dir(d, quantization="int8", num_blocks=256, max_num_seqs=8,
+                                      decode_graphs=True)
+    assert padded.runner.graphs is not None
+    want = [o.token_ids for o in run_staggered(plain, _prompts(6))]
+    assert [o.token_ids for o in run_staggered(padded, _prompts(6))] == want
+    assert_no_blocks_held(padded)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", METHODS)
+def test_cuda_experts_match_reference_without_graphs(models, method):
+    """On CUDA each expert's QuantLinear runs its own kernel (Triton up to 16 rows; above,
+    dequantize-then-matmul or, fp8, torch._scaled_mm on activations quantized per token): the
+    block against reference.fused_moe on the dequantized experts; the engine captures no decode
+    graphs for the model (the experts' loop waits on the device) and generates."""
+    d, _ = models("qwen3_moe")
+    llm = LLM(d, quantization=method, num_blocks=64, block_size=16, device="cuda")
+    assert llm.engine.runner.graphs is None
+    block = _blocks(llm)[0]
+    w13 = torch.stack([lin.dequantize() for lin in block.experts.gate_up])
+    w2 = torch.stack([lin.dequantize() for lin in block.experts.down])
+    torch.manual_seed(0)
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, w13.shape[2], device="cuda")
+        weights, ids = select_experts(block.gate(x), block.top_k, block.renormalize)
+        want = reference.fused_moe(x, w13, w2, weights, ids)
+        # fp8 above 16 rows: x in e4m3 (3 mantissa bits) for the product
+        tol = 0.06 if method.startswith("fp8") else 0.01
+        torch.testing.assert_close(block(x), want, atol=tol * want.abs().max().item(), rtol=tol)
+    out = llm.generate(_prompts(4), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [8] * 4
+    assert_no_blocks_held(llm.engine)
