@@ -8,9 +8,10 @@ weights are stacked at load time.
     shared   Qwen2-MoE only: + sigmoid(x @ shared_expert_gate.T) * dense MLP(x)
 
 Routing is device-side tensor ops of shapes fixed by T (no host sync), so a decode step with
-MoE layers can be captured in a CUDA graph. Checkpoints hold one tensor per expert
-(`experts.3.w1.weight` / `experts.3.gate_proj.weight`); `expert_target` names where each
-goes and `stack_experts` builds the stacked parameter, once, at load.
+MoE layers can be captured in a CUDA graph (float experts: the quantized ones' loop syncs).
+Checkpoints hold one tensor per expert (`experts.3.w1.weight` / `experts.3.gate_proj.weight`);
+`expert_target` names where each goes and `stack_experts` builds the stacked parameter, once,
+at load.
 """
 from __future__ import annotations
 

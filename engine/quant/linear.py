@@ -357,9 +357,10 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     embedding cost +3.0% perplexity; llama.cpp keeps its output in 8 bits too), one table shared
     with a tied head (a lookup dequantizes the rows it reads), unless the checkpoint already
     held them quantized. An MoE block's experts become a QuantExperts and its shared expert's
-    linears QuantLinears; its router and shared-expert gate (one output each per expert /
-    token, the routing decisions) and the norms stay as they are. 'none' and 'auto' (the loader has already
-    installed what the checkpoint holds quantized) leave the model as is."""
+    linears QuantLinears; its router and shared-expert gate (tiny, and they decide the routing)
+    stay float, as do the norms. 'none' and 'auto' (the loader has already installed what the
+    checkpoint holds quantized; an MoE checkpoint's experts are dequantized) leave the model as
+    is."""
     if check_method(method) in ("none", "auto"):
         return model
     if HEAD is not None and model.lm_head is not None and not isinstance(model.lm_head, QuantLinear):

@@ -108,8 +108,9 @@ def test_block_matches_reference_on_dequantized_experts(models, kind, method):
         weights, ids = select_experts(block.gate(x), block.top_k, block.renormalize)
         want = reference.fused_moe(x, w13, w2, weights, ids)
         if block.shared_expert is not None:
-            h = reference.silu_and_mul(F.linear(x, block.shared_expert.gate_up_proj.dequantize()))
-            want += torch.sigmoid(block.shared_expert_gate(x)) * F.linear(h, block.shared_expert.down_proj.dequantize())
+            shared = block.shared_expert
+            h = reference.silu_and_mul(F.linear(x, shared.gate_up_proj.dequantize()))
+            want += torch.sigmoid(block.shared_expert_gate(x)) * F.linear(h, shared.down_proj.dequantize())
         got = block(x)
         if method.startswith("fp8"):    # on CPU: dequantize, F.linear
             torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
