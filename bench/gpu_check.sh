@@ -84,6 +84,8 @@ for s in $SECTIONS; do
         ;;
     moe)
         tests tests/kernels/test_moe.py 60
+        step 90 "pytest tests/unit/test_quant_moe.py -k cuda" tests/unit/test_quant_moe.py \
+            python3 -m pytest -q -rfEs -p no:cacheprovider tests/unit/test_quant_moe.py -k cuda
         step 60 "bench/moe.py --gpu" bench/moe.py python3 bench/moe.py --gpu
         ;;
     *)

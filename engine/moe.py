@@ -4,12 +4,14 @@ weights are stacked at load time.
     router   logits = x @ gate.T  [T, E]  ->  softmax (fp32)  ->  top-k  (-> renormalise)
     experts  engine.kernels.fused_moe over the stacked weights:
              gate_up_proj [E, 2I, H] = cat(gate, up) of each expert,  down_proj [E, H, I]
+             (with --quantization: engine.quant.QuantExperts, one quantized layer per expert)
     shared   Qwen2-MoE only: + sigmoid(x @ shared_expert_gate.T) * dense MLP(x)
 
 Routing is device-side tensor ops of shapes fixed by T (no host sync), so a decode step with
-MoE layers can be captured in a CUDA graph. Checkpoints hold one tensor per expert
-(`experts.3.w1.weight` / `experts.3.gate_proj.weight`); `expert_target` names where each
-goes and `stack_experts` builds the stacked parameter, once, at load.
+MoE layers can be captured in a CUDA graph (float experts: the quantized ones' loop syncs).
+Checkpoints hold one tensor per expert (`experts.3.w1.weight` / `experts.3.gate_proj.weight`);
+`expert_target` names where each goes and `stack_experts` builds the stacked parameter, once,
+at load.
 """
 from __future__ import annotations
 
@@ -44,8 +46,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x):
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        out = K.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
-                          backend=self.backend)
+        if isinstance(self.experts, Experts):
+            out = K.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                              backend=self.backend)
+        else:   # quantized: engine.quant.QuantExperts, a QuantLinear per expert
+            out = self.experts(x, weights, ids, backend=self.backend)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -21,6 +21,7 @@ import torch
 
 from .cuda_graph import DecodeGraphs
 from .model import AttentionMetadata, CausalLM
+from .quant import QuantExperts
 from .scheduler import SchedulerOutput
 
 
@@ -51,9 +52,10 @@ class ModelRunner:
         self.kv_scales = None if kv_dtype.is_floating_point and kv_dtype.itemsize > 1 else \
             torch.zeros(c.num_layers, 2, num_blocks, c.num_kv_heads, device=device)
         model.bind_kv_cache(self.kv_cache, self.kv_scales)
-        if decode_graphs is None:   # the 8-bit cache's write path syncs: no graphs for it
+        if decode_graphs is None:   # the 8-bit cache's write path and quantized experts sync
             decode_graphs = (torch.device(device).type == "cuda" and model.backend != "torch"
-                             and self.kv_scales is None)
+                             and self.kv_scales is None
+                             and not any(isinstance(m, QuantExperts) for m in model.modules()))
         self.graphs = None
         if decode_graphs:
             self.graphs = DecodeGraphs(model, max_num_seqs, -(-c.max_model_len // block_size), device)

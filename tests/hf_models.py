@@ -30,16 +30,16 @@ def make_hf_model(kind: str, out: Path, **overrides) -> Path:
         cfg = T.Qwen2Config(**kw)
     elif kind == "qwen3":
         cfg = T.Qwen3Config(**kw, head_dim=24)
-    elif kind == "mixtral":
-        cfg = T.MixtralConfig(**dict(kw, intermediate_size=48), num_local_experts=8,
-                              num_experts_per_tok=2, sliding_window=256)
+    elif kind == "mixtral":     # `overrides` win over the MoE models' own sizes too
+        cfg = T.MixtralConfig(**{**kw, **dict(intermediate_size=48, num_local_experts=8,
+                                              num_experts_per_tok=2, sliding_window=256), **overrides})
     elif kind == "qwen2_moe":
-        cfg = T.Qwen2MoeConfig(**kw, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=96, norm_topk_prob=False,
-                               mlp_only_layers=[0])
+        cfg = T.Qwen2MoeConfig(**{**dict(num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=96, norm_topk_prob=False,
+                                         mlp_only_layers=[0]), **kw})
     elif kind == "qwen3_moe":
-        cfg = T.Qwen3MoeConfig(**kw, head_dim=24, num_experts=8, num_experts_per_tok=2,
-                               moe_intermediate_size=32, norm_topk_prob=True)
+        cfg = T.Qwen3MoeConfig(**{**dict(head_dim=24, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True), **kw})
     else:
         raise ValueError(kind)
     torch.manual_seed(0)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATIONS as METHODS
+from engine.kernels import silu_and_mul
 
 from .quantize import (FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantWeight, dequantize, pack_int4,
                        quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
@@ -291,6 +292,32 @@ def scaled_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rowwise
     return torch._scaled_mm(xq, q.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype)
 
 
+class QuantExperts(nn.Module):
+    """The experts of an MoE block (engine/moe.py Experts: gate_up_proj [E, 2I, H], down_proj
+    [E, H, I]) held as one QuantLinear per expert and projection. Computed as
+    engine/kernels/reference.py `fused_moe` computes the float ones, one expert at a time:
+    its tokens gathered, silu_and_mul, scaled by the routing weight, summed per token in fp32.
+    Each QuantLinear runs its own kernel (the table at the top); on CUDA that is the same loop,
+    no fused kernel over the experts yet, and its `nonzero` waits on the device (no decode
+    graphs: runner.py)."""
+
+    def __init__(self, method: str, gate_up: torch.Tensor, down: torch.Tensor):
+        super().__init__()
+        self.gate_up = nn.ModuleList(QuantLinear.from_float(method, w) for w in gate_up)
+        self.down = nn.ModuleList(QuantLinear.from_float(method, w) for w in down)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                backend: str = "auto") -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, (gate_up, down) in enumerate(zip(self.gate_up, self.down)):
+            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            y = down(silu_and_mul(gate_up(x[tok]), backend=backend))
+            out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
+        return out.to(x.dtype)
+
+
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -300,8 +327,11 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     embedding table become HEAD (int8_g32) under every method (SmolLM2-135M: an fp8 head and
     embedding cost +3.0% perplexity; llama.cpp keeps its output in 8 bits too), one table shared
     with a tied head (a lookup dequantizes the rows it reads), unless the checkpoint already
-    held them quantized. Norms stay as they are. 'none' and 'auto' (the loader has already
-    installed what the checkpoint holds quantized) leave the model as is."""
+    held them quantized. An MoE block's experts become a QuantExperts and its shared expert's
+    linears QuantLinears; its router and shared-expert gate (tiny, and they decide the routing)
+    stay float, as do the norms. 'none' and 'auto' (the loader has already installed what the
+    checkpoint holds quantized; an MoE checkpoint's experts are dequantized) leave the model as
+    is."""
     if check_method(method) in ("none", "auto"):
         return model
     if HEAD is not None and model.lm_head is not None and not isinstance(model.lm_head, QuantLinear):
@@ -314,7 +344,10 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
             model.lm_head = (QuantLinear.sharing(model.embed_tokens) if q8.group
                              else QuantLinear.from_quantized(HEAD, q8))
     for layer in model.layers:
-        for parent in (layer.self_attn, layer.mlp):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and not isinstance(experts, QuantExperts):
+            layer.mlp.experts = QuantExperts(method, experts.gate_up_proj.data, experts.down_proj.data)
+        for parent in (layer.self_attn, layer.mlp, getattr(layer.mlp, "shared_expert", None)):
             for name in _LINEARS:
                 lin = getattr(parent, name, None)
                 if isinstance(lin, nn.Linear):
