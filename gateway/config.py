@@ -84,10 +84,10 @@ class GatewayConfig:
                 "would break it (an adaptive limit on requests in flight; 0: off)"})
     slo_itl_ms: float = field(default=0.0, metadata={
         "help": "inter-token latency SLO (mean time per output token), as --slo-ttft-ms"})
-    affinity_slack: int = field(default=2, metadata={
+    affinity_slack: int = field(default=16, metadata={
         "help": "prefix affinity wins while its worker has at most this many more requests "
                 "in flight than the least loaded one"})
-    affinity_slack_ratio: float = field(default=0.0, metadata={
+    affinity_slack_ratio: float = field(default=1.5, metadata={
         "help": "prefix affinity also wins while its worker has at most this many times the "
                 "least loaded one's requests in flight (0: the absolute slack alone)"})
 

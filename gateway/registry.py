@@ -212,7 +212,7 @@ class WorkerPool:
         return [w for w in self.workers.values() if w.healthy and w.address not in exclude]
 
     def pick(self, exclude: Sequence[str] = (), affinity: "PrefixAffinity | None" = None,
-             hashes: Sequence[bytes] = (), slack: int = 2, slack_ratio: float = 0.0,
+             hashes: Sequence[bytes] = (), slack: int = 16, slack_ratio: float = 1.5,
              compat=None) -> Worker | None:
         """The least-loaded healthy worker, or the prefix-affine one while its requests in
         flight are at most `slack` more, or at most `slack_ratio` (> 0) times, the least-loaded

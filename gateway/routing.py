@@ -21,8 +21,7 @@ from .request import GatewayError
 
 
 class Router:
-    def __init__(self, prefill: WorkerPool, decode: WorkerPool, slack: int,
-                 slack_ratio: float = 0.0):
+    def __init__(self, prefill: WorkerPool, decode: WorkerPool, slack: int, slack_ratio: float):
         self.prefill, self.decode = prefill, decode
         self.slack, self.slack_ratio = slack, slack_ratio
         self._affinity = {"prefill": PrefixAffinity(), "decode": PrefixAffinity()}
