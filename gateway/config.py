@@ -84,15 +84,20 @@ class GatewayConfig:
                 "would break it (an adaptive limit on requests in flight; 0: off)"})
     slo_itl_ms: float = field(default=0.0, metadata={
         "help": "inter-token latency SLO (mean time per output token), as --slo-ttft-ms"})
-    affinity_slack: int = field(default=2, metadata={
-        "help": "prefix affinity wins unless its worker has this many more requests in "
-                "flight than the least loaded one"})
+    affinity_slack: int = field(default=16, metadata={
+        "help": "prefix affinity wins while its worker has at most this many more requests "
+                "in flight than the least loaded one"})
+    affinity_slack_ratio: float = field(default=1.5, metadata={
+        "help": "prefix affinity also wins while its worker has at most this many times the "
+                "least loaded one's requests in flight (0: the absolute slack alone)"})
 
     def __post_init__(self):
         if self.health_interval_s <= 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.affinity_slack_ratio < 0:
+            raise ValueError(f"affinity_slack_ratio must be >= 0, got {self.affinity_slack_ratio}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         per_model = ("model", "served_model_name", "prefill", "decode", "prefill_dns",

@@ -20,8 +20,8 @@ Picking (`pick`): only healthy workers; the key is (gateway-side requests in fli
 worker's own running + waiting, -free KV blocks). In-flight counts are exact and immediate;
 Stats lag by one probe interval, so they break ties. Prefix affinity (`PrefixAffinity`)
 overrides the choice when the worker that recently served the prompt's first blocks is no
-more than `slack` requests busier than the best one (SGLang's cache-aware router and
-Dynamo's KV router weigh the same two signals: cache overlap vs load).
+more than `slack` requests (or `slack_ratio` times) busier than the best one (SGLang's
+cache-aware router and Dynamo's KV router weigh the same two signals: cache overlap vs load).
 """
 from __future__ import annotations
 
@@ -242,10 +242,13 @@ class WorkerPool:
         return [w for w in self.workers.values() if w.healthy and w.address not in exclude]
 
     def pick(self, exclude: Sequence[str] = (), affinity: "PrefixAffinity | None" = None,
-             hashes: Sequence[bytes] = (), slack: int = 2, compat=None) -> Worker | None:
-        """The least-loaded healthy worker (or the prefix-affine one, unless it is `slack`
-        requests busier). With `compat` (a KvCompat), only workers whose KV layout matches
-        it, or whose Stats have not arrived yet (they would refuse a mismatch themselves)."""
+             hashes: Sequence[bytes] = (), slack: int = 16, slack_ratio: float = 1.5,
+             compat=None) -> Worker | None:
+        """The least-loaded healthy worker, or the prefix-affine one while its requests in
+        flight are at most `slack` more, or at most `slack_ratio` (> 0) times, the least-loaded
+        one's (load overrides affinity only when both bounds are broken). With `compat` (a
+        KvCompat), only workers whose KV layout matches it, or whose Stats have not arrived
+        yet (they would refuse a mismatch themselves)."""
         cands = self.healthy(exclude)
         if compat is not None:
             cands = [w for w in cands if w.stats is None or not w.stats.HasField("compat")
@@ -255,7 +258,8 @@ class WorkerPool:
         best = min(cands, key=lambda w: (w.load_key(), w.requests_total))
         if affinity is not None and hashes:
             preferred = affinity.lookup(hashes, {w.address: w for w in cands})
-            if preferred is not None and preferred.in_flight <= best.in_flight + slack:
+            if preferred is not None and (preferred.in_flight <= best.in_flight + slack or (
+                    slack_ratio > 0 and preferred.in_flight <= slack_ratio * best.in_flight)):
                 return preferred
         return best
 

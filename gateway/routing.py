@@ -1,7 +1,8 @@
 """Which workers serve a segment: a decode worker, then a prefill worker that can fill it.
 
     decode:   least loaded healthy worker, or the prefix-affine one (the worker that
-              recently served the prompt's first blocks) unless it is `slack` requests busier
+              recently served the prompt's first blocks) while it is at most `slack` requests,
+              or at most `slack_ratio` times, busier than the least loaded one
     prefill:  the same, among workers whose KV layout (KvCompat) matches the decode worker's
               reservation; none matching while some are healthy -> FAILED_PRECONDITION
 
@@ -20,8 +21,9 @@ from .request import GatewayError
 
 
 class Router:
-    def __init__(self, prefill: WorkerPool, decode: WorkerPool, slack: int):
-        self.prefill, self.decode, self.slack = prefill, decode, slack
+    def __init__(self, prefill: WorkerPool, decode: WorkerPool, slack: int, slack_ratio: float):
+        self.prefill, self.decode = prefill, decode
+        self.slack, self.slack_ratio = slack, slack_ratio
         self._affinity = {"prefill": PrefixAffinity(), "decode": PrefixAffinity()}
 
     def hashes(self, pool: WorkerPool, prompt: list[int], block_size: int = 0) -> list[bytes]:
@@ -29,13 +31,14 @@ class Router:
         return self._affinity[pool.kind].block_hashes(prompt, block_size or pool.block_size())
 
     def pick_decode(self, tried: set[str], hashes: list[bytes]) -> Worker | None:
-        return self.decode.pick(tried, self._affinity["decode"], hashes, self.slack)
+        return self.decode.pick(tried, self._affinity["decode"], hashes, self.slack,
+                                self.slack_ratio)
 
     def pick_prefill(self, kv: decode_pb2.KvReady, exclude: list[str],
                      hashes: list[bytes]) -> Worker:
         """A prefill worker for the reservation `kv`; raises GatewayError when none fits."""
         w = self.prefill.pick(exclude, self._affinity["prefill"], hashes, self.slack,
-                              compat=kv.compat)
+                              self.slack_ratio, compat=kv.compat)
         if w is not None:
             return w
         if self.prefill.pick(exclude) is not None:       # healthy, but none can fill this KV
