@@ -42,6 +42,7 @@ from .quantize import (FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantWeight, 
                        quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
 
 SMALL_M = 16                    # up to this many rows: the weight-only kernels
+EXACT_TOP_MAX = 512             # logits a tied CPU head recomputes exactly, at most
 
 
 # the output head and embedding table under every method: int8 with a float16 scale per 32
@@ -71,6 +72,7 @@ class QuantLinear(nn.Module):
         # torch's CPU int4 kernel needs N % 16 == 0; other shapes keep the plain layout
         self.cpu_int4 = self.on_cpu and bool(self.group) and out_features % 16 == 0
         self.group_major = False        # see `sharing`
+        self.exact_top = False          # see `_exact_top`
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -126,21 +128,42 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def sharing(cls, emb: "QuantEmbedding") -> "QuantLinear":
-        """A tied head over an int8_g32 embedding table's own codes (group-major [K/32, V, 32])
-        and scales: one copy for lookups and logits. On CPU it runs torch's int8 kernel (per
-        channel scales) once per group of 32 columns and sums in float32; elsewhere it
-        dequantizes. (Torch's int4 kernel on the nibble split, as other int8_g32 layers run,
-        takes half the time but rounds each logit to bfloat16: SmolLM2's greedy answer to
-        "What is the capital of France?" starts with a near-tie, 25.232 against 25.226, that
-        bfloat16 turns into a tie, and the answer into another one.)"""
-        n_groups, n, g = emb.qweight.shape
-        self = cls("int8_g32", n_groups * g, n, None, emb.qweight.device)
-        self.cpu_int4, self.group_major = False, True
+        """A tied head over an int8_g32 embedding table's own codes and scales: one copy for
+        lookups and logits. On CPU the table is held in torch's int4 kernel layout (the nibble
+        split) where it can be: the head runs that kernel as other int8_g32 layers do, then
+        recomputes exactly the logits that could be the largest (`_exact_top`). Otherwise
+        (codes group-major [K/32, V, 32]) it runs torch's int8 kernel (per channel scales)
+        once per group of 32 columns and sums in float32 on CPU, and dequantizes elsewhere."""
+        n, k = emb.shape
+        self = cls("int8_g32", k, n, None, emb.qweight.device)
         self.register_buffer("qweight", emb.qweight)
         self.register_buffer("scale", emb.scale)
+        if emb.cpu_packed:
+            self.register_buffer("scales_and_zeros", emb.scales_and_zeros)
+            self.exact_top = True
+            return self
+        self.cpu_int4, self.group_major = False, True
         if self.on_cpu:
             self.register_buffer("group_scales", emb.scale.T.bfloat16().contiguous())   # [K/32, V]
         return self
+
+    def _exact_top(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Logits from torch's bf16 kernel carry bfloat16 roundings (of x, and of each output:
+        up to 2^-8 of its size), enough to swap two near-tied tokens (SmolLM2's answer to
+        "What is the capital of France?" starts with 25.232 against 25.226, one bfloat16 value
+        apart). Every column within 2^-5 of a row's largest magnitude of that row's maximum is
+        recomputed in float32 from the stored codes and scales (a few rows of the table), so
+        the argmax and the top logprobs are those of the dequantized table."""
+        top = y.amax(-1, keepdim=True)
+        near = (y >= top - 2 ** -5 * y.abs().amax(-1, keepdim=True)).any(0)
+        cols = near.nonzero().flatten()
+        if cols.numel() > EXACT_TOP_MAX:
+            cols = cols[y.amax(0)[cols].topk(EXACT_TOP_MAX).indices]
+        k = self.in_features
+        q = _int4pack_rows(self.qweight, cols, k).view(-1, k // self.group, self.group).float()
+        w = (q * self.scale[cols].float()[..., None]).view(-1, k)
+        y[:, cols] = x.float() @ w.T
+        return y
 
     def _int4pack(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
@@ -181,7 +204,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self._matmul(x if x.dim() == 2 else x.reshape(-1, self.in_features))
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        y = self._matmul(x2)
+        if self.exact_top:
+            y = self._exact_top(x2, y.float())
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         if self.bias is not None:
@@ -248,15 +274,37 @@ def _int4pack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 32, sz).T.to(torch.int32)
 
 
+def _int4pack_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `ids` [T] of an int8_g32 layer held in torch's CPU int4 layout, as int8 codes
+    [T, K]. That layout is [N/64, 2K, 32] bytes: byte (b, c, j) holds split-code column c of
+    row 64 b + j in its low nibble and of row 64 b + 32 + j in its high one."""
+    ids = ids.long()
+    b = packed.view(-1, 2 * k, 32)[ids // 64, :, ids % 32]              # [T, 2K]
+    return _nibble_join(torch.where((ids % 64 < 32)[:, None], b & 15, b >> 4).int())
+
+
 class QuantEmbedding(nn.Module):
-    """nn.Embedding over an int8 table with a scale per row, or per group of a row (int8_g32:
-    codes held group-major, [K/g, V, g], the layout a tied head shares: QuantLinear.sharing)."""
+    """nn.Embedding over an int8 table with a scale per row, or per group of a row (int8_g32).
+    A grouped table is held in the layout its tied head computes from (QuantLinear.sharing):
+    on CPU, torch's int4 kernel layout (the nibble split; lookups read rows out of it), where
+    the table has a multiple of 64 rows and the layout reads back as `_int4pack_rows`
+    expects; otherwise group-major codes [K/g, V, g]."""
 
     def __init__(self, qw: Int8Weight, dtype: torch.dtype):
         super().__init__()
-        self.dtype, self.group = dtype, qw.group
+        self.dtype, self.group, self.shape = dtype, qw.group, tuple(qw.q.shape)
+        self.cpu_packed = False
+        v, k = self.shape
+        if qw.group == 32 and qw.q.device.type == "cpu" and v % 64 == 0:
+            lin = QuantLinear.from_quantized("int8_g32", qw)     # stored scales kept
+            probe = torch.tensor([0, 33, v - 1])
+            if torch.equal(_int4pack_rows(lin.qweight, probe, k), qw.q[probe]):
+                self.cpu_packed = True
+                self.register_buffer("qweight", lin.qweight)
+                self.register_buffer("scales_and_zeros", lin.scales_and_zeros)
+                self.register_buffer("scale", qw.scale)
+                return
         if qw.group:
-            v, k = qw.q.shape
             self.register_buffer("qweight", qw.q.view(v, k // qw.group, qw.group).transpose(0, 1).contiguous())
             self.register_buffer("scale", qw.scale)
         else:
@@ -264,13 +312,19 @@ class QuantEmbedding(nn.Module):
             self.register_buffer("scale", qw.scale.float())
 
     def quantized(self) -> Int8Weight:
+        v, k = self.shape
+        if self.cpu_packed:
+            return Int8Weight(_int4pack_rows(self.qweight, torch.arange(v), k), self.scale, self.group)
         if self.group:
-            g, v, _ = self.qweight.shape
-            return Int8Weight(self.qweight.transpose(0, 1).reshape(v, g * self.group), self.scale, self.group)
+            return Int8Weight(self.qweight.transpose(0, 1).reshape(v, k), self.scale, self.group)
         return Int8Weight(self.qweight, self.scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         s = self.scale[ids].float()
+        if self.cpu_packed:
+            q = _int4pack_rows(self.qweight, ids.flatten(), self.shape[1])
+            q = q.view(*ids.shape, -1, self.group).float()              # [..., K/g, g]
+            return (q * s[..., None]).flatten(-2).to(self.dtype)
         if self.group:
             q = self.qweight[:, ids].movedim(0, -2).float()            # [..., K/g, g]
             return (q * s[..., None]).flatten(-2).to(self.dtype)

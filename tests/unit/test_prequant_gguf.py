@@ -167,6 +167,7 @@ def test_tied_q8_0_table_is_one_copy_for_lookups_and_logits(files):
     model = LLM(d / "m.gguf", num_blocks=8).engine.model
     emb, head = model.embed_tokens, model.lm_head
     assert isinstance(emb, QuantEmbedding) and head.qweight.data_ptr() == emb.qweight.data_ptr()
+    assert emb.cpu_packed and head.exact_top     # torch's CPU int4 layout, top logits exact
     want = torch.from_numpy(raw["model.embed_tokens.weight"].dequantize())
     assert torch.equal(head.dequantize(), want)
     assert torch.equal(emb(torch.arange(want.shape[0])), want)

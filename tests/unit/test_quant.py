@@ -196,3 +196,35 @@ def test_int8_g32_plain_layout_and_triton_split():
     torch.testing.assert_close(lin(x), want)
     got = qm.int4_matmul(torch.cat((x, x), dim=1), lin.qweight, *int8_g32_split_scales(lin.scale), 32)
     torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1024, 1000])
+def test_tied_int8_g32_table_lookups_and_head(rows):
+    """A tied int8_g32 table is one copy: held in torch's CPU int4 layout when its row count
+    is a multiple of 64 (lookups read rows out of it), group-major otherwise. Either way every
+    lookup is the dequantized row exactly, every code and scale reads back, and the head
+    computes x @ W.T to bf16 rounding; in the int4 layout, every logit near a row's maximum
+    is the float32 one exactly (argmax and top values as on the dequantized table)."""
+    from engine.quant import QuantEmbedding
+    codes = torch.randint(-128, 128, (rows, 128), dtype=torch.int8)
+    codes[:, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    qw = Int8Weight(codes, (torch.rand(rows, 4) * 0.1 + 1e-3).half(), 32)
+    emb = QuantEmbedding(qw, torch.float32)
+    head = QuantLinear.sharing(emb)
+    assert emb.cpu_packed == (rows % 64 == 0) and head.qweight.data_ptr() == emb.qweight.data_ptr()
+    table = dequantize_int8(qw)
+    ids = torch.tensor([[0, 31, 32, 63], [64, 95, rows - 1, 7]])
+    assert torch.equal(emb(ids), table[ids])
+    held = emb.quantized()
+    assert torch.equal(held.q, codes) and torch.equal(held.scale, qw.scale)
+    assert torch.equal(head.dequantize(), table)
+    x = torch.randn(3, 128)
+    want = x @ table.T
+    torch.testing.assert_close(head(x), want, atol=0.01 * want.abs().max().item(), rtol=0.01)
+    if emb.cpu_packed:
+        got = head(x)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        near = want >= want.amax(-1, keepdim=True) - 2 ** -6 * want.abs().amax(-1, keepdim=True)
+        assert near.sum() >= 3
+        torch.testing.assert_close(got[near], want[near], rtol=1e-6, atol=1e-5)
+        assert not torch.allclose(got, want, rtol=1e-6, atol=1e-5)     # the rest: bf16 kernel
