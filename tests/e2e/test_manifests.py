@@ -18,6 +18,7 @@ give Prometheus, with the labels the rule's query needs.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import random
 import re
 import shutil
@@ -200,16 +201,22 @@ def secrets(workdir: Path) -> dict[str, dict[str, bytes]]:
             "pdserve-api-keys": {"api-keys": f"# test keys\n{API_KEY}\n".encode()}}
 
 
-@pytest.fixture(scope="module")
-def cluster(rendered, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("cluster")
-    c = Cluster(rendered["dev"], workdir, secrets(workdir))
+@contextlib.contextmanager
+def cluster_of(docs, workdir):
+    """An overlay's rendered objects as a running Cluster, stopped on exit."""
+    c = Cluster(docs, workdir, secrets(workdir))
     c.start()
     try:
         c.start_all()
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(rendered, tmp_path_factory):
+    with cluster_of(rendered["dev"], tmp_path_factory.mktemp("cluster")) as c:
+        yield c
 
 
 def gateway_url(cluster) -> str:
@@ -246,14 +253,8 @@ class TestTwoModels:
 
     @pytest.fixture(scope="class")
     def two(self, rendered, tmp_path_factory):
-        workdir = tmp_path_factory.mktemp("two-models")
-        c = Cluster(rendered["dev-two-models"], workdir, secrets(workdir))
-        c.start()
-        try:
-            c.start_all()
+        with cluster_of(rendered["dev-two-models"], tmp_path_factory.mktemp("two-models")) as c:
             yield c
-        finally:
-            c.stop()
 
     def test_each_model_is_served_by_its_own_pools(self, two):
         """Every pod of both models is Ready; each worker's Stats name its Deployment's
