@@ -154,6 +154,8 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
                 if model.lm_head is None:       # tied: the head reads the same codes
                     model.lm_head = (QuantLinear.sharing(model.embed_tokens) if qw.group
                                      else QuantLinear.from_quantized(qw.method, qw))
+            elif path == "lm_head" and qw.method == "int8_g32":     # GGUF Q8_0 output.weight
+                model.lm_head = QuantLinear.head(qw)
             else:
                 bias = tensors.get(path + ".bias")
                 _set(model, path, QuantLinear.from_quantized(

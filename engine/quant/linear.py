@@ -147,6 +147,24 @@ class QuantLinear(nn.Module):
             self.register_buffer("group_scales", emb.scale.T.bfloat16().contiguous())   # [K/32, V]
         return self
 
+    @classmethod
+    def head(cls, qw: Int8Weight, keep_scales: bool = True) -> "QuantLinear":
+        """An untied output head of int8_g32 codes: as any int8_g32 layer, plus, where its rows
+        read back out of torch's CPU int4 layout, the near-max logits recomputed exactly
+        (`_exact_top`, with the scales the layer holds: see from_quantized)."""
+        self = cls.from_quantized("int8_g32", qw, keep_scales=keep_scales)
+        self.exact_top = self.rows_readable(qw.q)
+        return self
+
+    def rows_readable(self, q: torch.Tensor) -> bool:
+        """Whether `_int4pack_rows` reads this layer's codes `q` back: an int8_g32 layer in
+        torch's CPU int4 layout with a multiple of 64 rows, checked on three of them."""
+        n = self.out_features
+        if not (self.cpu_int4 and self.method == "int8_g32" and n % 64 == 0):
+            return False
+        probe = torch.tensor([0, 33, n - 1])
+        return torch.equal(_int4pack_rows(self.qweight, probe, self.in_features), q[probe])
+
     def _exact_top(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Logits from torch's bf16 kernel carry bfloat16 roundings (of x, and of each output:
         up to 2^-8 of its size), enough to swap two near-tied tokens (SmolLM2's answer to
@@ -159,9 +177,11 @@ class QuantLinear(nn.Module):
         cols = near.nonzero().flatten()
         if cols.numel() > EXACT_TOP_MAX:
             cols = cols[y.amax(0)[cols].topk(EXACT_TOP_MAX).indices]
-        k = self.in_features
-        q = _int4pack_rows(self.qweight, cols, k).view(-1, k // self.group, self.group).float()
-        w = (q * self.scale[cols].float()[..., None]).view(-1, k)
+        k, g = self.in_features, self.group
+        q = _int4pack_rows(self.qweight, cols, k).view(-1, k // g, g).float()
+        scale = getattr(self, "scale", None)        # else the kernel's: the lo groups' scales
+        scale = self.scales_and_zeros[k // g:, cols, 0].T if scale is None else scale[cols]
+        w = (q * scale.float()[..., None]).view(-1, k)
         y[:, cols] = x.float() @ w.T
         return y
 
@@ -297,8 +317,7 @@ class QuantEmbedding(nn.Module):
         v, k = self.shape
         if qw.group == 32 and qw.q.device.type == "cpu" and v % 64 == 0:
             lin = QuantLinear.from_quantized("int8_g32", qw)     # stored scales kept
-            probe = torch.tensor([0, 33, v - 1])
-            if torch.equal(_int4pack_rows(lin.qweight, probe, k), qw.q[probe]):
+            if lin.rows_readable(qw.q):
                 self.cpu_packed = True
                 self.register_buffer("qweight", lin.qweight)
                 self.register_buffer("scales_and_zeros", lin.scales_and_zeros)
@@ -389,7 +408,9 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     if check_method(method) in ("none", "auto"):
         return model
     if HEAD is not None and model.lm_head is not None and not isinstance(model.lm_head, QuantLinear):
-        model.lm_head = QuantLinear.from_float(HEAD, model.lm_head.weight.data)
+        w = model.lm_head.weight.data
+        model.lm_head = (QuantLinear.head(quantize_int8(w, 32), keep_scales=False) if HEAD == "int8_g32"
+                         else QuantLinear.from_float(HEAD, w))
     if HEAD is not None and not isinstance(model.embed_tokens, QuantEmbedding):
         emb = model.embed_tokens.weight.data
         q8 = quantize_int8(emb, 32 if HEAD == "int8_g32" else 0)

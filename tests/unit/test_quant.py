@@ -204,7 +204,8 @@ def test_tied_int8_g32_table_lookups_and_head(rows):
     is a multiple of 64 (lookups read rows out of it), group-major otherwise. Either way every
     lookup is the dequantized row exactly, every code and scale reads back, and the head
     computes x @ W.T to bf16 rounding; in the int4 layout, every logit near a row's maximum
-    is the float32 one exactly (argmax and top values as on the dequantized table)."""
+    is the float32 one exactly (argmax and top values as on the dequantized table), for the
+    tied head and for an untied head of the same codes alike."""
     from engine.quant import QuantEmbedding
     codes = torch.randint(-128, 128, (rows, 128), dtype=torch.int8)
     codes[:, :2] = torch.tensor([-128, 127], dtype=torch.int8)
@@ -221,7 +222,15 @@ def test_tied_int8_g32_table_lookups_and_head(rows):
     x = torch.randn(3, 128)
     want = x @ table.T
     torch.testing.assert_close(head(x), want, atol=0.01 * want.abs().max().item(), rtol=0.01)
+    untied = QuantLinear.head(qw)                  # an untied head of the same codes
+    assert head.exact_top == untied.exact_top == emb.cpu_packed
     if emb.cpu_packed:
+        assert torch.equal(head(x), untied(x))
+        at_load = QuantLinear.head(qw, keep_scales=False)     # the kernel's bf16 scales only
+        table16 = at_load.dequantize()
+        want16 = x @ table16.T
+        near16 = want16 >= want16.amax(-1, keepdim=True) - 2 ** -6 * want16.abs().amax(-1, keepdim=True)
+        torch.testing.assert_close(at_load(x)[near16], want16[near16], rtol=1e-6, atol=1e-5)
         got = head(x)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         near = want >= want.amax(-1, keepdim=True) - 2 ** -6 * want.abs().amax(-1, keepdim=True)
