@@ -100,7 +100,7 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path, max_model_len: int | None = None) -> "ModelConfig":
         """`model_dir`: a Hugging Face directory (config.json), or a GGUF file or a directory
         holding one (its metadata read as the config.json transformers would write)."""
-        from .gguf import find_gguf, open_gguf
+        from .gguf import find_gguf, model_name, open_gguf
         d = Path(model_dir)
         if find_gguf(d) is not None:
             path, c = find_gguf(d), open_gguf(d).hf_config()
@@ -148,7 +148,7 @@ class ModelConfig:
                       or bool(c.get("attention_bias", False))),
             qk_norm=kind in ("qwen3", "qwen3_moe"),
             max_model_len=min(max_model_len or limit, limit),
-            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, name=d.name.removesuffix(".gguf"),
+            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, name=model_name(d),
         )
         if cfg.num_heads % cfg.num_kv_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads")

@@ -279,6 +279,12 @@ class GGUFModel:
         return tok, config, templates, ({} if eos is None else {"eos_token_id": int(eos)})
 
 
+def model_name(path: str | Path) -> str:
+    """The name a model goes by (ModelConfig.name, the KV compat key's model, the pool a
+    gateway checks its workers against): its directory's or GGUF file's name, less `.gguf`."""
+    return Path(path).name.removesuffix(".gguf")
+
+
 def open_gguf(path: str | Path) -> GGUFModel:
     """The GGUF model at `path` (a file, or a directory holding one; see find_gguf), parsed
     once per process and file."""

@@ -26,6 +26,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from engine.gguf import model_name
 from engine.output_processor import OutputProcessor
 from engine.tokenizer import StopStrings, Tokenizer
 from protos.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
@@ -78,9 +79,7 @@ class Gateway:
         self.vocab_size = cfg.vocab_size(model_dir)
         self.metrics = Metrics("gateway")    # the caller serves metrics.registry
         mtls = MTLS.from_config(cfg)         # workers over mTLS when configured
-        # Workers must serve this model: their KV compat key names it as the engine does
-        # (engine.config.ModelConfig.name: the model directory's name).
-        served = model_dir.name.removesuffix(".gguf")
+        served = model_name(model_dir)       # what the workers' KV compat keys must name
         self.prefill = WorkerPool("prefill", prefill_pb2_grpc.PrefillWorkerStub,
                                   cfg.health_interval_s, cfg.probe_timeout_s, mtls,
                                   cfg.stall_timeout_s, model=served)
