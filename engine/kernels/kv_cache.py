@@ -40,24 +40,32 @@ def _write_kv_cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     tl.store(vc_ptr + dst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, H_kv, D]; caches [num_blocks, block_size, H_kv, D]; slot_mapping [T] int32/64.
-    Slots must be distinct (two tokens into one slot race)."""
-    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
+def _check_write(k, v, k_cache, v_cache, slot_mapping, cache_dtypes) -> None:
+    """The arguments both writes take: caches [num_blocks, block_size, H_kv, D] alike (dtype
+    one of `cache_dtypes`, same strides), k and v [T, H_kv, D] float, slot_mapping [T]."""
+    check_tensor("k_cache", k_cache, 4, cache_dtypes)
     dev = k_cache.device
-    nb, bs, h, d = k_cache.shape
+    _, _, h, d = k_cache.shape
     check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), dev)
     check_shape("v_cache", v_cache, k_cache.shape)
     if v_cache.stride() != k_cache.stride():
         raise ValueError(f"v_cache strides {v_cache.stride()} differ from k_cache's {k_cache.stride()}")
     check_tensor("k", k, 3, FLOAT_DTYPES, dev)
     t = k.shape[0]
-    check_shape("k", k, (t, h, d))
-    check_tensor("v", v, 3, FLOAT_DTYPES, dev)
-    check_shape("v", v, (t, h, d))
+    for name, x in (("k", k), ("v", v)):
+        check_tensor(name, x, 3, FLOAT_DTYPES, dev)
+        check_shape(name, x, (t, h, d))
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), dev)
     check_shape("slot_mapping", slot_mapping, (t,))
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, H_kv, D]; caches [num_blocks, block_size, H_kv, D]; slot_mapping [T] int32/64.
+    Slots must be distinct (two tokens into one slot race)."""
+    _check_write(k, v, k_cache, v_cache, slot_mapping, FLOAT_DTYPES)
+    _, bs, h, d = k_cache.shape
+    t = k.shape[0]
     if t == 0:
         return
     _write_kv_cache_kernel[(t,)](
@@ -152,21 +160,9 @@ def write_kv_cache_quant(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor
     8-bit cache runs without CUDA graphs); one program per (block, KV head) then sets the
     scale, requantizes what the block holds when the scale grows, and writes the codes.
     Slots must be distinct."""
-    check_tensor("k_cache", k_cache, 4, KV8_DTYPES)
-    dev = k_cache.device
-    _, bs, h, d = k_cache.shape
-    check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), dev)
-    check_shape("v_cache", v_cache, k_cache.shape)
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError(f"v_cache strides {v_cache.stride()} differ from k_cache's {k_cache.stride()}")
+    _check_write(k, v, k_cache, v_cache, slot_mapping, KV8_DTYPES)
     check_kv_scales(k_cache, k_scales, v_scales)
-    check_tensor("k", k, 3, FLOAT_DTYPES, dev)
-    t = k.shape[0]
-    for name, x in (("k", k), ("v", v)):
-        check_tensor(name, x, 3, FLOAT_DTYPES, dev)
-        check_shape(name, x, (t, h, d))
-    check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), dev)
-    check_shape("slot_mapping", slot_mapping, (t,))
+    _, bs, h, d = k_cache.shape
     toks = torch.nonzero(slot_mapping >= 0).flatten()
     if toks.numel() == 0:
         return
