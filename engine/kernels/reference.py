@@ -204,20 +204,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x[..., :i]) * x[..., i:]
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """Mixture-of-experts MLP, one expert at a time (as transformers computes it).
-    x [T, H]; w13 [E, 2I, H] = cat(gate, up); w2 [E, H, I]; topk_weights / topk_ids [T, k].
-    Each expert's output is scaled by its routing weight and summed per token (in fp32)."""
+def moe_by_expert(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  num_experts: int, expert) -> torch.Tensor:
+    """Mixture-of-experts MLP one expert at a time (as transformers computes it): expert e's
+    tokens gathered, `expert(e, their rows)` computed, scaled by the routing weight and summed
+    per token in fp32. x [T, H]; topk_weights / topk_ids [T, k]."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in range(w13.shape[0]):
+    for e in range(num_experts):
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        h = silu_and_mul(torch.nn.functional.linear(x[tok], w13[e]))
-        y = torch.nn.functional.linear(h, w2[e]) * topk_weights[tok, slot, None].float()
+        y = expert(e, x[tok]) * topk_weights[tok, slot, None].float()
         out.index_add_(0, tok, y)
     return out.to(x.dtype)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """moe_by_expert over stacked weights: w13 [E, 2I, H] = cat(gate, up); w2 [E, H, I]."""
+    linear = torch.nn.functional.linear
+    return moe_by_expert(x, topk_weights, topk_ids, w13.shape[0],
+                         lambda e, xs: linear(silu_and_mul(linear(xs, w13[e])), w2[e]))
 
 
 # The rotary cache builder is shared by both paths; its torch implementation lives in rope.py.

@@ -37,12 +37,13 @@ from torch import nn
 
 from engine.config import QUANTIZATIONS as METHODS
 from engine.kernels import silu_and_mul
+from engine.kernels.reference import moe_by_expert
 
 from .quantize import (FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantWeight, dequantize, pack_int4,
                        quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
 
 SMALL_M = 16                    # up to this many rows: the weight-only kernels
-EXACT_TOP_MAX = 512             # logits a tied CPU head recomputes exactly, at most
+EXACT_TOP_MAX = 512             # logits a CPU int8_g32 head recomputes exactly, at most
 
 
 # the output head and embedding table under every method: int8 with a float16 scale per 32
@@ -367,9 +368,9 @@ def scaled_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rowwise
 
 class QuantExperts(nn.Module):
     """The experts of an MoE block (engine/moe.py Experts: gate_up_proj [E, 2I, H], down_proj
-    [E, H, I]) held as one QuantLinear per expert and projection. Computed as
-    engine/kernels/reference.py `fused_moe` computes the float ones, one expert at a time:
-    its tokens gathered, silu_and_mul, scaled by the routing weight, summed per token in fp32.
+    [E, H, I]) held as one QuantLinear per expert and projection. Computed by the loop
+    engine/kernels/reference.py's `fused_moe` runs for the float ones (`moe_by_expert`: one
+    expert at a time, its tokens gathered, scaled by the routing weight, summed in fp32).
     Each QuantLinear runs its own kernel (the table at the top); on CUDA that is the same loop,
     no fused kernel over the experts yet, and its `nonzero` waits on the device (no decode
     graphs: runner.py)."""
@@ -381,14 +382,9 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 backend: str = "auto") -> torch.Tensor:
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e, (gate_up, down) in enumerate(zip(self.gate_up, self.down)):
-            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            y = down(silu_and_mul(gate_up(x[tok]), backend=backend))
-            out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
-        return out.to(x.dtype)
+        def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+            return self.down[e](silu_and_mul(self.gate_up[e](xs), backend=backend))
+        return moe_by_expert(x, topk_weights, topk_ids, len(self.gate_up), expert)
 
 
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
