@@ -156,7 +156,7 @@ class ModelConfig:
         return cfg
 
 
-KERNEL_BACKENDS = ("auto", "torch", "triton")    # what engine.kernels dispatches on
+KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")    # what engine.kernels dispatches on
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int8_g32", "int4_g32", "int4_g128", "fp8",
                  "fp8_tensor")                                                  # engine.quant
@@ -166,7 +166,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 def check_kernel_backend(name: str) -> str:
     """`name` if engine.kernels knows it, else ValueError."""
     if name not in KERNEL_BACKENDS:
-        raise ValueError(f"unknown kernel backend {name!r}: expected auto, torch or triton")
+        raise ValueError(f"unknown kernel backend {name!r}: expected auto, torch, triton or cpu")
     return name
 
 
@@ -225,7 +225,9 @@ class EngineOptions:
     dtype: str = field(default="auto", metadata={
         "help": "auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16"})
     kernel_backend: str = field(default="auto", metadata={
-        "help": "auto (Triton on CUDA, torch references on CPU) | torch | triton"})
+        "help": "auto (Triton on CUDA; on CPU the C kernels for a float32 model with a float32 "
+                "KV cache where a C compiler builds them, else the torch references) | torch | "
+                "triton | cpu"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length; unset: the model's (capped by it in any case)"})
     quantization: str = field(default="auto", metadata={

@@ -42,8 +42,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.backend = eps, backend
 
-    def forward(self, x, residual=None):
-        return K.rms_norm(x, self.weight, self.eps, residual, backend=self.backend)
+    def forward(self, x, residual=None, out_dtype=None):
+        return K.rms_norm(x, self.weight, self.eps, residual, out_dtype=out_dtype, backend=self.backend)
+
+
+def input_dtype(linear: nn.Module) -> torch.dtype | None:
+    """The dtype `linear` multiplies in when it is not the activations' (engine.quant's CPU
+    int8 / int4 layers: bfloat16): the op before it writes that dtype where it can."""
+    return getattr(linear, "input_dtype", None)
 
 
 class Attention(nn.Module):
@@ -74,7 +80,8 @@ class Attention(nn.Module):
         if meta.decode_only:
             o = K.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                          meta.context_lens, self.scale,
-                                         max_context_len=meta.max_context_len, **scales)
+                                         max_context_len=meta.max_context_len,
+                                         out_dtype=input_dtype(self.o_proj), **scales)
         else:
             o = K.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                           meta.cu_seqlens_q, meta.context_lens, self.scale,
@@ -91,7 +98,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(K.silu_and_mul(self.gate_up_proj(x), backend=self.backend))
+        return self.down_proj(K.silu_and_mul(self.gate_up_proj(x), out_dtype=input_dtype(self.down_proj),
+                                             backend=self.backend))
 
 
 def make_mlp(c: ModelConfig, layer: int, backend: str) -> nn.Module:
@@ -111,12 +119,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
 
     def forward(self, positions, h, residual, meta, cos_sin, rope_rows=None):
+        wants = input_dtype(self.self_attn.qkv_proj)
         if residual is None:
-            residual, h = h, self.input_layernorm(h)
+            residual, h = h, self.input_layernorm(h, out_dtype=wants)
         else:
-            h, residual = self.input_layernorm(h, residual)
+            h, residual = self.input_layernorm(h, residual, wants)
         h = self.self_attn(positions, h, meta, cos_sin, rope_rows)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, input_dtype(getattr(self.mlp, "gate_up_proj", None)))
         return self.mlp(h), residual
 
 
@@ -139,7 +148,18 @@ class CausalLM(nn.Module):
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
         """kv_cache: [num_layers, 2, num_blocks, block_size, nkv, hd]; kv_scales [num_layers,
-        2, num_blocks, nkv] fp32 when the cache is 8-bit; each layer keeps views."""
+        2, num_blocks, nkv] fp32 when the cache is 8-bit; each layer keeps views.
+        Here the backend is settled: on CPU, "auto" becomes "cpu" (the C kernels) for a
+        float32 model and cache where they build; "cpu" asked for elsewhere is a ValueError."""
+        cpu_ok = (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32
+                  and self.norm.weight.dtype == torch.float32)
+        if self.backend == "cpu" and not (cpu_ok and K.cpu.library() is not None):
+            raise ValueError("kernel backend 'cpu' runs a float32 model with a float32 KV cache on "
+                             "CPU, and needs a C compiler to build its kernels (engine/kernels/cpu.py)")
+        if self.backend == "auto" and cpu_ok and K.cpu.library() is not None:
+            for m in self.modules():            # every layer hands its backend to its ops
+                if isinstance(vars(m).get("backend"), str):
+                    m.backend = "cpu"
         for i, layer in enumerate(self.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
             if kv_scales is not None:

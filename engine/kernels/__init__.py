@@ -1,7 +1,10 @@
-"""Kernels used by the model: Triton on CUDA, torch references on CPU.
+"""Kernels used by the model: Triton on CUDA; on CPU the C kernels (cpu.c) or the torch references.
 
 Every op here dispatches on the `backend` its caller passes ("auto": Triton for CUDA tensors,
-the torch reference otherwise; "torch" or "triton" force one). There is no process-wide
+the torch reference otherwise; "torch" or "triton" force one; "cpu": the C kernels of cpu.c
+for the ops they cover (norm, rotary + cache write, decode attention, SiLU) on float32
+weights and caches, the torch reference for the rest). A CPU model asked for "auto" resolves
+to "cpu" where the kernels build (CausalLM.bind_kv_cache). There is no process-wide
 setting: each engine's model carries its own backend (EngineOptions.kernel_backend, checked
 against engine.config.KERNEL_BACKENDS where the options are built) and hands it to every op,
 so two engines in one process never change each other's kernels.
@@ -19,7 +22,7 @@ import importlib
 
 import torch
 
-from . import reference
+from . import cpu, reference
 from .rope import build_cos_sin_cache
 
 __all__ = ["use_triton", "write_kv_cache", "paged_prefill_attention", "paged_decode_attention",
@@ -32,6 +35,14 @@ def use_triton(t: torch.Tensor, backend: str = "auto") -> bool:
     if backend == "auto":
         return t.is_cuda
     return backend == "triton"
+
+
+def use_cpu(t: torch.Tensor, backend: str, *float32) -> bool:
+    """The C kernels take this op: backend "cpu", a CPU tensor, and every weight, residual
+    or cache in `float32` float32 (else the torch reference runs)."""
+    if backend != "cpu" or t.device.type != "cpu":
+        return False
+    return cpu.supports(t, *float32)
 
 
 def _triton_op(module: str, name: str):
@@ -73,19 +84,27 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                            *, max_context_len: int | None = None, out=None, k_scales=None,
-                           v_scales=None, backend: str = "auto"):
+                           v_scales=None, out_dtype=None, backend: str = "auto"):
+    """`out_dtype`: the dtype the caller's next op takes (the C kernels write it directly;
+    elsewhere a hint, ignored)."""
     if use_triton(q, backend):
         return _triton_op("decode_attention", "paged_decode_attention")(
             q, k_cache, v_cache, block_tables, context_lens, scale,
             max_context_len=max_context_len, out=out, k_scales=k_scales, v_scales=v_scales)
+    if out is None and k_scales is None and use_cpu(q, backend, k_cache, v_cache):
+        return cpu.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out_dtype)
     return _into(out, reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                        context_lens, scale, k_scales, v_scales))
 
 
-def rms_norm(x, weight, eps, residual=None, *, out=None, residual_out=None, backend: str = "auto"):
+def rms_norm(x, weight, eps, residual=None, *, out=None, residual_out=None, out_dtype=None,
+             backend: str = "auto"):
+    """`out_dtype`: as in paged_decode_attention."""
     if use_triton(x, backend):
         return _triton_op("norm", "rms_norm")(x, weight, eps, residual, out=out,
                                               residual_out=residual_out)
+    if out is None and residual_out is None and use_cpu(x, backend, weight, residual):
+        return cpu.rms_norm(x, weight, eps, residual, out_dtype)
     res = reference.rms_norm(x, weight, eps, residual)
     if residual is None:
         return _into(out, res)
@@ -105,7 +124,7 @@ def rope_rows(positions, cos_sin_cache, *, backend: str = "auto"):
     """The torch path's cos/sin rows of `positions`, gathered once per forward pass and handed
     to every layer's rotary op as `rows=`; None on the Triton path (its kernel reads the
     cache itself)."""
-    if use_triton(cos_sin_cache, backend):
+    if use_triton(cos_sin_cache, backend) or backend == "cpu":   # the C kernel reads the cache
         return None
     return reference.rope_rows(positions, cos_sin_cache)
 
@@ -127,15 +146,20 @@ def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cach
     if use_triton(q, backend):
         return _triton_op("rotary_kv", "rotary_embedding_write_kv")(
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out=q_out)
+    if q_out is None and k_scales is None and use_cpu(q, backend, k_cache, v_cache, cos_sin_cache):
+        return cpu.rope_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
     qr, kr = reference.rotary_embedding(positions, q, k, cos_sin_cache, rows)
     write_kv_cache(kr, v, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales,
                    backend=backend)
     return _into(q_out, qr)
 
 
-def silu_and_mul(x, *, out=None, backend: str = "auto"):
+def silu_and_mul(x, *, out=None, out_dtype=None, backend: str = "auto"):
+    """`out_dtype`: as in paged_decode_attention."""
     if use_triton(x, backend):
         return _triton_op("activation", "silu_and_mul")(x, out=out)
+    if out is None and use_cpu(x, backend):
+        return cpu.silu_and_mul(x, out_dtype)
     return _into(out, reference.silu_and_mul(x))
 
 

@@ -223,6 +223,15 @@ class QuantLinear(nn.Module):
         """The [N, K] weight this layer multiplies by."""
         return dequantize(self.quantized()).to(dtype)
 
+    @property
+    def input_dtype(self) -> torch.dtype | None:
+        """bfloat16 where torch's CPU int8 / int4 kernels run this layer: they multiply in it
+        and return it, so a caller that writes its output in bfloat16 saves two casts (the C
+        kernels do). None: the activations' own dtype."""
+        if self.on_cpu and not self.exact_top and (self.method == "int8" or self.cpu_int4):
+            return torch.bfloat16
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)

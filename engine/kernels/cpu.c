@@ -1,0 +1,159 @@
+/* pdserve's CPU kernels: the elementwise ops and decode attention of a float32 model, each one
+ * call instead of the dozen eager torch ops of its reference (engine/kernels/reference.py).
+ * At decode on CPU a layer's torch calls cost more than its arithmetic; the matmuls stay
+ * torch's (MKL, or its int8/int4 weight-only kernels).
+ *
+ * Built by engine/kernels/cpu.py with the host compiler and loaded with ctypes. Tensors arrive
+ * as pointers with row strides in elements; within a row, heads and head dims are contiguous.
+ * Activations are float32 or bfloat16 (dtype codes below: what torch's CPU int8/int4 matmuls
+ * take and return); weights, the residual stream and the KV cache are float32.
+ *
+ * Compiled with -ffp-contract=off: no fused multiply-adds, so every product and sum rounds
+ * where the torch reference rounds it (rotary is bitwise equal to the reference; the norm and
+ * attention sum in another order, within float32 rounding of it).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* round to nearest even, NaN to the quiet NaN: c10::BFloat16's conversion */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float ld(const void *p, int dt, long i) {
+    return dt == BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, int dt, long i, float v) {
+    if (dt == BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* sum of a[i] * b[i] in 16 interleaved partial sums (vectorizes without -ffast-math) */
+static inline float dot(const float *a, const float *b, int n) {
+    float acc[16] = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0.0f;
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int j = 0; j < 16; j++) s += acc[j];
+    return s;
+}
+
+/* RMSNorm over rows of H: out = w * (s * 1/sqrt(mean(s^2) + eps)), s = x (+ res). With res,
+ * the sum s is also written to res_out (the new residual stream). res and res_out float32. */
+void pd_rms_norm(const void *x, int xdt, long xs, const float *res, long rs, float *res_out,
+                 long ros, const float *w, void *out, int odt, long os, int T, int H, float eps) {
+    float *s = malloc(sizeof(float) * H);
+    for (int t = 0; t < T; t++) {
+        float acc[16] = {0};
+        for (int i = 0; i < H; i++) s[i] = ld(x, xdt, t * xs + i);
+        if (res) {
+            for (int i = 0; i < H; i++) s[i] += res[t * rs + i];
+            memcpy(res_out + t * ros, s, sizeof(float) * H);
+        }
+        int i = 0;
+        for (; i + 16 <= H; i += 16)
+            for (int j = 0; j < 16; j++) acc[j] += s[i + j] * s[i + j];
+        float ss = 0.0f;
+        for (; i < H; i++) ss += s[i] * s[i];
+        for (int j = 0; j < 16; j++) ss += acc[j];
+        float r = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int i = 0; i < H; i++) st(out, odt, t * os + i, w[i] * (s[i] * r));
+    }
+    free(s);
+}
+
+/* Neox-style rotary on q and k, then k and v into their cache slots (slot < 0: skip).
+ * cos_sin [max_pos, D] = cat(cos[:D/2], sin[:D/2]); q_out [T, Hq, D] float32; caches
+ * [slots, Hkv, D] float32. out[i] = x[i] cos[i] - x[i + D/2] sin[i] for i < D/2, and
+ * x[i] cos[i - D/2] + x[i - D/2] sin[i - D/2] above: the reference's products and sum. */
+static void rotate(const void *x, int dt, long off, const float *cs, int D, float *out) {
+    int d2 = D / 2;
+    for (int i = 0; i < d2; i++) {
+        float a = ld(x, dt, off + i), b = ld(x, dt, off + i + d2);
+        float c = cs[i], s = cs[d2 + i];
+        float p1 = a * c, p2 = b * -s, p3 = b * c, p4 = a * s;
+        out[i] = p1 + p2;
+        out[i + d2] = p3 + p4;
+    }
+}
+
+void pd_rope_write_kv(const void *q, const void *k, const void *v, int qdt, int kdt, int vdt,
+                      long qs, long ks, long vs, int T, int Hq, int Hkv, int D, const int64_t *pos,
+                      const float *cos_sin, float *q_out, float *k_cache, float *v_cache,
+                      const int64_t *slots) {
+    for (int t = 0; t < T; t++) {
+        const float *cs = cos_sin + pos[t] * D;
+        for (int h = 0; h < Hq; h++) rotate(q, qdt, t * qs + (long)h * D, cs, D, q_out + ((long)t * Hq + h) * D);
+        if (slots[t] < 0) continue;
+        float *kr = k_cache + slots[t] * Hkv * D, *vr = v_cache + slots[t] * Hkv * D;
+        for (int h = 0; h < Hkv; h++) rotate(k, kdt, t * ks + (long)h * D, cs, D, kr + (long)h * D);
+        for (long i = 0; i < (long)Hkv * D; i++) vr[i] = ld(v, vdt, t * vs + i);
+    }
+}
+
+/* One query per sequence over its paged context: q [B, Hq, D] float32; caches [blocks, bs,
+ * Hkv, D] float32; block_tables [B, W] int32; ctx [B] int32 (0: a padding row, zeros out).
+ * The query heads of one KV head are done together, so each K and V row is read once. */
+void pd_decode_attention(const float *q, const float *k_cache, const float *v_cache, int bs,
+                         int Hq, int Hkv, int D, const int32_t *block_tables, int W,
+                         const int32_t *ctx, int B, float scale, void *out, int odt) {
+    int G = Hq / Hkv, Lmax = 0;
+    for (int b = 0; b < B; b++) Lmax = ctx[b] > Lmax ? ctx[b] : Lmax;
+    float *p = malloc(sizeof(float) * ((long)G * (Lmax > 0 ? Lmax : 1) + (long)G * D));
+    float *acc = p + (long)G * (Lmax > 0 ? Lmax : 1);
+    for (int b = 0; b < B; b++) {
+        int L = ctx[b];
+        const int32_t *table = block_tables + (long)b * W;
+        for (int hk = 0; hk < Hkv; hk++) {
+            const float *qh = q + ((long)b * Hq + (long)hk * G) * D;
+            for (int j = 0; j < L; j++) {
+                const float *kr = k_cache + (((long)table[j / bs] * bs + j % bs) * Hkv + hk) * D;
+                for (int g = 0; g < G; g++) p[(long)g * L + j] = dot(qh + (long)g * D, kr, D) * scale;
+            }
+            for (int g = 0; g < G; g++) {
+                float *pg = p + (long)g * L, m = -INFINITY, sum = 0.0f;
+                for (int j = 0; j < L; j++) m = pg[j] > m ? pg[j] : m;
+                for (int j = 0; j < L; j++) sum += (pg[j] = expf(pg[j] - m));
+                for (int j = 0; j < L; j++) pg[j] /= sum;
+            }
+            memset(acc, 0, sizeof(float) * G * D);
+            for (int j = 0; j < L; j++) {
+                const float *vr = v_cache + (((long)table[j / bs] * bs + j % bs) * Hkv + hk) * D;
+                for (int g = 0; g < G; g++) {
+                    float pj = p[(long)g * L + j], *a = acc + (long)g * D;
+                    for (int d = 0; d < D; d++) a[d] += pj * vr[d];
+                }
+            }
+            for (long i = 0; i < (long)G * D; i++)
+                st(out, odt, ((long)b * Hq + (long)hk * G) * D + i, acc[i]);
+        }
+    }
+    free(p);
+}
+
+/* x [T, 2I] = cat(gate, up) -> silu(gate) * up [T, I], silu(g) = g / (1 + exp(-g)) */
+void pd_silu_and_mul(const void *x, int xdt, long xs, void *out, int odt, long os, int T, int I) {
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < I; i++) {
+            float g = ld(x, xdt, t * xs + i), u = ld(x, xdt, t * xs + I + i);
+            float s = g / (1.0f + expf(-g));
+            st(out, odt, t * os + i, s * u);
+        }
+}

@@ -1,0 +1,185 @@
+"""The C kernels of cpu.c: built once per machine with the host C compiler, loaded with ctypes.
+
+`library()` is None where they cannot be had (no compiler, not x86-64/aarch64 Linux, or
+PDSERVE_CPU_KERNELS=0); the model then runs the torch references. The shared object is cached
+under $PDSERVE_CACHE (default ~/.cache/pdserve)/cpu-kernels, keyed by the source, the flags,
+the compiler and the CPU's flags (-march=native code must not run on another CPU), and is
+written to a temporary name and renamed, so processes starting together never see half a file.
+
+Each wrapper checks what the C code assumes (device, dtypes, contiguity) and takes the
+pointers; reference.py holds the torch definition of every op and the tests compare the two.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+BUILD_TIMEOUT_S = 120
+_DTYPE = {torch.float32: 0, torch.bfloat16: 1}
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None | bool = False      # False: not tried yet
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_SIGNATURES = {
+    "pd_rms_norm": [_P, _I, _L, _P, _L, _P, _L, _P, _P, _I, _L, _I, _I, _F],
+    "pd_rope_write_kv": [_P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
+    "pd_decode_attention": [_P, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _F, _P, _I],
+    "pd_silu_and_mul": [_P, _I, _L, _P, _I, _L, _I, _I],
+}
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def _build() -> ctypes.CDLL | None:
+    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64") or not cc:
+        log.info("CPU kernels: no C compiler or not Linux x86-64/aarch64; using the torch references")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_id()]).encode()).hexdigest()[:16]
+        cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "cpu-kernels"
+        path = cache / f"pdserve_cpu_{key}.so"
+        if not path.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+            os.close(fd)
+            try:
+                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
+                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("CPU kernels could not be built (%s); using the torch references", str(detail)[:500])
+        return None
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built on first call; None where they cannot be had."""
+    global _lib
+    if _lib is False:
+        with _lock:
+            if _lib is False:
+                _lib = _build()
+    return _lib
+
+
+def _dt(t: torch.Tensor) -> int:
+    if t.dtype not in _DTYPE:
+        raise TypeError(f"CPU kernels take float32 or bfloat16 activations, not {t.dtype}")
+    return _DTYPE[t.dtype]
+
+
+def _f32(t: torch.Tensor, name: str) -> int:
+    """The pointer of a contiguous float32 CPU tensor."""
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{name}: a contiguous float32 CPU tensor is required")
+    return t.data_ptr()
+
+
+def _rows(t: torch.Tensor, name: str) -> int:
+    """The row stride of t [T, ...] (views with strided rows, as into one qkv row, are fine);
+    ValueError unless each row is contiguous (its trailing dims packed) on the CPU."""
+    if t.device.type != "cpu" or t.stride(-1) != 1 or (t.dim() == 3 and t.stride(1) != t.shape[2]):
+        raise ValueError(f"{name}: a CPU tensor with contiguous rows is required "
+                         f"(shape {tuple(t.shape)}, strides {t.stride()})")
+    return t.stride(0)
+
+
+def supports(x: torch.Tensor, *float32: torch.Tensor | None) -> bool:
+    """Whether the kernels can take this op: CPU, activations float32 or bfloat16, every
+    weight / residual / cache tensor float32, and the library built."""
+    return (x.device.type == "cpu" and x.dtype in _DTYPE and library() is not None
+            and all(t is None or t.dtype == torch.float32 for t in float32))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None):
+    """reference.rms_norm, every step in float32 (x may be bfloat16, as a CPU int8/int4 matmul
+    returns it); the normed rows in `out_dtype` (default float32). With `residual` (float32,
+    contiguous) returns (normed, residual) with x added to `residual` in place: the model's
+    residual stream is its own (CausalLM.forward), so no copy is made."""
+    H = x.shape[-1]
+    x2 = x.reshape(-1, H)
+    out = torch.empty(x.shape, dtype=out_dtype or torch.float32)
+    res = 0 if residual is None else _f32(residual, "residual")
+    library().pd_rms_norm(x2.data_ptr(), _dt(x2), _rows(x2, "x"), res, H, res, H,
+                          _f32(weight, "weight"), out.data_ptr(), _dt(out), H, x2.shape[0], H, eps)
+    return out if residual is None else (out, residual)
+
+
+def rope_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> torch.Tensor:
+    """reference.rotary_embedding then reference.write_kv_cache (rotated k, v): q [T, Hq, D],
+    k / v [T, Hkv, D] each float32 or bfloat16 (row-strided views of one qkv row are fine), float32 caches [blocks, bs,
+    Hkv, D], int64 positions and slots. Returns the rotated q, float32 [T, Hq, D]."""
+    T, Hq, D = q.shape
+    if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
+        raise ValueError("positions and slots are int64")
+    q_out = torch.empty(T, Hq, D)
+    library().pd_rope_write_kv(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _dt(q), _dt(k), _dt(v), _rows(q, "q"), _rows(k, "k"), _rows(v, "v"),
+        T, Hq, k.shape[1], D, positions.contiguous().data_ptr(), _f32(cos_sin_cache, "cos_sin_cache"),
+        q_out.data_ptr(), _f32(k_cache, "k_cache"), _f32(v_cache, "v_cache"),
+        slot_mapping.contiguous().data_ptr())
+    return q_out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """reference.paged_decode_attention over float32 caches (int32 tables and lengths); the
+    output in `out_dtype` (default float32)."""
+    B, Hq, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise ValueError("block_tables and context_lens are int32")
+    tables = block_tables.contiguous()
+    out = torch.empty(B, Hq, D, dtype=out_dtype or torch.float32)
+    library().pd_decode_attention(
+        _f32(q, "q"), _f32(k_cache, "k_cache"), _f32(v_cache, "v_cache"), bs, Hq, Hkv, D,
+        tables.data_ptr(), tables.shape[1], context_lens.contiguous().data_ptr(), B, scale,
+        out.data_ptr(), _dt(out))
+    return out
+
+
+def silu_and_mul(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """reference.silu_and_mul in float32 (x float32 or bfloat16); the result in `out_dtype`
+    (default float32)."""
+    I = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * I)
+    out = torch.empty(*x.shape[:-1], I, dtype=out_dtype or torch.float32)
+    library().pd_silu_and_mul(x2.data_ptr(), _dt(x2), _rows(x2, "x"), out.data_ptr(), _dt(out), I,
+                              x2.shape[0], I)
+    return out

@@ -1,0 +1,114 @@
+"""The C kernels (engine/kernels/cpu.c) against the torch references they replace on CPU:
+float32 and bfloat16 activations, strided rows, GQA groups, ragged paged contexts, padding
+slots and rows. Rotary and the cache write are bitwise; the norm, SiLU and attention sum in
+another order or call another exp, so they are compared at float32 tolerance."""
+import pytest
+import torch
+
+from engine.kernels import cpu as C
+from engine.kernels import reference
+from engine.kernels.rope import build_cos_sin_cache
+from kernel_testlib import assert_close, fresh_generator, paged_cache, randn
+
+pytestmark = pytest.mark.skipif(C.library() is None, reason="no C compiler: the CPU kernels are not built")
+F32 = torch.float32
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(x_dtype, out_dtype, with_residual):
+    gen, seed = fresh_generator()
+    x = randn(gen, 5, 200, dtype=x_dtype, scale=3.0)      # 200: not a multiple of 16
+    w, res = randn(gen, 200), randn(gen, 5, 200) if with_residual else None
+    want = reference.rms_norm(x.float(), w, 1e-6, res)
+    got = C.rms_norm(x, w, 1e-6, None if res is None else res.clone(), out_dtype=out_dtype)
+    if with_residual:
+        (got, got_res), (want, want_res) = got, want
+        assert torch.equal(got_res, want_res)             # one float32 add, as in torch
+    assert got.dtype == out_dtype
+    assert_close(got, want.to(out_dtype), out_dtype if out_dtype != F32 else F32, seed, "rms_norm")
+
+
+def test_rms_norm_strided_rows_and_3d():
+    gen, seed = fresh_generator()
+    qkv = randn(gen, 4, 3 * 4 * 32)
+    q = qkv[:, :4 * 32].view(4, 4, 32)                     # a per-head norm (Qwen3's q_norm)
+    w = randn(gen, 32)
+    got = C.rms_norm(q, w, 1e-6)
+    assert got.shape == q.shape
+    assert_close(got, reference.rms_norm(q, w, 1e-6), F32, seed, "per-head rms_norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_is_bitwise_the_reference(dtype):
+    gen, seed = fresh_generator()
+    t, hq, hk, d, nb, bs = 9, 6, 2, 64, 6, 16
+    qkv = randn(gen, t, (hq + 2 * hk) * d, dtype=dtype)    # q, k, v: strided views of one row
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    kc, vc = randn(gen, nb, bs, hk, d), randn(gen, nb, bs, hk, d)
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[[1, 6]] = -1                                     # padding tokens: nothing written
+    pos = torch.randint(0, 300, (t,), generator=gen)
+    cache = build_cos_sin_cache(d, 300, 10000.0)
+    want_q, want_k = reference.rotary_embedding(pos, q.float(), k.float(), cache)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    reference.write_kv_cache(want_k, v.float(), want_kc, want_vc, slots)
+    got_q = C.rope_write_kv(pos, q, k, v, cache, kc, vc, slots)
+    assert torch.equal(got_q, want_q), seed
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc), seed
+    # q and k normed apart (Qwen3's q_norm / k_norm: float32) beside a bfloat16 v
+    kc2, vc2 = kc.clone(), vc.clone()
+    got_q = C.rope_write_kv(pos, q.float(), k.float(), v, cache, kc2, vc2, slots)
+    assert torch.equal(got_q, want_q) and torch.equal(kc2, want_kc) and torch.equal(vc2, want_vc), seed
+
+
+@pytest.mark.parametrize("gqa", [1, 3])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention(gqa, out_dtype):
+    gen, seed = fresh_generator()
+    lens = [33, 1, 16, 70, 5]                             # block 16: on and off boundaries
+    kc, vc, table = paged_cache(gen, lens, 16, 2, 64, F32)
+    q = randn(gen, len(lens), 2 * gqa, 64)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    got = C.decode_attention(q, kc, vc, table, ctx, 0.125, out_dtype=out_dtype)
+    want = reference.paged_decode_attention(q, kc, vc, table, ctx, 0.125)
+    assert got.dtype == out_dtype
+    assert_close(got, want.to(out_dtype), out_dtype, seed, f"decode attention gqa={gqa}")
+
+
+def test_decode_attention_padding_rows_are_zero():
+    gen, seed = fresh_generator()
+    kc, vc, table = paged_cache(gen, [20, 0, 3], 8, 1, 32, F32)
+    q = randn(gen, 3, 2, 32)
+    got = C.decode_attention(q, kc, vc, table, torch.tensor([20, 0, 3], dtype=torch.int32), 0.2)
+    assert torch.equal(got[1], torch.zeros(2, 32))
+    want = reference.paged_decode_attention(q, kc, vc, table, torch.tensor([20, 0, 3], dtype=torch.int32), 0.2)
+    assert_close(got, want, F32, seed, "padding rows")
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(x_dtype):
+    gen, seed = fresh_generator()
+    x = randn(gen, 3, 2 * 150, dtype=x_dtype, scale=4.0)
+    for out_dtype in (F32, torch.bfloat16):
+        got = C.silu_and_mul(x, out_dtype=out_dtype)
+        assert_close(got, reference.silu_and_mul(x.float()).to(out_dtype), out_dtype, seed, "silu")
+
+
+def test_unsupported_inputs_are_refused():
+    with pytest.raises(ValueError, match="float32"):
+        C.decode_attention(torch.randn(1, 2, 8), torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16),
+                           torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16),
+                           torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        C.silu_and_mul(torch.randn(8, 4).t())
+
+
+def test_rms_norm_updates_the_residual_in_place():
+    x, w, res = torch.randn(2, 32), torch.randn(32), torch.randn(2, 32)
+    want = x + res
+    _, got = C.rms_norm(x, w, 1e-6, res)
+    assert got is res and torch.equal(res, want)
