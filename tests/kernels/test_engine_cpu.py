@@ -1,0 +1,72 @@
+"""The engine on CPU with the C kernels (backend auto, which a float32 model with a float32 KV
+cache resolves to "cpu") gives the greedy tokens of the same engine on the torch references,
+logprobs within 1e-3, for float and int8/int4 weights (whose layers then take bfloat16 from
+the C kernels directly), with chunked prefill, a batch and prefix-cache hits; and where the
+kernels do not apply the engine stays on the references."""
+import random
+
+import pytest
+
+from engine import LLMEngine, SamplingParams
+from engine.kernels import cpu as C
+from tests.hf_models import make_hf_model
+
+pytestmark = pytest.mark.skipif(C.library() is None, reason="no C compiler: the CPU kernels are not built")
+
+
+def _run(engine, prompts, max_tokens):
+    """The first three prompts as one batch, then the two sharing a prefix one after the
+    other (the second hits the first's cached blocks)."""
+    done = {}
+    for wave in ([0, 1, 2], [3], [4]):
+        for i in wave:
+            engine.add_request(f"r{i}", prompts[i], SamplingParams(
+                temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0))
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[int(o.request_id[1:])] = o
+    return done
+
+
+def _prompts():
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 512) for _ in range(20)]
+    return ([[rng.randrange(3, 512) for _ in range(n)] for n in (7, 33, 1)]
+            + [prefix + [rng.randrange(3, 512) for _ in range(n)] for n in (3, 9)])
+
+
+@pytest.mark.parametrize("kind,quantization", [("llama", "none"), ("qwen3", "none"),
+                                               ("qwen2", "int8"), ("llama-tied", "int4_g32")])
+def test_cpu_kernels_engine_matches_torch_engine(tmp_path, monkeypatch, kind, quantization):
+    d = make_hf_model(kind, tmp_path / "m")
+    prompts = _prompts()
+    opts = dict(dtype="float32", num_blocks=48, block_size=8, max_num_batched_tokens=24,
+                quantization=quantization)                       # 24: chunked prefill
+    want = _run(LLMEngine.from_model_dir(d, kernel_backend="torch", **opts), prompts, 6)
+    calls = []
+    for name in ("rms_norm", "rope_write_kv", "decode_attention", "silu_and_mul"):
+        fn = getattr(C, name)
+        monkeypatch.setattr(C, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
+    engine = LLMEngine.from_model_dir(d, **opts)
+    assert engine.model.backend == "cpu" and engine.model.layers[0].self_attn.backend == "cpu"
+    got = _run(engine, prompts, 6)
+    for i in range(len(prompts)):
+        assert got[i].token_ids == want[i].token_ids, f"prompt {i}"
+        assert max(abs(a - b) for a, b in zip(got[i].logprobs, want[i].logprobs)) < 1e-3
+    assert {"rms_norm", "rope_write_kv", "decode_attention", "silu_and_mul"} <= set(calls)
+    assert got[4].num_cached_tokens >= 16       # two full blocks of the shared prefix were hit
+    assert engine.kv.num_held_blocks() == 0
+
+
+def test_where_the_kernels_do_not_apply_the_engine_stays_on_the_references(tmp_path, monkeypatch):
+    d = make_hf_model("llama", tmp_path / "m")
+    opts = dict(dtype="float32", num_blocks=16, block_size=8)
+    assert LLMEngine.from_model_dir(d, kv_cache_dtype="int8", **opts).model.backend == "auto"
+    assert LLMEngine.from_model_dir(d, **{**opts, "dtype": "bfloat16"}).model.backend == "auto"
+    with pytest.raises(ValueError, match="float32 KV cache"):
+        LLMEngine.from_model_dir(d, kernel_backend="cpu", kv_cache_dtype="int8", **opts)
+    monkeypatch.setattr(C, "_lib", None)          # no compiler: auto keeps the references ...
+    assert LLMEngine.from_model_dir(d, **opts).model.backend == "auto"
+    with pytest.raises(ValueError, match="C compiler"):  # ... and asking for them says why
+        LLMEngine.from_model_dir(d, kernel_backend="cpu", **opts)
