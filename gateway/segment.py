@@ -49,7 +49,12 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE,
 # A Prefill that failed with one of these is retried once on another prefill worker.
 _PREFILL_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                   grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
-_DECODE_REFUSALS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# A decode worker's Decode that ends with one of these before KvReady was refused: another
+# worker may take the request. CANCELLED there comes from the worker's server (a stopping
+# server cancels the calls that reach it during its grace; an overloaded one drops them):
+# the gateway's own cancellation raises CancelledError, not a status.
+_DECODE_REFUSALS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.CANCELLED}
 # A decode worker whose KV endpoint failed stays out of routing this long: its gRPC health
 # does not cover the KV endpoint, so its next probe would bring it back at once.
 KV_FAULT_HOLD_S = 10.0
@@ -224,7 +229,7 @@ class Segments:
     async def _reserve(self, seg: Segment, w: Worker, prompt: list[int], params,
                        deadline: float) -> decode_pb2.KvReady | GatewayError:
         """Open `w`'s Decode stream and read its KvReady; the error when `w` refused
-        (UNAVAILABLE, RESOURCE_EXHAUSTED: another worker may take it)."""
+        (_DECODE_REFUSALS: another worker may take it)."""
         req = decode_pb2.DecodeRequest(request_id=seg.rid, prompt_token_ids=prompt,
                                        sampling=sampling_to_proto(params),
                                        kv_timeout_ms=self.cfg.kv_timeout_ms)
@@ -239,8 +244,8 @@ class Segments:
             self._release(seg)
             if e.code() not in _DECODE_REFUSALS:
                 raise rpc_error(f"decode worker {w.address}", e) from None
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                w.mark_failed(e.details() or "UNAVAILABLE")
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                w.mark_failed(e.details() or e.code().name)      # down, or stopping
             log.warning("request %s: decode worker %s refused (%s: %s); trying another",
                         seg.rid, w.address, e.code().name, e.details())
             return rpc_error(f"decode worker {w.address}", e)

@@ -43,6 +43,13 @@ static inline void st(void *p, int dt, long i, float v) {
     else ((float *)p)[i] = v;
 }
 
+/* a[0..16) summed pairwise (vectorizes), in place */
+static inline float hsum16(float *a) {
+    for (int j = 0; j < 8; j++) a[j] += a[j + 8];
+    for (int j = 0; j < 4; j++) a[j] += a[j + 4];
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
 /* sum of a[i] * b[i] in 16 interleaved partial sums (vectorizes without -ffast-math) */
 static inline float dot(const float *a, const float *b, int n) {
     float acc[16] = {0};
@@ -51,8 +58,24 @@ static inline float dot(const float *a, const float *b, int n) {
         for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
     float s = 0.0f;
     for (; i < n; i++) s += a[i] * b[i];
-    for (int j = 0; j < 16; j++) s += acc[j];
-    return s;
+    return s + hsum16(acc);
+}
+
+/* e^x for x <= 0, within about 2 ulp (Cephes' expf polynomial); branch-free, so softmax's
+ * loop over it vectorizes, where libm's expf is a call per element */
+static inline float exp_nonpos(float x) {
+    x = x > -87.3f ? x : -87.3f;
+    float n = floorf(x * 1.44269504f + 0.5f);
+    float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return p * two_n.f;
 }
 
 /* RMSNorm over rows of H: out = w * (s * 1/sqrt(mean(s^2) + eps)), s = x (+ res). With res,
@@ -72,7 +95,7 @@ void pd_rms_norm(const void *x, int xdt, long xs, const float *res, long rs, flo
             for (int j = 0; j < 16; j++) acc[j] += s[i + j] * s[i + j];
         float ss = 0.0f;
         for (; i < H; i++) ss += s[i] * s[i];
-        for (int j = 0; j < 16; j++) ss += acc[j];
+        ss += hsum16(acc);
         float r = 1.0f / sqrtf(ss / (float)H + eps);
         for (int i = 0; i < H; i++) st(out, odt, t * os + i, w[i] * (s[i] * r));
     }
@@ -108,6 +131,26 @@ void pd_rope_write_kv(const void *q, const void *k, const void *v, int qdt, int 
     }
 }
 
+/* x[0..n) <- softmax(x), n >= 1. Reassociation allowed here alone (GCC), so the max, exp
+ * and sum loops vectorize; scores are finite. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fast-math")))
+#endif
+static void softmax(float *x, int n) {
+    float m = x[0], sum = 0.0f;
+    for (int i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+    for (int i = 0; i < n; i++) sum += (x[i] = exp_nonpos(x[i] - m));
+    float inv = 1.0f / sum;
+    for (int i = 0; i < n; i++) x[i] *= inv;
+}
+
+/* offset of position j's row for KV head hk in a paged cache (bs: a power of two in practice,
+ * so the division is a shift the compiler cannot see; unsigned keeps it cheap) */
+static inline long row(const int32_t *table, int j, int bs, int Hkv, int hk, int D) {
+    unsigned uj = (unsigned)j, ub = (unsigned)bs;
+    return (((long)table[uj / ub] * bs + uj % ub) * Hkv + hk) * D;
+}
+
 /* One query per sequence over its paged context: q [B, Hq, D] float32; caches [blocks, bs,
  * Hkv, D] float32; block_tables [B, W] int32; ctx [B] int32 (0: a padding row, zeros out).
  * The query heads of one KV head are done together, so each K and V row is read once. */
@@ -124,18 +167,13 @@ void pd_decode_attention(const float *q, const float *k_cache, const float *v_ca
         for (int hk = 0; hk < Hkv; hk++) {
             const float *qh = q + ((long)b * Hq + (long)hk * G) * D;
             for (int j = 0; j < L; j++) {
-                const float *kr = k_cache + (((long)table[j / bs] * bs + j % bs) * Hkv + hk) * D;
+                const float *kr = k_cache + row(table, j, bs, Hkv, hk, D);
                 for (int g = 0; g < G; g++) p[(long)g * L + j] = dot(qh + (long)g * D, kr, D) * scale;
             }
-            for (int g = 0; g < G; g++) {
-                float *pg = p + (long)g * L, m = -INFINITY, sum = 0.0f;
-                for (int j = 0; j < L; j++) m = pg[j] > m ? pg[j] : m;
-                for (int j = 0; j < L; j++) sum += (pg[j] = expf(pg[j] - m));
-                for (int j = 0; j < L; j++) pg[j] /= sum;
-            }
+            for (int g = 0; g < G; g++) softmax(p + (long)g * L, L);
             memset(acc, 0, sizeof(float) * G * D);
             for (int j = 0; j < L; j++) {
-                const float *vr = v_cache + (((long)table[j / bs] * bs + j % bs) * Hkv + hk) * D;
+                const float *vr = v_cache + row(table, j, bs, Hkv, hk, D);
                 for (int g = 0; g < G; g++) {
                     float pj = p[(long)g * L + j], *a = acc + (long)g * D;
                     for (int d = 0; d < D; d++) a[d] += pj * vr[d];
