@@ -144,44 +144,40 @@ static void softmax(float *x, int n) {
     for (int i = 0; i < n; i++) x[i] *= inv;
 }
 
-/* offset of position j's row for KV head hk in a paged cache (bs: a power of two in practice,
- * so the division is a shift the compiler cannot see; unsigned keeps it cheap) */
-static inline long row(const int32_t *table, int j, int bs, int Hkv, int hk, int D) {
-    unsigned uj = (unsigned)j, ub = (unsigned)bs;
-    return (((long)table[uj / ub] * bs + uj % ub) * Hkv + hk) * D;
-}
-
 /* One query per sequence over its paged context: q [B, Hq, D] float32; caches [blocks, bs,
  * Hkv, D] float32; block_tables [B, W] int32; ctx [B] int32 (0: a padding row, zeros out).
- * The query heads of one KV head are done together, so each K and V row is read once. */
+ * Positions are read in cache order, every head of a position at once: a block's K (then V)
+ * rows are one contiguous run of memory, which is what decode's time goes to here. */
 void pd_decode_attention(const float *q, const float *k_cache, const float *v_cache, int bs,
                          int Hq, int Hkv, int D, const int32_t *block_tables, int W,
                          const int32_t *ctx, int B, float scale, void *out, int odt) {
-    int G = Hq / Hkv, Lmax = 0;
+    int G = Hq / Hkv, Lmax = 1;
+    long row = (long)Hkv * D;                       /* floats per cache position */
     for (int b = 0; b < B; b++) Lmax = ctx[b] > Lmax ? ctx[b] : Lmax;
-    float *p = malloc(sizeof(float) * ((long)G * (Lmax > 0 ? Lmax : 1) + (long)G * D));
-    float *acc = p + (long)G * (Lmax > 0 ? Lmax : 1);
+    float *p = malloc(sizeof(float) * ((long)Hq * Lmax + (long)Hq * D));   /* scores [Hq, L] */
+    float *acc = p + (long)Hq * Lmax;                                          /* [Hq, D] */
     for (int b = 0; b < B; b++) {
         int L = ctx[b];
         const int32_t *table = block_tables + (long)b * W;
-        for (int hk = 0; hk < Hkv; hk++) {
-            const float *qh = q + ((long)b * Hq + (long)hk * G) * D;
-            for (int j = 0; j < L; j++) {
-                const float *kr = k_cache + row(table, j, bs, Hkv, hk, D);
-                for (int g = 0; g < G; g++) p[(long)g * L + j] = dot(qh + (long)g * D, kr, D) * scale;
-            }
-            for (int g = 0; g < G; g++) softmax(p + (long)g * L, L);
-            memset(acc, 0, sizeof(float) * G * D);
-            for (int j = 0; j < L; j++) {
-                const float *vr = v_cache + row(table, j, bs, Hkv, hk, D);
-                for (int g = 0; g < G; g++) {
-                    float pj = p[(long)g * L + j], *a = acc + (long)g * D;
+        const float *qb = q + (long)b * Hq * D;
+        for (int j0 = 0; j0 < L; j0 += bs) {
+            const float *kb = k_cache + (long)table[j0 / bs] * bs * row;
+            for (int j = j0; j < L && j < j0 + bs; j++, kb += row)
+                for (int h = 0; h < Hq; h++)
+                    p[(long)h * L + j] = dot(qb + (long)h * D, kb + (long)(h / G) * D, D) * scale;
+        }
+        for (int h = 0; h < Hq && L > 0; h++) softmax(p + (long)h * L, L);
+        memset(acc, 0, sizeof(float) * Hq * D);
+        for (int j0 = 0; j0 < L; j0 += bs) {
+            const float *vb = v_cache + (long)table[j0 / bs] * bs * row;
+            for (int j = j0; j < L && j < j0 + bs; j++, vb += row)
+                for (int h = 0; h < Hq; h++) {
+                    float pj = p[(long)h * L + j], *a = acc + (long)h * D;
+                    const float *vr = vb + (long)(h / G) * D;
                     for (int d = 0; d < D; d++) a[d] += pj * vr[d];
                 }
-            }
-            for (long i = 0; i < (long)G * D; i++)
-                st(out, odt, ((long)b * Hq + (long)hk * G) * D + i, acc[i]);
         }
+        for (long i = 0; i < (long)Hq * D; i++) st(out, odt, (long)b * Hq * D + i, acc[i]);
     }
     free(p);
 }
