@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--quantization", nargs="+", default=["none", "int8", "int4_g32", "int4_g128", "fp8"])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kernel-backend", nargs="+", default=["torch", "auto"],
+                    help="CPU: each quantization with each (auto: the C kernels where they build)")
     args = ap.parse_args()
     if args.gpu:
         if not torch.cuda.is_available():
@@ -201,47 +203,59 @@ def cpu_linear_paths(n: int, k: int, rows: int) -> None:
             print(f"| {name} | FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]} | |", flush=True)
 
 
-def engine_decode(model: str, variants: list[str], tokens: int, rounds: int = 3) -> None:
-    """The offline engine, one stream: decode tok/s and weight memory per --quantization. The
-    variants take turns, `rounds` times (the median is reported), so a change in the machine's
-    load hits them alike."""
+def engine_decode(model: str, variants: list[str], tokens: int, backends: list[str],
+                  rounds: int = 3) -> None:
+    """The offline engine, one stream: decode tok/s and weight memory per --quantization and
+    kernel backend (torch: the eager references; auto: on CPU the C kernels of
+    engine/kernels/cpu.c). The variants take turns, `rounds` times (the median is reported),
+    so a change in the machine's load hits them alike."""
     from engine import LLM, SamplingParams
     from engine.quant import weight_bytes
     from pdserve.eval import _decode_tok_s
     print(f"\n### Engine decode, one stream, {tokens} tokens, median of {rounds} alternating rounds: {model}\n")
     llms, speeds = {}, {}
     for q in variants:
-        try:
-            llms[q] = LLM(model, quantization=q, num_blocks=64)
-            llms[q].generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4))     # warm-up
-        except Exception as e:
-            print(f"{q}: FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+        for b in backends:
+            try:
+                llm = LLM(model, quantization=q, kernel_backend=b, num_blocks=64)
+                llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4))     # warm-up
+                llms[q, llm.engine.model.backend] = llm
+            except Exception as e:
+                print(f"{q} / {b}: FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
     for _ in range(rounds):
-        for q, llm in llms.items():
-            speeds.setdefault(q, []).append(_decode_tok_s(llm, list(range(5, 37)), tokens))
-    print("| quantization | weights MB | decode tok/s | vs none | rounds |")
-    print("|---|---|---|---|---|")
+        for key, llm in llms.items():
+            speeds.setdefault(key, []).append(_decode_tok_s(llm, list(range(5, 37)), tokens))
+    print("| quantization | kernels | weights MB | decode tok/s | vs first row | rounds |")
+    print("|---|---|---|---|---|---|")
     base = None
-    for q, llm in llms.items():
-        tok_s = statistics.median(speeds[q])
+    for (q, b), llm in llms.items():
+        tok_s = statistics.median(speeds[q, b])
         base = base or tok_s
-        print(f"| {q} | {weight_bytes(llm.engine.model) / 1e6:.1f} | {tok_s:.1f} | {tok_s / base:.2f}x | "
-              f"{' '.join(f'{v:.1f}' for v in speeds[q])} |", flush=True)
+        print(f"| {q} | {b} | {weight_bytes(llm.engine.model) / 1e6:.1f} | {tok_s:.1f} | {tok_s / base:.2f}x | "
+              f"{' '.join(f'{v:.1f}' for v in speeds[q, b])} |", flush=True)
 
 
-def llama_cpp_decode(gguf: str, tokens: int, threads: int) -> None:
+def llama_cpp_decode(gguf: str, tokens: int, threads: int, rounds: int = 3) -> None:
+    """llama.cpp's decode tok/s as the engine's is measured: one stream, from the first
+    generated token to the last (each streamed chunk is one token), median of `rounds`."""
     try:
         from llama_cpp import Llama
     except ImportError:
         print("\nllama.cpp: llama_cpp (llama-cpp-python) is not installed here; no llama.cpp row")
         return
-    llm = Llama(model_path=gguf, n_threads=threads, n_ctx=512, verbose=False)
+    llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
     llm("Hello", max_tokens=4)
-    t = time.perf_counter()
-    out = llm("The capital of France is", max_tokens=tokens, temperature=0.0)
-    n = out["usage"]["completion_tokens"]
-    print(f"\nllama.cpp (llama-cpp-python) on {Path(gguf).name}, {threads} thread(s): "
-          f"{n / (time.perf_counter() - t):.1f} tok/s over {n} tokens (prompt included)")
+    speeds = []
+    for _ in range(rounds):
+        t_first, n = None, 0
+        for _chunk in llm("The capital of France is", max_tokens=tokens, temperature=0.0, stream=True):
+            n += 1
+            if t_first is None:
+                t_first = time.perf_counter()
+        speeds.append((n - 1) / (time.perf_counter() - t_first))
+    print(f"\nllama.cpp (llama-cpp-python) on {Path(gguf).name}, {threads} thread(s): decode "
+          f"{statistics.median(speeds):.1f} tok/s over {n} tokens, median of {rounds} "
+          f"({' '.join(f'{v:.1f}' for v in speeds)})")
 
 
 def cpu_bench(args) -> None:
@@ -255,7 +269,7 @@ def cpu_bench(args) -> None:
     from engine.tiny_model import ensure_default_model
     models = [str(ensure_default_model())] + ([args.model] if args.model else [])
     for m in models:
-        engine_decode(m, args.quantization, args.tokens)
+        engine_decode(m, args.quantization, args.tokens, args.kernel_backend)
     if args.model and args.model.endswith(".gguf"):
         llama_cpp_decode(args.model, args.tokens, args.threads)
     print(f"\nload average at end {os.getloadavg()[0]:.1f}")
