@@ -204,58 +204,64 @@ def cpu_linear_paths(n: int, k: int, rows: int) -> None:
 
 
 def engine_decode(model: str, variants: list[str], tokens: int, backends: list[str],
-                  rounds: int = 3) -> None:
+                  threads: int, rounds: int = 5) -> None:
     """The offline engine, one stream: decode tok/s and weight memory per --quantization and
     kernel backend (torch: the eager references; auto: on CPU the C kernels of
-    engine/kernels/cpu.c). The variants take turns, `rounds` times (the median is reported),
-    so a change in the machine's load hits them alike."""
+    engine/kernels/cpu.c); on a .gguf, llama.cpp (llama-cpp-python) on the same file and
+    threads, measured the same way (first to last generated token). Everything takes turns,
+    `rounds` times (the median is reported), so a change in the machine's load hits all alike."""
     from engine import LLM, SamplingParams
     from engine.quant import weight_bytes
     from pdserve.eval import _decode_tok_s
-    print(f"\n### Engine decode, one stream, {tokens} tokens, median of {rounds} alternating rounds: {model}\n")
-    llms, speeds = {}, {}
+    print(f"\n### Decode, one stream, {tokens} tokens, {threads} thread(s), median of {rounds} "
+          f"alternating rounds: {model}\n")
+    runs, mbytes = {}, {}
     for q in variants:
         for b in backends:
             try:
                 llm = LLM(model, quantization=q, kernel_backend=b, num_blocks=64)
                 llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4))     # warm-up
-                llms[q, llm.engine.model.backend] = llm
             except Exception as e:
                 print(f"{q} / {b}: FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+                continue
+            key = (f"pdserve {q}", llm.engine.model.backend)
+            runs[key] = lambda llm=llm: _decode_tok_s(llm, list(range(5, 37)), tokens)
+            mbytes[key] = f"{weight_bytes(llm.engine.model) / 1e6:.1f}"
+    if model.endswith(".gguf"):
+        try:
+            runs["llama.cpp", "llama.cpp"] = llama_cpp_decode(model, tokens, threads)
+            mbytes["llama.cpp", "llama.cpp"] = f"{Path(model).stat().st_size / 1e6:.1f} (file)"
+        except ImportError:
+            print("llama.cpp: llama_cpp (llama-cpp-python) is not installed here; no llama.cpp row")
+    speeds = {}
     for _ in range(rounds):
-        for key, llm in llms.items():
-            speeds.setdefault(key, []).append(_decode_tok_s(llm, list(range(5, 37)), tokens))
-    print("| quantization | kernels | weights MB | decode tok/s | vs first row | rounds |")
+        for key, run in runs.items():
+            speeds.setdefault(key, []).append(run())
+    print("| engine | kernels | weights MB | decode tok/s | vs first row | rounds |")
     print("|---|---|---|---|---|---|")
     base = None
-    for (q, b), llm in llms.items():
-        tok_s = statistics.median(speeds[q, b])
+    for key in runs:
+        tok_s = statistics.median(speeds[key])
         base = base or tok_s
-        print(f"| {q} | {b} | {weight_bytes(llm.engine.model) / 1e6:.1f} | {tok_s:.1f} | {tok_s / base:.2f}x | "
-              f"{' '.join(f'{v:.1f}' for v in speeds[q, b])} |", flush=True)
+        print(f"| {key[0]} | {key[1]} | {mbytes[key]} | {tok_s:.1f} | {tok_s / base:.2f}x | "
+              f"{' '.join(f'{v:.1f}' for v in speeds[key])} |", flush=True)
 
 
-def llama_cpp_decode(gguf: str, tokens: int, threads: int, rounds: int = 3) -> None:
-    """llama.cpp's decode tok/s as the engine's is measured: one stream, from the first
-    generated token to the last (each streamed chunk is one token), median of `rounds`."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        print("\nllama.cpp: llama_cpp (llama-cpp-python) is not installed here; no llama.cpp row")
-        return
+def llama_cpp_decode(gguf: str, tokens: int, threads: int):
+    """A callable: llama.cpp's decode tok/s on one stream, from its first streamed token to
+    its last (each chunk is one token)."""
+    from llama_cpp import Llama
     llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
     llm("Hello", max_tokens=4)
-    speeds = []
-    for _ in range(rounds):
+
+    def run() -> float:
         t_first, n = None, 0
         for _chunk in llm("The capital of France is", max_tokens=tokens, temperature=0.0, stream=True):
             n += 1
             if t_first is None:
                 t_first = time.perf_counter()
-        speeds.append((n - 1) / (time.perf_counter() - t_first))
-    print(f"\nllama.cpp (llama-cpp-python) on {Path(gguf).name}, {threads} thread(s): decode "
-          f"{statistics.median(speeds):.1f} tok/s over {n} tokens, median of {rounds} "
-          f"({' '.join(f'{v:.1f}' for v in speeds)})")
+        return (n - 1) / (time.perf_counter() - t_first)
+    return run
 
 
 def cpu_bench(args) -> None:
@@ -269,9 +275,7 @@ def cpu_bench(args) -> None:
     from engine.tiny_model import ensure_default_model
     models = [str(ensure_default_model())] + ([args.model] if args.model else [])
     for m in models:
-        engine_decode(m, args.quantization, args.tokens, args.kernel_backend)
-    if args.model and args.model.endswith(".gguf"):
-        llama_cpp_decode(args.model, args.tokens, args.threads)
+        engine_decode(m, args.quantization, args.tokens, args.kernel_backend, args.threads)
     print(f"\nload average at end {os.getloadavg()[0]:.1f}")
 
 

@@ -10,6 +10,7 @@ in engine.kernels: it belongs to the model, not to the process.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +21,8 @@ from . import kernels as K
 from .config import ModelConfig, check_kernel_backend
 from .kernels.rope import build_cos_sin_cache
 from .moe import SparseMoeBlock
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -151,6 +154,7 @@ class CausalLM(nn.Module):
         2, num_blocks, nkv] fp32 when the cache is 8-bit; each layer keeps views.
         Here the backend is settled: on CPU, "auto" becomes "cpu" (the C kernels) for a
         float32 model and cache where they build; "cpu" asked for elsewhere is a ValueError."""
+        asked = self.backend
         cpu_ok = (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32
                   and self.norm.weight.dtype == torch.float32)
         if self.backend == "cpu" and not (cpu_ok and K.cpu.library() is not None):
@@ -160,6 +164,8 @@ class CausalLM(nn.Module):
             for m in self.modules():            # every layer hands its backend to its ops
                 if isinstance(vars(m).get("backend"), str):
                     m.backend = "cpu"
+        log.info("kernel backend %s (asked: %s)", self.backend if self.backend != "auto" else
+                 ("triton" if kv_cache.is_cuda else "torch"), asked)
         for i, layer in enumerate(self.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
             if kv_scales is not None:
