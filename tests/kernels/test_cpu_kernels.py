@@ -112,3 +112,16 @@ def test_rms_norm_updates_the_residual_in_place():
     want = x + res
     _, got = C.rms_norm(x, w, 1e-6, res)
     assert got is res and torch.equal(res, want)
+
+
+def test_the_build_is_cached_per_machine_and_fails_soft(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    assert C._build() is not None                            # builds into the cache ...
+    (so,) = (tmp_path / "cpu-kernels").glob("*.so")
+    mtime = so.stat().st_mtime_ns
+    assert C._build() is not None and so.stat().st_mtime_ns == mtime    # ... once
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "other"))
+    monkeypatch.setenv("CC", "false")                        # a compiler that fails
+    assert C._build() is None and "could not be built" in caplog.text
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")           # turned off
+    assert C._build() is None
