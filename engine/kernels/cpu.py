@@ -39,6 +39,7 @@ _SIGNATURES = {
     "pd_rope_write_kv": [_P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "pd_decode_attention": [_P, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _F, _P, _I],
     "pd_silu_and_mul": [_P, _I, _L, _P, _I, _L, _I, _I],
+    "pd_int8_matmul": [_P, _I, _I, _I, _P, _P, _I, _P, _I],
 }
 
 
@@ -186,3 +187,17 @@ def silu_and_mul(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch
     library().pd_silu_and_mul(x2.data_ptr(), _dt(x2), _rows(x2, "x"), out.data_ptr(), _dt(out), I,
                               x2.shape[0], I)
     return out
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """torch.ops.aten._weight_int8pack_mm(x, qweight, scale) for a few rows: x [M, K] float32
+    or bfloat16, qweight [N, K] int8, scale [N] bfloat16 -> [M, N] bfloat16."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    if qweight.dtype != torch.int8 or scale.dtype != torch.bfloat16 or not qweight.is_contiguous():
+        raise ValueError("qweight: contiguous int8 [N, K]; scale: bfloat16 [N]")
+    x = x.contiguous()
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    library().pd_int8_matmul(x.data_ptr(), _dt(x), M, K, qweight.data_ptr(),
+                             scale.contiguous().data_ptr(), N, y.data_ptr(), _dt(y))
+    return y

@@ -4,8 +4,11 @@
 Where each method runs (x: [M, K] activations, M = tokens in the step):
 
               CPU                                         CUDA
-  int8        aten._weight_int8pack_mm (bf16 x)            M <= 16: Triton w8_matmul
-                                                           else: dequantize, F.linear
+  int8        aten._weight_int8pack_mm (bf16 x); with the   M <= 16: Triton w8_matmul
+              C kernels (backend cpu): cpu.c's int8        else: dequantize, F.linear
+              matmul (same bf16 x and output; one
+              thread); K % 16 != 0 (torch's kernel is
+              wrong there, 2.13): dequantize, F.linear
   int8_g32    aten._weight_int4pack_mm_for_cpu (bf16 x),   M <= 16: Triton int4_matmul, the
               the codes split in two nibbles (below)       same split; else dequantize, F.linear
   int4_gN     aten._weight_int4pack_mm_for_cpu (bf16 x)    M <= 16: Triton int4_matmul
@@ -36,6 +39,7 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATIONS as METHODS
+from engine.kernels import cpu as cpu_kernels
 from engine.kernels import silu_and_mul
 from engine.kernels.reference import moe_by_expert
 
@@ -74,6 +78,7 @@ class QuantLinear(nn.Module):
         self.cpu_int4 = self.on_cpu and bool(self.group) and out_features % 16 == 0
         self.group_major = False        # see `sharing`
         self.exact_top = False          # see `_exact_top`
+        self.backend = "auto"           # the model's, settled at CausalLM.bind_kv_cache
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -228,7 +233,8 @@ class QuantLinear(nn.Module):
         """bfloat16 where torch's CPU int8 / int4 kernels run this layer: they multiply in it
         and return it, so a caller that writes its output in bfloat16 saves two casts (the C
         kernels do). None: the activations' own dtype."""
-        if self.on_cpu and not self.exact_top and (self.method == "int8" or self.cpu_int4):
+        if self.on_cpu and not self.exact_top and (
+                (self.method == "int8" and self.in_features % 16 == 0) or self.cpu_int4):
             return torch.bfloat16
         return None
 
@@ -255,7 +261,10 @@ class QuantLinear(nn.Module):
                     y = part.float() if y is None else y.add_(part)
                 return y
             if self.method == "int8":
-                return torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.qweight, self.scale)
+                if self.backend == "cpu":       # every M: one path for prefill and decode
+                    return cpu_kernels.int8_matmul(x.bfloat16(), self.qweight, self.scale)
+                if self.in_features % 16 == 0:     # torch's kernel is wrong on other K (2.13)
+                    return torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.qweight, self.scale)
             if self.cpu_int4:
                 xb = x.bfloat16()
                 if self.method == "int8_g32":

@@ -125,3 +125,22 @@ def test_the_build_is_cached_per_machine_and_fails_soft(tmp_path, monkeypatch, c
     assert C._build() is None and "could not be built" in caplog.text
     monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")           # turned off
     assert C._build() is None
+
+
+# AVX-512 blocks of 4 rows and 16 columns, and tails of both (torch's kernel is compared
+# where it is defined: N a multiple of 16, as the engine's int8 layers use it)
+@pytest.mark.parametrize("n,k,m", [(64, 576, 1), (80, 208, 3), (9, 33, 2), (70, 200, 4)])
+def test_int8_matmul_matches_torchs_int8_kernel(n, k, m):
+    gen, seed = fresh_generator()
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    w[3] = 0                                                     # a zero row
+    scale = (torch.rand(n, generator=gen) / 50).bfloat16()
+    x = randn(gen, m, k, dtype=torch.bfloat16)
+    got = C.int8_matmul(x, w, scale)
+    assert got.dtype == torch.bfloat16 and torch.equal(got[:, 3], torch.zeros(m, dtype=torch.bfloat16))
+    if n % 16 == 0:
+        want = torch.ops.aten._weight_int8pack_mm(x, w, scale)
+        assert_close(got, want, torch.bfloat16, seed, "int8 matmul vs torch's kernel")
+    exact = (x.float() @ w.float().T) * scale.float()              # and the float32 product
+    assert_close(got, exact, torch.bfloat16, seed, "int8 matmul vs float32")
+    assert_close(C.int8_matmul(x.float(), w, scale), exact, torch.bfloat16, seed, "float32 x")

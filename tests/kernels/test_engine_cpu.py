@@ -1,6 +1,6 @@
 """The engine on CPU with the C kernels (backend auto, which a float32 model with a float32 KV
 cache resolves to "cpu") gives the greedy tokens of the same engine on the torch references,
-logprobs within 1e-3, for float and int8/int4 weights (whose layers then take bfloat16 from
+logprobs within 1e-3, for float and int8/int4 weights (int8 on cpu.c's own matmul) (whose layers then take bfloat16 from
 the C kernels directly), with chunked prefill, a batch and prefix-cache hits; and where the
 kernels do not apply the engine stays on the references."""
 import random
@@ -45,7 +45,7 @@ def test_cpu_kernels_engine_matches_torch_engine(tmp_path, monkeypatch, kind, qu
                 quantization=quantization)                       # 24: chunked prefill
     want = _run(LLMEngine.from_model_dir(d, kernel_backend="torch", **opts), prompts, 6)
     calls = []
-    for name in ("rms_norm", "rope_write_kv", "decode_attention", "silu_and_mul"):
+    for name in ("rms_norm", "rope_write_kv", "decode_attention", "silu_and_mul", "int8_matmul"):
         fn = getattr(C, name)
         monkeypatch.setattr(C, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
     engine = LLMEngine.from_model_dir(d, **opts)
@@ -55,6 +55,7 @@ def test_cpu_kernels_engine_matches_torch_engine(tmp_path, monkeypatch, kind, qu
         assert got[i].token_ids == want[i].token_ids, f"prompt {i}"
         assert max(abs(a - b) for a, b in zip(got[i].logprobs, want[i].logprobs)) < 1e-3
     assert {"rms_norm", "rope_write_kv", "decode_attention", "silu_and_mul"} <= set(calls)
+    assert ("int8_matmul" in calls) == (quantization == "int8")
     assert got[4].num_cached_tokens >= 16       # two full blocks of the shared prefix were hit
     assert engine.kv.num_held_blocks() == 0
 
