@@ -37,12 +37,11 @@ def use_triton(t: torch.Tensor, backend: str = "auto") -> bool:
     return backend == "triton"
 
 
-def use_cpu(t: torch.Tensor, backend: str, *float32) -> bool:
-    """The C kernels take this op: backend "cpu", a CPU tensor, and every weight, residual
-    or cache in `float32` float32 (else the torch reference runs)."""
-    if backend != "cpu" or t.device.type != "cpu":
-        return False
-    return cpu.supports(t, *float32)
+def use_cpu(backend: str) -> bool:
+    """The C kernels take this op: backend "cpu", which a model settles on only for a float32
+    model with a float32 KV cache on CPU (CausalLM.bind_kv_cache), so every weight, residual
+    and cache its ops see is one the kernels take (they raise on anything else)."""
+    return backend == "cpu"
 
 
 def _triton_op(module: str, name: str):
@@ -91,7 +90,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         return _triton_op("decode_attention", "paged_decode_attention")(
             q, k_cache, v_cache, block_tables, context_lens, scale,
             max_context_len=max_context_len, out=out, k_scales=k_scales, v_scales=v_scales)
-    if out is None and k_scales is None and use_cpu(q, backend, k_cache, v_cache):
+    if out is None and k_scales is None and use_cpu(backend):
         return cpu.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out_dtype)
     return _into(out, reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                        context_lens, scale, k_scales, v_scales))
@@ -103,7 +102,7 @@ def rms_norm(x, weight, eps, residual=None, *, out=None, residual_out=None, out_
     if use_triton(x, backend):
         return _triton_op("norm", "rms_norm")(x, weight, eps, residual, out=out,
                                               residual_out=residual_out)
-    if out is None and residual_out is None and use_cpu(x, backend, weight, residual):
+    if out is None and residual_out is None and use_cpu(backend):
         return cpu.rms_norm(x, weight, eps, residual, out_dtype)
     res = reference.rms_norm(x, weight, eps, residual)
     if residual is None:
@@ -146,7 +145,7 @@ def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cach
     if use_triton(q, backend):
         return _triton_op("rotary_kv", "rotary_embedding_write_kv")(
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out=q_out)
-    if q_out is None and k_scales is None and use_cpu(q, backend, k_cache, v_cache, cos_sin_cache):
+    if q_out is None and k_scales is None and use_cpu(backend):
         return cpu.rope_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
     qr, kr = reference.rotary_embedding(positions, q, k, cos_sin_cache, rows)
     write_kv_cache(kr, v, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales,
@@ -158,7 +157,7 @@ def silu_and_mul(x, *, out=None, out_dtype=None, backend: str = "auto"):
     """`out_dtype`: as in paged_decode_attention."""
     if use_triton(x, backend):
         return _triton_op("activation", "silu_and_mul")(x, out=out)
-    if out is None and use_cpu(x, backend):
+    if out is None and use_cpu(backend):
         return cpu.silu_and_mul(x, out_dtype)
     return _into(out, reference.silu_and_mul(x))
 

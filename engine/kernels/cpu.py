@@ -120,13 +120,6 @@ def _rows(t: torch.Tensor, name: str) -> int:
     return t.stride(0)
 
 
-def supports(x: torch.Tensor, *float32: torch.Tensor | None) -> bool:
-    """Whether the kernels can take this op: CPU, activations float32 or bfloat16, every
-    weight / residual / cache tensor float32, and the library built."""
-    return (x.device.type == "cpu" and x.dtype in _DTYPE and library() is not None
-            and all(t is None or t.dtype == torch.float32 for t in float32))
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None):
     """reference.rms_norm, every step in float32 (x may be bfloat16, as a CPU int8/int4 matmul
