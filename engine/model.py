@@ -164,6 +164,9 @@ class CausalLM(nn.Module):
             for m in self.modules():            # every layer hands its backend to its ops
                 if isinstance(vars(m).get("backend"), str):
                     m.backend = "cpu"
+        if self.backend == "cpu":
+            from .quant import to_cpu_kernels
+            to_cpu_kernels(self)                # int8_g32 weights into cpu.c's layout
         log.info("kernel backend %s (asked: %s)", self.backend if self.backend != "auto" else
                  ("triton" if kv_cache.is_cuda else "torch"), asked)
         for i, layer in enumerate(self.layers):

@@ -259,3 +259,59 @@ void pd_int8_matmul(const void *x, int xdt, int M, int K, const int8_t *w, const
             st(y, odt, (long)m * N + n, dot_i8(xf + (long)m * K, w + (long)n * K, K) * bf16_to_f32(scale[n]));
     free(xf);
 }
+
+/* y [M, N] float32 = x [M, K] @ W.T for int8 codes with a float32 scale per 32 values of a
+ * row (GGUF Q8_0; scale [N, K/32]): w[n, k] = q[n, k] * scale[n, k / 32]. Per group the
+ * products are summed, then scaled. x float32 or bfloat16. Float32 logits straight from the
+ * stored codes (an output head needs no bfloat16 rounding). One thread, every M. */
+static float dot_i8g(const float *x, const int8_t *w, const float *scale, int K) {
+    float s = 0.0f;
+    for (int g = 0; g < K / 32; g++) s += scale[g] * dot_i8(x + 32 * g, w + 32 * g, 32);
+    return s;
+}
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void i8g_block(
+        const float *x, int K, const int8_t *w, const float *scale, int mr, float *y, long y0, int N) {
+    __m512 a[4][4];
+    int G = K / 32;
+    for (int i = 0; i < 4; i++)
+        for (int r = 0; r < 4; r++) a[i][r] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        __m512 w0[4], w1[4], s[4];
+        for (int r = 0; r < 4; r++) {
+            const int8_t *wr = w + (long)r * K + k;
+            _mm_prefetch((const char *)(wr + 8L * K), _MM_HINT_T0);
+            w0[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wr)));
+            w1[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + 16))));
+            s[r] = _mm512_set1_ps(scale[(long)r * G + k / 32]);
+        }
+        for (int i = 0; i < mr; i++) {
+            __m512 x0 = _mm512_loadu_ps(x + (long)i * K + k), x1 = _mm512_loadu_ps(x + (long)i * K + k + 16);
+            for (int r = 0; r < 4; r++)
+                a[i][r] = _mm512_fmadd_ps(s[r], _mm512_fmadd_ps(x1, w1[r], _mm512_mul_ps(x0, w0[r])), a[i][r]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int r = 0; r < 4; r++) y[y0 + (long)i * N + r] = _mm512_reduce_add_ps(a[i][r]);
+}
+#endif
+
+void pd_int8g32_matmul(const void *x, int xdt, int M, int K, const int8_t *w, const float *scale,
+                       int N, float *y) {
+    float *xf = malloc(sizeof(float) * (long)M * K);
+    for (long i = 0; i < (long)M * K; i++) xf[i] = ld(x, xdt, i);
+    int n = 0, G = K / 32;
+#if defined(__AVX512F__)
+    for (; n + 4 <= N; n += 4)
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            const int8_t *wn = w + (long)n * K;
+            if (M - m0 >= 4) i8g_block(xf + (long)m0 * K, K, wn, scale + (long)n * G, 4, y, (long)m0 * N + n, N);
+            else i8g_block(xf + (long)m0 * K, K, wn, scale + (long)n * G, M - m0, y, (long)m0 * N + n, N);
+        }
+#endif
+    for (; n < N; n++)
+        for (int m = 0; m < M; m++)
+            y[(long)m * N + n] = dot_i8g(xf + (long)m * K, w + (long)n * K, scale + (long)n * G, K);
+    free(xf);
+}

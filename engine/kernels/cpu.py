@@ -40,6 +40,7 @@ _SIGNATURES = {
     "pd_decode_attention": [_P, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _F, _P, _I],
     "pd_silu_and_mul": [_P, _I, _L, _P, _I, _L, _I, _I],
     "pd_int8_matmul": [_P, _I, _I, _I, _P, _P, _I, _P, _I],
+    "pd_int8g32_matmul": [_P, _I, _I, _I, _P, _P, _I, _P],
 }
 
 
@@ -193,4 +194,19 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
     y = torch.empty(M, N, dtype=torch.bfloat16)
     library().pd_int8_matmul(x.data_ptr(), _dt(x), M, K, qweight.data_ptr(),
                              scale.contiguous().data_ptr(), N, y.data_ptr(), _dt(y))
+    return y
+
+
+def int8g32_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (q * scale per 32 values of a row).T: x [M, K] float32 or bfloat16, qweight [N, K]
+    int8, scale [N, K/32] float32 -> [M, N] float32."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    if (K % 32 or qweight.dtype != torch.int8 or not qweight.is_contiguous()
+            or tuple(scale.shape) != (N, K // 32)):
+        raise ValueError("qweight: contiguous int8 [N, K], K % 32 == 0; scale: float32 [N, K/32]")
+    x = x.contiguous()
+    y = torch.empty(M, N)
+    library().pd_int8g32_matmul(x.data_ptr(), _dt(x), M, K, qweight.data_ptr(), _f32(scale, "scale"),
+                                N, y.data_ptr())
     return y

@@ -77,6 +77,7 @@ class QuantLinear(nn.Module):
         # torch's CPU int4 kernel needs N % 16 == 0; other shapes keep the plain layout
         self.cpu_int4 = self.on_cpu and bool(self.group) and out_features % 16 == 0
         self.group_major = False        # see `sharing`
+        self.cpu_g32 = False            # see `to_cpu_kernels`
         self.exact_top = False          # see `_exact_top`
         self.backend = "auto"           # the model's, settled at CausalLM.bind_kv_cache
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -162,6 +163,23 @@ class QuantLinear(nn.Module):
         self.exact_top = self.rows_readable(qw.q)
         return self
 
+    def to_cpu_kernels(self, table: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Backend cpu (engine/kernels/cpu.c; `to_cpu_kernels` below): an int8_g32 layer runs
+        cpu.c's int8 matmul with a scale per 32 values, from plain int8 codes [N, K] and
+        float32 scales [N, K/32] (`table`: the tied embedding's, shared), in place of torch's
+        int4 layout (the nibble split) and its bfloat16 scale pairs. Its logits are float32
+        from the stored codes, so a head needs no `_exact_top`; one path for every M."""
+        if self.method != "int8_g32" or not self.on_cpu or self.in_features % 32 or self.cpu_g32:
+            return
+        if table is None:
+            qw = self.quantized()
+            table = (qw.q.contiguous(), qw.scale.float().contiguous())
+        for name in ("qweight", "scale", "scales_and_zeros", "group_scales"):
+            self._buffers.pop(name, None)
+        self.register_buffer("qweight", table[0])
+        self.register_buffer("scale", table[1])
+        self.cpu_g32, self.cpu_int4, self.group_major, self.exact_top = True, False, False, False
+
     def rows_readable(self, q: torch.Tensor) -> bool:
         """Whether `_int4pack_rows` reads this layer's codes `q` back: an int8_g32 layer in
         torch's CPU int4 layout with a multiple of 64 rows, checked on three of them."""
@@ -207,6 +225,8 @@ class QuantLinear(nn.Module):
             return Fp8Weight(self.qweight, self.scale)
         if self.method == "int8":
             return Int8Weight(self.qweight, self.scale.float())
+        if self.cpu_g32:
+            return Int8Weight(self.qweight, self.scale.half(), self.group)
         if self.group_major:
             return Int8Weight(self.qweight.transpose(0, 1).reshape(n, k), self.scale, self.group)
         if not self.cpu_int4:
@@ -253,6 +273,8 @@ class QuantLinear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if self.on_cpu:
+            if self.cpu_g32:
+                return cpu_kernels.int8g32_matmul(x, self.qweight, self.scale)
             if self.group_major:
                 xb, g, y = x.bfloat16(), self.group, None
                 for i in range(self.qweight.shape[0]):
@@ -332,7 +354,7 @@ class QuantEmbedding(nn.Module):
     def __init__(self, qw: Int8Weight, dtype: torch.dtype):
         super().__init__()
         self.dtype, self.group, self.shape = dtype, qw.group, tuple(qw.q.shape)
-        self.cpu_packed = False
+        self.cpu_packed = self.plain = False
         v, k = self.shape
         if qw.group == 32 and qw.q.device.type == "cpu" and v % 64 == 0:
             lin = QuantLinear.from_quantized("int8_g32", qw)     # stored scales kept
@@ -349,8 +371,25 @@ class QuantEmbedding(nn.Module):
             self.register_buffer("qweight", qw.q)
             self.register_buffer("scale", qw.scale.float())
 
+    def to_plain(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Backend cpu: a grouped (int8_g32) table held as plain codes [V, K] and float32
+        scales [V, K/32], the layout cpu.c's matmul reads for its tied head; (codes, scales),
+        or None for other tables."""
+        if self.group != 32 or self.qweight.device.type != "cpu" or self.shape[1] % 32:
+            return None
+        if not self.plain:
+            qw = self.quantized()
+            for name in ("qweight", "scale", "scales_and_zeros"):
+                self._buffers.pop(name, None)
+            self.register_buffer("qweight", qw.q.contiguous())
+            self.register_buffer("scale", qw.scale.float().contiguous())
+            self.cpu_packed, self.plain = False, True
+        return self.qweight, self.scale
+
     def quantized(self) -> Int8Weight:
         v, k = self.shape
+        if self.plain:
+            return Int8Weight(self.qweight, self.scale.half(), self.group)
         if self.cpu_packed:
             return Int8Weight(_int4pack_rows(self.qweight, torch.arange(v), k), self.scale, self.group)
         if self.group:
@@ -359,6 +398,9 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         s = self.scale[ids].float()
+        if self.plain:
+            q = self.qweight[ids].view(*ids.shape, -1, self.group).float()   # [..., K/g, g]
+            return (q * s[..., None]).flatten(-2).to(self.dtype)
         if self.cpu_packed:
             q = _int4pack_rows(self.qweight, ids.flatten(), self.shape[1])
             q = q.view(*ids.shape, -1, self.group).float()              # [..., K/g, g]
@@ -443,6 +485,19 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
                     setattr(parent, name, QuantLinear.from_float(
                         method, lin.weight.data, None if lin.bias is None else lin.bias.data))
     return model
+
+
+def to_cpu_kernels(model: nn.Module) -> None:
+    """A CPU model settled on backend cpu (CausalLM.bind_kv_cache): its int8_g32 table and
+    layers (GGUF Q8_0, the 8-bit head of every method) move to cpu.c's layout, a tied head
+    keeping the embedding's one copy (QuantLinear.to_cpu_kernels)."""
+    emb, table, shared = model.embed_tokens, None, None
+    if isinstance(emb, QuantEmbedding):
+        shared = emb.qweight.data_ptr()
+        table = emb.to_plain()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.to_cpu_kernels(table if table is not None and m.qweight.data_ptr() == shared else None)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -144,3 +144,33 @@ def test_int8_matmul_matches_torchs_int8_kernel(n, k, m):
     exact = (x.float() @ w.float().T) * scale.float()              # and the float32 product
     assert_close(got, exact, torch.bfloat16, seed, "int8 matmul vs float32")
     assert_close(C.int8_matmul(x.float(), w, scale), exact, torch.bfloat16, seed, "float32 x")
+
+
+def test_int8_g32_layers_and_tied_table_move_to_the_c_layout():
+    """to_cpu_kernels: an int8_g32 layer (torch's int4 layout, the nibble split) becomes plain
+    codes and float32 scales, the same codes and scales read back, its products float32 to
+    summation order for every M; a tied table stays one copy for lookups and logits."""
+    import types
+    from engine.quant import QuantEmbedding, QuantLinear, quantize_int8, to_cpu_kernels, weight_bytes
+    from engine.quant.quantize import dequantize_int8
+    gen, seed = fresh_generator()
+    qw = quantize_int8(randn(gen, 128, 96), 32)
+    table = dequantize_int8(qw)
+    emb = QuantEmbedding(qw, torch.float32)
+    tied, layer = QuantLinear.sharing(emb), QuantLinear.from_float("int8_g32", randn(gen, 64, 96))
+    want_layer = layer.dequantize()
+    model = types.SimpleNamespace(embed_tokens=emb, modules=lambda: [emb, tied, layer])
+    before = emb.qweight.nbytes + emb.scales_and_zeros.nbytes + emb.scale.nbytes
+    to_cpu_kernels(model)
+    assert emb.plain and tied.cpu_g32 and layer.cpu_g32 and not tied.exact_top
+    assert tied.qweight.data_ptr() == emb.qweight.data_ptr()
+    assert emb.qweight.nbytes + emb.scale.nbytes < before              # the bf16 pairs are gone
+    held = emb.quantized()
+    assert torch.equal(held.q, qw.q) and torch.equal(held.scale, qw.scale)
+    assert torch.equal(layer.dequantize(), want_layer)
+    ids = torch.tensor([0, 5, 127])
+    assert torch.equal(emb(ids), table[ids])
+    for m in (1, 3, 9):
+        x = randn(gen, m, 96)
+        assert_close(tied(x), x @ table.T, F32, seed, f"tied head M={m}")
+        assert_close(layer(x), x @ want_layer.T, F32, seed, f"int8_g32 layer M={m}")

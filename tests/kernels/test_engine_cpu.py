@@ -1,6 +1,7 @@
 """The engine on CPU with the C kernels (backend auto, which a float32 model with a float32 KV
 cache resolves to "cpu") gives the greedy tokens of the same engine on the torch references,
-logprobs within 1e-3, for float and int8/int4 weights (int8 on cpu.c's own matmul) (whose layers then take bfloat16 from
+logprobs within 1e-3 (quantized: 5e-3, their heads differ, below), for float and int8/int4
+weights (int8 and the 8-bit head on cpu.c's own matmuls) (whose layers then take bfloat16 from
 the C kernels directly), with chunked prefill, a batch and prefix-cache hits; and where the
 kernels do not apply the engine stays on the references."""
 import random
@@ -51,9 +52,13 @@ def test_cpu_kernels_engine_matches_torch_engine(tmp_path, monkeypatch, kind, qu
     engine = LLMEngine.from_model_dir(d, **opts)
     assert engine.model.backend == "cpu" and engine.model.layers[0].self_attn.backend == "cpu"
     got = _run(engine, prompts, 6)
+    # quantized: the references' 8-bit head (torch's int4 kernel on the nibble split) rounds
+    # every logit but the near-top ones to bfloat16, which moves the log-sum-exp; the C
+    # kernels' head is float32 throughout
+    tol = 1e-3 if quantization == "none" else 5e-3
     for i in range(len(prompts)):
         assert got[i].token_ids == want[i].token_ids, f"prompt {i}"
-        assert max(abs(a - b) for a, b in zip(got[i].logprobs, want[i].logprobs)) < 1e-3
+        assert max(abs(a - b) for a, b in zip(got[i].logprobs, want[i].logprobs)) < tol
     assert {"rms_norm", "rope_write_kv", "decode_attention", "silu_and_mul"} <= set(calls)
     assert ("int8_matmul" in calls) == (quantization == "int8")
     assert got[4].num_cached_tokens >= 16       # two full blocks of the shared prefix were hit

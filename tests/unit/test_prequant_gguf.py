@@ -161,16 +161,28 @@ def test_fused_parts_of_different_types_are_dequantized(files):
     assert isinstance(model.layers[0].mlp.gate_up_proj, QuantLinear)
 
 
-def test_tied_q8_0_table_is_one_copy_for_lookups_and_logits(files):
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_tied_q8_0_table_is_one_copy_for_lookups_and_logits(files, backend):
+    """One copy of the table for lookups and logits: in torch's CPU int4 layout on the torch
+    references (top logits recomputed exactly), as plain codes and float32 scales on the C
+    kernels (auto on CPU, where they build: float32 logits throughout)."""
+    from engine.kernels import cpu
     d = files("llama-tied", "Q8_0")
     raw = {t.name: t for t in open_gguf(d / "m.gguf").raw_tensors()}
-    model = LLM(d / "m.gguf", num_blocks=8).engine.model
+    model = LLM(d / "m.gguf", num_blocks=8, kernel_backend=backend).engine.model
     emb, head = model.embed_tokens, model.lm_head
     assert isinstance(emb, QuantEmbedding) and head.qweight.data_ptr() == emb.qweight.data_ptr()
-    assert emb.cpu_packed and head.exact_top     # torch's CPU int4 layout, top logits exact
+    on_c = model.backend == "cpu"
+    assert on_c == (backend == "auto" and cpu.library() is not None)
+    if on_c:
+        assert emb.plain and head.cpu_g32 and not head.exact_top
+    else:
+        assert emb.cpu_packed and head.exact_top     # torch's CPU int4 layout, top logits exact
     want = torch.from_numpy(raw["model.embed_tokens.weight"].dequantize())
     assert torch.equal(head.dequantize(), want)
     assert torch.equal(emb(torch.arange(want.shape[0])), want)
     h = torch.randn(3, want.shape[1])
     ref = h @ want.T
+    if on_c:
+        torch.testing.assert_close(head(h), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
     torch.testing.assert_close(head(h), ref, atol=0.01 * ref.abs().max().item(), rtol=0.01)
