@@ -156,11 +156,11 @@ class CausalLM(nn.Module):
         float32 model and cache where they build; "cpu" asked for elsewhere is a ValueError."""
         asked = self.backend
         cpu_ok = (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32
-                  and self.norm.weight.dtype == torch.float32)
-        if self.backend == "cpu" and not (cpu_ok and K.cpu.library() is not None):
+                  and self.norm.weight.dtype == torch.float32 and K.cpu.library() is not None)
+        if self.backend == "cpu" and not cpu_ok:
             raise ValueError("kernel backend 'cpu' runs a float32 model with a float32 KV cache on "
                              "CPU, and needs a C compiler to build its kernels (engine/kernels/cpu.py)")
-        if self.backend == "auto" and cpu_ok and K.cpu.library() is not None:
+        if self.backend == "auto" and cpu_ok:
             for m in self.modules():            # every layer hands its backend to its ops
                 if isinstance(vars(m).get("backend"), str):
                     m.backend = "cpu"

@@ -123,7 +123,7 @@ def rope_rows(positions, cos_sin_cache, *, backend: str = "auto"):
     """The torch path's cos/sin rows of `positions`, gathered once per forward pass and handed
     to every layer's rotary op as `rows=`; None on the Triton path (its kernel reads the
     cache itself)."""
-    if use_triton(cos_sin_cache, backend) or backend == "cpu":   # the C kernel reads the cache
+    if use_triton(cos_sin_cache, backend) or use_cpu(backend):   # both kernels read the cache
         return None
     return reference.rope_rows(positions, cos_sin_cache)
 

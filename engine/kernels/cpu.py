@@ -140,14 +140,16 @@ def rope_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                   cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> torch.Tensor:
     """reference.rotary_embedding then reference.write_kv_cache (rotated k, v): q [T, Hq, D],
-    k / v [T, Hkv, D] each float32 or bfloat16 (row-strided views of one qkv row are fine), float32 caches [blocks, bs,
-    Hkv, D], int64 positions and slots. Returns the rotated q, float32 [T, Hq, D]."""
+    k / v [T, Hkv, D], each float32 or bfloat16 (row-strided views of one qkv row are fine);
+    float32 caches [blocks, bs, Hkv, D]; int64 positions and slots. Returns the rotated q,
+    float32 [T, Hq, D]."""
     T, Hq, D = q.shape
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
         raise ValueError("positions and slots are int64")
     q_out = torch.empty(T, Hq, D)
     library().pd_rope_write_kv(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), _dt(q), _dt(k), _dt(v), _rows(q, "q"), _rows(k, "k"), _rows(v, "v"),
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _dt(q), _dt(k), _dt(v),
+        _rows(q, "q"), _rows(k, "k"), _rows(v, "v"),
         T, Hq, k.shape[1], D, positions.contiguous().data_ptr(), _f32(cos_sin_cache, "cos_sin_cache"),
         q_out.data_ptr(), _f32(k_cache, "k_cache"), _f32(v_cache, "v_cache"),
         slot_mapping.contiguous().data_ptr())
@@ -184,8 +186,8 @@ def silu_and_mul(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """torch.ops.aten._weight_int8pack_mm(x, qweight, scale) for a few rows: x [M, K] float32
-    or bfloat16, qweight [N, K] int8, scale [N] bfloat16 -> [M, N] bfloat16."""
+    """torch.ops.aten._weight_int8pack_mm(x, qweight, scale), any M (one thread): x [M, K]
+    float32 or bfloat16, qweight [N, K] int8, scale [N] bfloat16 -> [M, N] bfloat16."""
     M, K = x.shape
     N = qweight.shape[0]
     if qweight.dtype != torch.int8 or scale.dtype != torch.bfloat16 or not qweight.is_contiguous():
