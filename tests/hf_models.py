@@ -29,7 +29,7 @@ def make_hf_model(kind: str, out: Path, **overrides) -> Path:
     elif kind == "qwen2":
         cfg = T.Qwen2Config(**kw)
     elif kind == "qwen3":
-        cfg = T.Qwen3Config(**kw, head_dim=24)
+        cfg = T.Qwen3Config(**{"head_dim": 24, **kw})
     elif kind == "mixtral":     # `overrides` win over the MoE models' own sizes too
         cfg = T.MixtralConfig(**{**kw, **dict(intermediate_size=48, num_local_experts=8,
                                               num_experts_per_tok=2, sliding_window=256), **overrides})

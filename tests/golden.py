@@ -1,0 +1,223 @@
+"""Recorded greedy outputs of every supported architecture, quantization, kernel backend and
+KV cache dtype on tiny models: a guard that a restructure of the engine changes no output.
+
+The models are deterministic without transformers' initialisation (its config classes write
+config.json; every weight is drawn here from one seeded generator, in name order), so the
+recording depends on torch and this file only. `tests/golden/outputs.json` holds, per case,
+each prompt's greedy tokens, their logprobs and the margin between the top two logprobs.
+
+    python3 -m tests.golden --write      # record (only when outputs are meant to change)
+
+tests/unit/test_golden_outputs.py runs every case and compares: tokens identical up to the
+first recorded near-tie (a top-two margin under NEAR_TIE, where another CPU's rounding may
+legitimately pick the other token; everything after it is then not compared), logprobs within
+LOGPROB_ATOL. The C kernels are built with -march=native, so their roundings may differ by a
+few ulps from machine to machine; torch's references should not.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+GOLDEN = Path(__file__).with_name("golden") / "outputs.json"
+NEAR_TIE = 2e-3
+LOGPROB_ATOL = 2e-4
+NEW_TOKENS = 8
+DIMS = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+# per architecture: tests/hf_models.py's kind and the config overrides that keep every
+# quantization's shapes valid (K a multiple of 128, N of 16)
+ARCHS = {
+    "llama": {}, "llama3": {}, "llama-tied": {}, "mistral": {}, "qwen2": {},
+    "qwen3": dict(head_dim=64),
+    "mixtral": dict(intermediate_size=128),
+    "qwen2_moe": dict(moe_intermediate_size=128, shared_expert_intermediate_size=128),
+    "qwen3_moe": dict(head_dim=64, moe_intermediate_size=128),
+}
+QUANTS = ("none", "int8", "int8_g32", "int4_g32", "int4_g128", "fp8", "fp8_tensor")
+PREQUANT = {  # file kind -> how it is written (tests/gguf_files.py, tests/prequant_files.py)
+    "gguf-Q8_0": ("gguf", "Q8_0"), "gguf-Q4_0": ("gguf", "Q4_0"), "gguf-Q4_1": ("gguf", "Q4_1"),
+    "hf-fp8_tensor": ("hf", "fp8_tensor"), "hf-fp8_channel": ("hf", "fp8_channel"),
+    "hf-ct_int4": ("hf", "ct_int4"), "hf-ct_fp8": ("hf", "ct_fp8"),
+}
+
+
+def cases() -> dict[str, dict]:
+    """name -> {arch, file (float | a PREQUANT kind), engine options}."""
+    out = {}
+
+    def add(arch, file="float", **opts):
+        opts.setdefault("kernel_backend", "auto")
+        name = "/".join([arch, file] + [f"{k}={v}" for k, v in sorted(opts.items())])
+        out[name] = dict(arch=arch, file=file, options=opts)
+
+    for arch in ARCHS:
+        for backend in ("auto", "torch"):
+            for q in QUANTS:
+                add(arch, quantization=q, kernel_backend=backend)
+    for arch in ("llama", "qwen3", "mixtral"):
+        for kv in ("fp8_e4m3", "int8"):
+            add(arch, kv_cache_dtype=kv)
+    for kind in PREQUANT:
+        add("llama", kind)
+    for kind in ("gguf-Q8_0", "gguf-Q4_1"):
+        add("llama-tied", kind)
+        add("llama", kind, kernel_backend="torch")
+    add("qwen2", "gguf-Q8_0")
+    add("llama", dtype="bfloat16")
+    add("qwen3_moe", dtype="bfloat16", quantization="int8")
+    add("llama", speculative="ngram:n=2,k=3")
+    add("llama", quantization="int8", speculative="ngram:n=2,k=3")
+    add("llama", enable_prefix_caching=False)
+    return out
+
+
+def prompts() -> list[list[int]]:
+    """Three prompts: two share a 16-token prefix (a prefix-cache hit), one repeats itself
+    (n-gram proposals get accepted), and the longest is prefilled in three chunks."""
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, 1000, (16,), generator=g).tolist()
+    loop = torch.randint(3, 1000, (6,), generator=g).tolist()
+    return [shared + torch.randint(3, 1000, (21,), generator=g).tolist(),
+            torch.randint(3, 1000, (5,), generator=g).tolist(),
+            shared + loop * 3]
+
+
+def engine_options(opts: dict) -> dict:
+    return dict(dict(num_blocks=64, block_size=8, max_num_batched_tokens=16, max_num_seqs=8), **opts)
+
+
+def _weights(names_shapes: dict[str, tuple], seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor from one generator in name order: norms 1 + N(0, 0.1^2), biases N(0, 0.1^2),
+    embeddings N(0, 1), projections and experts N(0, 1/fan_in), the head N(0, 25/hidden)
+    (logits with a standard deviation of ~5: few near-ties; a tied table is scaled as the
+    head, else every tied model repeats its input token)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(names_shapes.items()):
+        r = torch.randn(*shape, generator=g)
+        if "norm" in name:
+            out[name] = 1 + 0.1 * r
+        elif name.endswith("bias"):
+            out[name] = 0.1 * r
+        elif "embed_tokens" in name:      # tied: the head too, so scaled as one
+            out[name] = r if "lm_head.weight" in names_shapes else r * 5 / math.sqrt(shape[-1])
+        elif name.startswith("lm_head"):
+            out[name] = r * 5 / math.sqrt(shape[-1])
+        else:
+            out[name] = r / math.sqrt(shape[-1])
+    return out
+
+
+def make_float_model(arch: str, out: Path) -> Path:
+    """A Hugging Face directory of `arch` with this file's weights and the tiny model's
+    tokenizer (the GGUF writer reads it)."""
+    from engine.tiny_model import make_tiny_model
+    from tests.hf_models import make_hf_model
+    d = make_hf_model(arch, out / arch, **{**DIMS, **ARCHS[arch]})
+    st = d / "model.safetensors"
+    tensors = load_file(str(st))
+    save_file(_weights({k: tuple(v.shape) for k, v in tensors.items()}, seed=1), str(st))
+    tiny = make_tiny_model(out / "tiny")
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny / f, d / f)
+    return d
+
+
+def model_path(arch: str, file: str, root: Path, made: dict) -> Path:
+    """The model directory (or GGUF file) of a case, built once per (arch, file) under root."""
+    key = (arch, file)
+    if key in made:
+        return made[key]
+    if (arch, "float") not in made:
+        made[arch, "float"] = make_float_model(arch, root / f"{arch}-float")
+    src = made[arch, "float"]
+    if file != "float":
+        how, what = PREQUANT[file]
+        dest = root / f"{arch}-{file}"
+        if how == "gguf":
+            from tests.gguf_files import write_gguf
+            dest.mkdir(parents=True)
+            made[key] = write_gguf(src, dest / "m.gguf", what, pre="qwen2" if arch == "qwen2" else "gpt2")
+        else:
+            from tests.prequant_files import write_quantized
+            made[key] = write_quantized(src, dest, what)
+    return made[key]
+
+
+def fingerprint(path: Path) -> str:
+    """The bytes a case's model is made of (weights and config), so a changed input is told
+    apart from a changed output."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".json")
+        and p.name not in ("tokenizer.json", "tokenizer_config.json"))
+    for p in files:
+        data = p.read_bytes()
+        if p.name == "config.json":        # transformers' version string is not the model
+            c = json.loads(data)
+            c.pop("transformers_version", None)
+            data = json.dumps(c, sort_keys=True).encode()
+        h.update(p.name.encode() + data)
+    return h.hexdigest()[:16]
+
+
+def run_case(case: dict, path: Path) -> dict:
+    from engine import LLM, SamplingParams
+    llm = LLM(path, **engine_options(case["options"]))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts(), params)
+    rec = {"tokens": [], "logprobs": [], "margins": []}
+    for o in outs:
+        rec["tokens"].append(list(o.token_ids))
+        rec["logprobs"].append([round(float(x), 6) for x in o.logprobs])
+        rec["margins"].append([round(float(t[0][1] - t[1][1]), 6) for t in o.top_logprobs])
+    assert llm.engine.kv.num_held_blocks() == 0
+    return rec
+
+
+def compare(want: dict, got: dict) -> list[str]:
+    """What differs, in words; empty when the outputs agree (see the module docstring)."""
+    bad = []
+    for i, (wt, gt) in enumerate(zip(want["tokens"], got["tokens"])):
+        for j, (a, b) in enumerate(zip(wt, gt)):
+            if a != b:
+                bad.append(f"prompt {i} token {j}: {b} where {a} was recorded")
+                break
+            lp_w, lp_g = want["logprobs"][i][j], got["logprobs"][i][j]
+            if abs(lp_w - lp_g) > LOGPROB_ATOL:
+                bad.append(f"prompt {i} token {j}: logprob {lp_g} where {lp_w} was recorded")
+                break
+            if want["margins"][i][j] < NEAR_TIE:
+                break               # a near-tie: the rest may legitimately differ
+    return bad
+
+
+def write(root: Path) -> None:
+    made, record = {}, {}
+    all_cases = cases()
+    for n, (name, case) in enumerate(all_cases.items(), 1):
+        path = model_path(case["arch"], case["file"], root, made)
+        record[name] = dict(fingerprint=fingerprint(path), **run_case(case, path))
+        print(f"[{n}/{len(all_cases)}] {name}", file=sys.stderr, flush=True)
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps(record, indent=0, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    import os
+    import tempfile
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python3 -m tests.golden --write")
+    with tempfile.TemporaryDirectory() as tmp:
+        write(Path(tmp))
+    print(f"wrote {GOLDEN}")
