@@ -184,7 +184,7 @@ class QuantLinear(nn.Module):
         """Whether `_int4pack_rows` reads this layer's codes `q` back: an int8_g32 layer in
         torch's CPU int4 layout with a multiple of 64 rows, checked on three of them."""
         n = self.out_features
-        if not (self.cpu_int4 and self.method == "int8_g32" and n % 64 == 0):
+        if not (self.cpu_int4 and self.method == "int8_g32" and n % 64 == 0 and int4pack_block()):
             return False
         probe = torch.tensor([0, 33, n - 1])
         return torch.equal(_int4pack_rows(self.qweight, probe, self.in_features), q[probe])
@@ -335,13 +335,36 @@ def _int4pack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 32, sz).T.to(torch.int32)
 
 
+_INT4PACK_BLOCK: int | None = None
+
+
+def int4pack_block() -> int:
+    """Rows per block of torch's CPU int4 layout on this machine: 64 where its kernel runs
+    AVX-512, 32 on AVX2 and the portable path (torch's int4mm_kernel BLOCK_N); probed once
+    on a known matrix, 0 when neither reads back (rows are then never read from it)."""
+    global _INT4PACK_BLOCK
+    if _INT4PACK_BLOCK is None:
+        codes = torch.arange(64 * 64, dtype=torch.int32).view(64, 64) * 7 % 16
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        ids = torch.arange(64)
+        _INT4PACK_BLOCK = next((blk for blk in (64, 32) if torch.equal(
+            _block_rows(packed, ids, 64, blk), codes)), 0)
+    return _INT4PACK_BLOCK
+
+
+def _block_rows(packed: torch.Tensor, ids: torch.Tensor, width: int, blk: int) -> torch.Tensor:
+    """Codes [T, width] of rows `ids` of torch's CPU int4 layout with `blk` rows a block:
+    [N/blk, width, blk/2] bytes, byte (b, c, j) holding column c of row blk b + j in its
+    low nibble and of row blk b + blk/2 + j in its high one."""
+    h = blk // 2
+    b = packed.view(-1, width, h)[ids // blk, :, ids % h]                # [T, width]
+    return torch.where((ids % blk < h)[:, None], b & 15, b >> 4).int()
+
+
 def _int4pack_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows `ids` [T] of an int8_g32 layer held in torch's CPU int4 layout, as int8 codes
-    [T, K]. That layout is [N/64, 2K, 32] bytes: byte (b, c, j) holds split-code column c of
-    row 64 b + j in its low nibble and of row 64 b + 32 + j in its high one."""
-    ids = ids.long()
-    b = packed.view(-1, 2 * k, 32)[ids // 64, :, ids % 32]              # [T, 2K]
-    return _nibble_join(torch.where((ids % 64 < 32)[:, None], b & 15, b >> 4).int())
+    """Rows `ids` [T] of an int8_g32 layer held in torch's CPU int4 layout (the nibble split,
+    2K columns), as int8 codes [T, K]."""
+    return _nibble_join(_block_rows(packed, ids.long(), 2 * k, int4pack_block()))
 
 
 class QuantEmbedding(nn.Module):

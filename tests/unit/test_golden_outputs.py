@@ -3,14 +3,16 @@ greedy tokens (and logprobs) recorded in tests/golden/outputs.json by the engine
 before its restructure: tests/golden.py says how the models are made and compared."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from engine.config import QUANTIZATIONS, SUPPORTED_ARCHITECTURES
 from tests import golden
 
-RECORDED = json.loads(golden.GOLDEN.read_text())
+ALL = golden.recorded()
+MINE = golden.capability() in ALL
+# this machine's recording, or else any (compared across ISAs: tests/golden.py)
+RECORDED = ALL.get(golden.capability()) or next(iter(ALL.values()))
+TOLERANCE = golden.TIGHT if MINE else golden.CROSS_ISA
 CASES = golden.cases()
 
 
@@ -35,13 +37,15 @@ def test_outputs_match_the_recording(models, name):
     assert golden.fingerprint(path) == want["fingerprint"], \
         "the case's model files differ from the recorded ones (an input changed, not the engine)"
     got = golden.run_case(case, path)
-    assert not golden.compare(want, got), golden.compare(want, got)
+    bad = golden.compare(want, got, **TOLERANCE)
+    assert not bad, f"{bad} ({'this CPU capability' if MINE else 'across CPU capabilities'})"
 
 
-def test_compare_catches_a_changed_token_and_logprob_and_stops_at_a_near_tie():
+@pytest.mark.parametrize("tol", [golden.TIGHT, golden.CROSS_ISA])
+def test_compare_catches_a_changed_token_and_logprob_and_stops_at_a_near_tie(tol):
     want = {"tokens": [[5, 6, 7]], "logprobs": [[-0.1, -0.2, -0.3]], "margins": [[1.0, 1.0, 1.0]]}
-    assert golden.compare(want, want) == []
-    assert golden.compare(want, dict(want, tokens=[[5, 9, 7]]))
-    assert golden.compare(want, dict(want, logprobs=[[-0.1, -0.2 - 3 * golden.LOGPROB_ATOL, -0.3]]))
-    tie = dict(want, margins=[[1.0, golden.NEAR_TIE / 2, 1.0]])
-    assert golden.compare(tie, dict(want, tokens=[[5, 6, 9]])) == []
+    assert golden.compare(want, want, **tol) == []
+    assert golden.compare(want, dict(want, tokens=[[5, 9, 7]]), **tol)
+    assert golden.compare(want, dict(want, logprobs=[[-0.1, -0.2 - 3 * tol["atol"], -0.3]]), **tol)
+    tie = dict(want, margins=[[1.0, tol["near_tie"] / 2, 1.0]])
+    assert golden.compare(tie, dict(want, tokens=[[5, 6, 9]]), **tol) == []
