@@ -63,8 +63,10 @@ def graphed(fn):
 
 def gpu_bench(dev: str = "cuda") -> None:
     from engine.kernels.quant_matmul import int4_matmul, w8_matmul
-    from engine.quant.linear import scaled_mm_fp8
-    from engine.quant.quantize import quantize_fp8, quantize_int4, quantize_int8
+    from engine.kernels import scaled_mm_fp8
+    from engine.quant.fp8 import quantize_fp8
+    from engine.quant.int4 import quantize_int4
+    from engine.quant.int8 import quantize_int8
 
     t0 = time.perf_counter()
     print(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else dev}  torch {torch.__version__}")
@@ -174,7 +176,9 @@ def _cpu_time(fn, iters: int) -> float:
 
 def cpu_linear_paths(n: int, k: int, rows: int) -> None:
     """Each CPU path of one [n, k] linear layer at `rows` tokens, against float32 F.linear."""
-    from engine.quant.quantize import dequantize_int8, quantize_int4, quantize_int8, unpack_int4
+    from engine.kernels.packing import unpack_int4
+    from engine.quant.int4 import quantize_int4
+    from engine.quant.int8 import quantize_int8
     w, x = torch.randn(n, k), torch.randn(rows, k)
     q8, q4 = quantize_int8(w), quantize_int4(w, 32)
     pack4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q4.packed), 1)
@@ -186,7 +190,7 @@ def cpu_linear_paths(n: int, k: int, rows: int) -> None:
         "int8 _weight_int8pack_mm, bf16 x": lambda: torch.ops.aten._weight_int8pack_mm(
             x.bfloat16(), q8.q, q8.scale.bfloat16()),
         "int8 _weight_int8pack_mm, fp32 x": lambda: torch.ops.aten._weight_int8pack_mm(x, q8.q, q8.scale),
-        "int8 dequantize + F.linear": lambda: torch.nn.functional.linear(x, dequantize_int8(q8)),
+        "int8 dequantize + F.linear": lambda: torch.nn.functional.linear(x, q8.dequantize()),
         "int4 g32 _weight_int4pack_mm_for_cpu, bf16 x": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.bfloat16(), pack4, 32, sz.bfloat16()),
     }
@@ -211,7 +215,7 @@ def engine_decode(model: str, variants: list[str], tokens: int, backends: list[s
     threads, measured the same way (first to last generated token). Everything takes turns,
     `rounds` times (the median is reported), so a change in the machine's load hits all alike."""
     from engine import LLM, SamplingParams
-    from engine.quant import weight_bytes
+    from engine.quant.quantize import weight_bytes
     from pdserve.eval import _decode_tok_s
     print(f"\n### Decode, one stream, {tokens} tokens, {threads} thread(s), median of {rounds} "
           f"alternating rounds: {model}\n")

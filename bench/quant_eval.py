@@ -5,7 +5,7 @@
 1. Writes GGUF's weights, dequantized by transformers, as a float Hugging Face directory in
    OUT_DIR (a pre-quantized checkpoint only serves its own method: int8 needs float weights).
 2. int8 decoder linears with the head and embedding int8 per row, int8_g32, and float:
-   `pdserve eval perplexity`'s table for each (engine.quant.linear.HEAD set in turn).
+   `pdserve eval perplexity`'s table for each (engine.quant.quantize.HEAD set in turn).
 3. The int8 engine's decode speed with each head layout (alternating rounds).
 4. One [N x K] layer at 1 token, 1 thread: float32, the int8 per-channel kernel, int8_g32 as
    two nibble halves on the int4 kernel, and int8_g32 group-major (a loop of the int8 kernel
@@ -41,7 +41,7 @@ def export_float(gguf: Path, out: Path) -> Path:
 
 
 def head_ablation(model: Path, text: str, limit: int, context: int = 256) -> None:
-    import engine.quant.linear as L
+    import engine.quant.quantize as L
     from pdserve import eval as ev
     ids = ev.text_ids(str(model), text, limit)
     for head in ("int8", "int8_g32", None):
@@ -55,9 +55,9 @@ def head_ablation(model: Path, text: str, limit: int, context: int = 256) -> Non
 def head_speed(model: Path, tokens: int = 64, rounds: int = 3) -> None:
     """int8 engines with each head/embedding layout, one stream: decode tok/s, the engines
     taking turns (median of `rounds`)."""
-    import engine.quant.linear as L
+    import engine.quant.quantize as L
     from engine import LLM
-    from engine.quant import weight_bytes
+    from engine.quant.quantize import weight_bytes
     from pdserve.eval import _decode_tok_s
     llms, speeds = {}, {}
     for head in ("int8", "int8_g32", None):
@@ -88,18 +88,18 @@ def _us(f, rounds: int = 5, n: int = 20) -> float:
 
 
 def layer_costs(shapes) -> None:
-    from engine.quant import QuantEmbedding, QuantLinear
-    from engine.quant.quantize import quantize_int8
+    from engine.quant.int8 import quantize_int8
+    from engine.quant.linear import QuantEmbedding, QuantLinear
     torch.set_num_threads(1)
     for n, k in shapes:
         w, x = torch.randn(n, k) * 0.05, torch.randn(1, k)
         g32 = quantize_int8(w, 32)
         rows = [("float32 F.linear", lambda: torch.nn.functional.linear(x, w)),
-                ("int8 per channel, _weight_int8pack_mm", (lambda l: lambda: l(x))(QuantLinear.from_float("int8", w))),
+                ("int8 per channel, _weight_int8pack_mm", (lambda l: lambda: l(x))(QuantLinear.quantize("int8", w))),
                 ("int8_g32, two nibble halves on _weight_int4pack_mm_for_cpu",
-                 (lambda l: lambda: l(x))(QuantLinear.from_quantized("int8_g32", g32))),
+                 (lambda l: lambda: l(x))(QuantLinear.of(g32))),
                 ("int8_g32 group-major (tied head), _weight_int8pack_mm per group",
-                 (lambda l: lambda: l(x))(QuantLinear.sharing(QuantEmbedding(g32, torch.float32))))]
+                 (lambda l: lambda: l(x))(QuantEmbedding(g32, torch.float32).tied_head()))]
         print(f"\n### One layer [{n} x {k}], 1 token, 1 thread\n\n| path | us | vs float32 |\n|---|---|---|")
         base = None
         for name, f in rows:

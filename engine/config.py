@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from .quant import QUANTIZATIONS
 from .spec_decode import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = {
@@ -158,8 +159,6 @@ class ModelConfig:
 
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")    # what engine.kernels dispatches on
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none", "int8", "int8_g32", "int4_g32", "int4_g128", "fp8",
-                 "fp8_tensor")                                                  # engine.quant
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 
 

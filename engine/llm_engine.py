@@ -25,7 +25,7 @@ from .config import CacheConfig, EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_connector import KVConnector
 from .loader import load_model
-from .quant import quantize_model
+from .quant.quantize import quantize_model
 from .outputs import EngineStats, Prefix, RequestOutput
 from .request import Request, RequestStatus
 from .runner import ModelRunner

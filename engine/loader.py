@@ -25,9 +25,10 @@ from .gguf import find_gguf, open_gguf
 from .model import CausalLM
 from .kernels.rope import build_cos_sin_cache
 from .moe import expert_target, stack_experts
-from .quant import QuantEmbedding, QuantLinear
+from .quant import get_scheme
 from .quant.checkpoint import check_config, gguf_weight, hf_tensors
-from .quant.quantize import Int4Weight, Int8Weight, QuantWeight, cat_rows, dequantize
+from .quant.linear import QuantEmbedding, QuantLinear
+from .quant.scheme import QuantWeight
 
 # checkpoint name -> (our parameter, shard index within a fused parameter, or None)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -112,8 +113,8 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
                                  f"quantization {quantization!r} disagrees (leave it unset, or "
                                  f"'none' to dequantize)")
             if quantization == "none" or not _KEPT.fullmatch(name) or (
-                    name == "embed_tokens.weight" and not isinstance(t, Int8Weight)):
-                t = dequantize(t)
+                    name == "embed_tokens.weight" and not get_scheme(t.method).tables):
+                t = t.dequantize()
         if shard is None:
             tensors[name] = t
         else:
@@ -128,14 +129,14 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
         parts = [parts[i] for i in range(n)]
         methods = {"float" if isinstance(p, torch.Tensor) else p.method for p in parts}
         if len(methods) > 1:       # stored in different layouts: the fused layer is float
-            parts = [p if isinstance(p, torch.Tensor) else dequantize(p) for p in parts]
-        tensors[name] = torch.cat(parts) if isinstance(parts[0], torch.Tensor) else cat_rows(parts)
+            parts = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
+        tensors[name] = torch.cat(parts) if isinstance(parts[0], torch.Tensor) else type(parts[0]).cat(parts)
     missing = sorted(set(params) - set(tensors))
     if missing:
         raise ValueError(f"checkpoint in {config.model_dir} lacks tensors: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
     for name, p in params.items():
-        shape = tensors[name].shape if isinstance(tensors[name], torch.Tensor) else _shape(tensors[name])
+        shape = tensors[name].shape
         if tuple(shape) != tuple(p.shape):
             raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(shape)}, "
                              f"model expects {tuple(p.shape)}")
@@ -148,31 +149,19 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
         for name, p in model.named_parameters():
             p.copy_(tensors[name])
         for path, qw in quantized.items():
-            qw = _to(qw, device)
+            qw, backend = qw.to(device), model.backend
             if path == "embed_tokens":
-                model.embed_tokens = QuantEmbedding(qw, dtype)
+                model.embed_tokens = QuantEmbedding(qw, dtype, backend)
                 if model.lm_head is None:       # tied: the head reads the same codes
-                    model.lm_head = (QuantLinear.sharing(model.embed_tokens) if qw.group
-                                     else QuantLinear.from_quantized(qw.method, qw))
-            elif path == "lm_head" and qw.method == "int8_g32":     # GGUF Q8_0 output.weight
-                model.lm_head = QuantLinear.head(qw)
+                    model.lm_head = model.embed_tokens.tied_head()
             else:
                 bias = tensors.get(path + ".bias")
-                _set(model, path, QuantLinear.from_quantized(
-                    qw.method, qw, None if bias is None else bias.to(device, dtype)))
+                _set(model, path, QuantLinear.of(qw, None if bias is None else bias.to(device, dtype),
+                                                 head=path == "lm_head", backend=backend))
         # buffers were on the meta device: rebuild the rotary table (fp32) where it lives now
         model.cos_sin = build_cos_sin_cache(config.head_dim, config.max_model_len + 1,
                                             config.rope_theta, config.rope_scaling, device)
     return model.eval().requires_grad_(False)
-
-
-def _shape(qw: QuantWeight) -> tuple[int, int]:
-    return qw.shape if isinstance(qw, Int4Weight) else tuple(qw.q.shape)
-
-
-def _to(qw: QuantWeight, device: str) -> QuantWeight:
-    return type(qw)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
-                       for k, v in vars(qw).items()})
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:

@@ -165,14 +165,27 @@ class CausalLM(nn.Module):
                 if isinstance(vars(m).get("backend"), str):
                     m.backend = "cpu"
         if self.backend == "cpu":
-            from .quant import to_cpu_kernels
-            to_cpu_kernels(self)                # int8_g32 weights into cpu.c's layout
+            from .quant.linear import set_backend
+            set_backend(self, "cpu")           # int8_g32 weights into cpu.c's layout
         log.info("kernel backend %s (asked: %s)", self.backend if self.backend != "auto" else
                  ("triton" if kv_cache.is_cuda else "torch"), asked)
         for i, layer in enumerate(self.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
             if kv_scales is not None:
                 layer.self_attn.k_scales, layer.self_attn.v_scales = kv_scales[i, 0], kv_scales[i, 1]
+
+    QUANTIZABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+    def quantizable_linears(self):
+        """(parent, name, module) of each decoder linear a scheme may quantize: attention,
+        dense MLPs and shared experts; routers and gates stay float."""
+        for parent in self.layers.modules():
+            for name in self.QUANTIZABLE:
+                if isinstance(child := getattr(parent, name, None), nn.Module):
+                    yield parent, name, child
+
+    def moe_blocks(self):
+        return [m for m in self.layers.modules() if isinstance(m, SparseMoeBlock)]
 
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:

@@ -50,7 +50,7 @@ class SparseMoeBlock(nn.Module):
             out = K.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
                               backend=self.backend)
         else:   # quantized: engine.quant.QuantExperts, a QuantLinear per expert
-            out = self.experts(x, weights, ids, backend=self.backend)
+            out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -21,7 +21,7 @@ import torch
 
 from .cuda_graph import DecodeGraphs
 from .model import AttentionMetadata, CausalLM
-from .quant import QuantExperts
+from .quant.linear import QuantExperts
 from .scheduler import SchedulerOutput
 
 

@@ -176,7 +176,7 @@ def variants(model: str, ids: list[int], context: int, stride: int, quantization
     agreement with the unquantized model on prompts cut from the same text, weight and KV
     memory, single-stream decode speed."""
     from engine import LLM, SamplingParams
-    from engine.quant import weight_bytes
+    from engine.quant.quantize import weight_bytes
     pairs = [("none", "auto")] + [(q, kv) for q in quantizations for kv in kv_dtypes
                                   if (q, kv) != ("none", "auto")]
     step = max(1, (len(ids) - AGREE_PROMPT_TOKENS) // AGREE_PROMPTS)

@@ -171,3 +171,100 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, tiles=None, backend: str = 
     if use_triton(x, backend):
         return _triton_op("moe", "fused_moe")(x, w13, w2, topk_weights, topk_ids, tiles=tiles)
     return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+# -- quantized matmuls: x [M, K] @ W.T for each stored layout (engine/quant picks the layout) --
+__all__ += ["int8_linear", "fp8_linear", "int4_linear", "int4pack_linear", "int8g32_linear",
+            "int8g32_split_linear", "int8_groupmajor_linear"]
+SMALL_M = 16        # up to this many rows the Triton weight-only kernels; above, dequantize + matmul
+
+
+def _small(x: torch.Tensor, backend: str) -> bool:
+    return use_triton(x, backend) and x.shape[0] <= SMALL_M
+
+
+def int8_linear(x, q, scale, *, backend: str = "auto"):
+    """int8 codes q [N, K] with a scale per output channel [N] (bfloat16 on CPU, which torch's
+    and cpu.c's kernels take: they multiply bfloat16 x and return bfloat16). torch's kernel
+    is wrong where K % 16 != 0 (seen on 2.13): such layers take the reference."""
+    if _small(x, backend):
+        return _triton_op("quant_matmul", "w8_matmul")(x, q, scale.float())
+    if use_cpu(backend):            # every M: one path for prefill and decode
+        return cpu.int8_matmul(x.bfloat16(), q, scale)
+    if not use_triton(x, backend) and x.device.type == "cpu" and x.shape[1] % 16 == 0:
+        return torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, scale)
+    return reference.dequantized_linear(x, reference.dequantize_int8(q, scale))
+
+
+def fp8_linear(x, q, scale, *, backend: str = "auto"):
+    """float8_e4m3fn codes q [N, K], scale [N] (per channel) or [1] (per tensor) float32. On
+    the Triton path above SMALL_M rows: torch._scaled_mm, x quantized per row (per channel
+    weights) or per tensor. On CPU: the reference (fp8 saves memory only there)."""
+    if _small(x, backend):
+        return _triton_op("quant_matmul", "w8_matmul")(
+            x, q, scale.expand(q.shape[0]).contiguous() if scale.numel() == 1 else scale)
+    if use_triton(x, backend):
+        return scaled_mm_fp8(x, q, scale, rowwise=scale.numel() > 1)
+    return reference.dequantized_linear(x, reference.dequantize_fp8(q, scale))
+
+
+def scaled_mm_fp8(x, q, scale, rowwise: bool):
+    """x @ (q * scale).T through torch._scaled_mm, x quantized to e4m3 on the fly (per row when
+    the weight has per-channel scales, per tensor otherwise)."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    xf = x.float()
+    if rowwise:
+        sx = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / fp8_max      # [M, 1]
+        sw = scale.view(1, -1)                                                 # [1, N]
+    else:
+        sx = xf.abs().amax().clamp(min=1e-12) / fp8_max
+        sw = scale.reshape(())
+    xq = (xf / sx).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+    out_dtype = x.dtype if x.dtype != torch.float32 else torch.bfloat16
+    return torch._scaled_mm(xq, q.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype)
+
+
+def int4_linear(x, packed, scale, mn, group: int, *, backend: str = "auto"):
+    """int4 codes two to a byte [N, K/2] (packing.py), float16 scale and min [N, K/group]."""
+    if _small(x, backend):
+        return _triton_op("quant_matmul", "int4_matmul")(x, packed, scale, mn, group)
+    return reference.dequantized_linear(x, reference.dequantize_int4(packed, scale, mn, group))
+
+
+def int4pack_linear(x, packed, group: int, scales_and_zeros):
+    """torch's CPU int4 kernel on its own layout (packing.to_int4pack): bfloat16 x and out."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, group, scales_and_zeros)
+
+
+def int8g32_linear(x, q, scale, *, backend: str = "auto"):
+    """int8 codes [N, K] with a float32 scale per 32 values [N, K/32]: cpu.c's kernel (float32
+    out from the stored codes), else the reference."""
+    if use_cpu(backend):
+        return cpu.int8g32_matmul(x, q, scale)
+    return reference.dequantized_linear(x, reference.dequantize_int8(q, scale, 32))
+
+
+def int8g32_split_linear(x, split, scale, *, backend: str = "auto"):
+    """int8 codes held nibble-split (packing.py: [N, 2K/2] bytes) with float16 scales
+    [N, K/32]: the Triton int4 kernel on [x, x], else the reference."""
+    from .packing import nibble_join, split_scales, unpack_int4
+    if _small(x, backend):
+        return _triton_op("quant_matmul", "int4_matmul")(torch.cat((x, x), dim=1), split,
+                                                         *split_scales(scale), 32)
+    return reference.dequantized_linear(x, reference.dequantize_int8(nibble_join(unpack_int4(split)), scale, 32))
+
+
+def int8_groupmajor_linear(x, q, scale, group_scales=None):
+    """int8 codes held group-major [K/g, N, g] with scales [N, K/g] (float16): on CPU torch's
+    int8 kernel once per group of columns (`group_scales` [K/g, N] bfloat16, its per-channel
+    scales), the parts summed in float32; elsewhere the reference."""
+    if x.device.type == "cpu":
+        xb, g, y = x.bfloat16(), q.shape[2], None
+        for i in range(q.shape[0]):
+            part = torch.ops.aten._weight_int8pack_mm(xb[:, i * g:(i + 1) * g].contiguous(), q[i],
+                                                      group_scales[i])
+            y = part.float() if y is None else y.add_(part)
+        return y
+    gk, n, g = q.shape
+    return reference.dequantized_linear(x, reference.dequantize_int8(
+        q.transpose(0, 1).reshape(n, gk * g), scale, g))

@@ -2,7 +2,7 @@
 
 For small batches (decode), where a linear layer is bound by reading its weight: the weight
 crosses memory in 8 or 4 bits and is widened to x's dtype in registers. Layouts are
-engine.quant.quantize's:
+engine/kernels/packing.py's:
 
   w8_matmul    q [N, K] int8 or float8_e4m3fn, scale [N] fp32:   y = (x @ q.T) * scale
   int4_matmul  packed [N, K/2] uint8 (even k low nibble), scale/min [N, K/g] fp16:
@@ -141,6 +141,6 @@ def w8_matmul_reference(x, q, scale):
 
 
 def int4_matmul_reference(x, packed, scale, mn, group):
-    from engine.quant.quantize import Int4Weight, dequantize_int4
-    w = dequantize_int4(Int4Weight(packed, scale, mn, group))
+    from .reference import dequantize_int4
+    w = dequantize_int4(packed, scale, mn, group)
     return (x.float() @ w.T).to(x.dtype)

@@ -227,5 +227,33 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                          lambda e, xs: linear(silu_and_mul(linear(xs, w13[e])), w2[e]))
 
 
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """int8 codes [N, K] times a scale per output channel [N] (group 0) or per `group` values
+    along K [N, K/group] -> float32 [N, K]."""
+    if group:
+        n, k = q.shape
+        return (q.float().view(n, k // group, group) * scale.float()[..., None]).view(n, k)
+    return q.float() * scale.float()[:, None]
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group: int) -> torch.Tensor:
+    """Codes packed two to a byte [N, K/2] (packing.py) times scale plus min [N, K/group]."""
+    from .packing import unpack_int4
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    q = unpack_int4(packed).float().view(n, k // group, group)
+    return (q * scale.float()[..., None] + mn.float()[..., None]).view(n, k)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8 codes [N, K] times a scale per output channel [N] or per tensor [1]."""
+    return q.float() * (scale[:, None] if scale.numel() > 1 else scale)
+
+
+def dequantized_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T with the float32 weight `w` rounded to x's dtype first: every quantized
+    matmul's reference."""
+    return torch.nn.functional.linear(x, w.to(x.dtype))
+
+
 # The rotary cache builder is shared by both paths; its torch implementation lives in rope.py.
 from .rope import build_cos_sin_cache  # noqa: E402,F401

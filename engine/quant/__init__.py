@@ -1,10 +1,52 @@
-"""Weight quantization (int8, int4 group-wise, fp8) and the layers that use it; see
-quantize.py for the formats, linear.py for where each runs."""
-from .linear import (METHODS, QuantEmbedding, QuantExperts, QuantLinear, check_method, quantize_model,
-                     to_cpu_kernels, weight_bytes)
-from .quantize import (Fp8Weight, Int4Weight, Int8Weight, dequantize_fp8, dequantize_int4,
-                       dequantize_int8, quantize_fp8, quantize_int4, quantize_int8)
+"""Weight quantization: one file per storage scheme behind this registry (torch-free, so the
+CLI and config import the names without loading torch).
 
-__all__ = ["METHODS", "QuantEmbedding", "QuantExperts", "QuantLinear", "check_method",
-           "quantize_model", "to_cpu_kernels", "weight_bytes", "Int8Weight", "Int4Weight", "Fp8Weight", "quantize_int8",
-           "quantize_int4", "quantize_fp8", "dequantize_int8", "dequantize_int4", "dequantize_fp8"]
+    scheme.py       the interface: QuantWeight (codes + scales), Packed (a kernel's layout),
+                    QuantScheme (quantize, pack for a device and backend, read checkpoints)
+    int8.py         int8 per output channel
+    int8_g32.py     int8 with a scale per 32 values (GGUF Q8_0; every method's head/table)
+    int4.py         int4_g32 / int4_g128 (GGUF Q4_0 / Q4_1, compressed-tensors int4)
+    fp8.py          fp8 / fp8_tensor (quant_method "fp8", compressed-tensors fp8)
+    linear.py       QuantLinear, QuantEmbedding, QuantExperts: layers holding a scheme
+    quantize.py     quantize_model (float checkpoint -> quantized layers), weight_bytes
+    checkpoint.py   pre-quantized tensors of GGUF and Hugging Face checkpoints, by scheme
+
+A new scheme: one file with a QuantScheme subclass, and its line in SCHEMES below.
+"""
+from __future__ import annotations
+
+import importlib
+
+# name -> "module:class" under engine/quant, imported on first use
+SCHEMES = {
+    "int8": "int8:Int8",
+    "int8_g32": "int8_g32:Int8G32",
+    "int4_g32": "int4:Int4G32",
+    "int4_g128": "int4:Int4G128",
+    "fp8": "fp8:Fp8",
+    "fp8_tensor": "fp8:Fp8Tensor",
+}
+# what --quantization takes: auto (as the checkpoint holds it), none (float), or a scheme
+QUANTIZATIONS = ("auto", "none", *SCHEMES)
+_loaded: dict = {}
+
+
+def check_method(name: str) -> str:
+    """`name` if --quantization takes it, else ValueError."""
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {name!r}: expected one of {QUANTIZATIONS}")
+    return name
+
+
+def get_scheme(name: str):
+    """The registered QuantScheme instance of `name`."""
+    if name not in _loaded:
+        if name not in SCHEMES:
+            raise ValueError(f"unknown quantization scheme {name!r}: expected one of {tuple(SCHEMES)}")
+        module, _, cls = SCHEMES[name].partition(":")
+        _loaded[name] = getattr(importlib.import_module(f"{__name__}.{module}"), cls)()
+    return _loaded[name]
+
+
+def all_schemes() -> list:
+    return [get_scheme(n) for n in SCHEMES]

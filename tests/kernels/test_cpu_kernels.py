@@ -147,24 +147,27 @@ def test_int8_matmul_matches_torchs_int8_kernel(n, k, m):
 
 
 def test_int8_g32_layers_and_tied_table_move_to_the_c_layout():
-    """to_cpu_kernels: an int8_g32 layer (torch's int4 layout, the nibble split) becomes plain
+    """set_backend(cpu): an int8_g32 layer (torch's int4 layout, the nibble split) becomes plain
     codes and float32 scales, the same codes and scales read back, its products float32 to
     summation order for every M; a tied table stays one copy for lookups and logits."""
     import types
-    from engine.quant import QuantEmbedding, QuantLinear, quantize_int8, to_cpu_kernels, weight_bytes
-    from engine.quant.quantize import dequantize_int8
+    from engine.quant.int8 import quantize_int8
+    from engine.quant.int8_g32 import G32Int4Pack, G32Plain
+    from engine.quant.linear import QuantEmbedding, QuantLinear, set_backend
     gen, seed = fresh_generator()
     qw = quantize_int8(randn(gen, 128, 96), 32)
-    table = dequantize_int8(qw)
+    table = qw.dequantize()
     emb = QuantEmbedding(qw, torch.float32)
-    tied, layer = QuantLinear.sharing(emb), QuantLinear.from_float("int8_g32", randn(gen, 64, 96))
+    tied, layer = emb.tied_head(), QuantLinear.quantize("int8_g32", randn(gen, 64, 96))
+    assert isinstance(emb.packed, G32Int4Pack) and isinstance(layer.packed, G32Int4Pack)
     want_layer = layer.dequantize()
-    model = types.SimpleNamespace(embed_tokens=emb, modules=lambda: [emb, tied, layer])
-    before = emb.qweight.nbytes + emb.scales_and_zeros.nbytes + emb.scale.nbytes
-    to_cpu_kernels(model)
-    assert emb.plain and tied.cpu_g32 and layer.cpu_g32 and not tied.exact_top
-    assert tied.qweight.data_ptr() == emb.qweight.data_ptr()
-    assert emb.qweight.nbytes + emb.scale.nbytes < before              # the bf16 pairs are gone
+    model = types.SimpleNamespace(modules=lambda: [emb, tied, layer])
+    e = emb.packed
+    before = e.qweight.nbytes + e.scales_and_zeros.nbytes + e.scale.nbytes
+    set_backend(model, "cpu")
+    assert all(isinstance(m.packed, G32Plain) for m in (emb, tied, layer))
+    assert tied.packed is emb.packed                                   # still one copy
+    assert emb.packed.qweight.nbytes + emb.packed.scale.nbytes < before    # the bf16 pairs are gone
     held = emb.quantized()
     assert torch.equal(held.q, qw.q) and torch.equal(held.scale, qw.scale)
     assert torch.equal(layer.dequantize(), want_layer)

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from engine.kernels import quant_matmul as qm
-from engine.quant.quantize import quantize_fp8, quantize_int4, quantize_int8
+from engine.quant.fp8 import quantize_fp8
+from engine.quant.int4 import quantize_int4
+from engine.quant.int8 import quantize_int8
 from tests.kernels.kernel_testlib import DEVICE, assert_close, fresh_generator, on_device, randn
 
 SHAPES = [(1, 70, 96), (3, 33, 160), (17, 130, 256), (5, 64, 384)]     # (M, N, K)

@@ -12,7 +12,8 @@ from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.gguf import open_gguf
-from engine.quant import QuantEmbedding, QuantLinear
+from engine.quant.int8_g32 import G32Int4Pack, G32Plain
+from engine.quant.linear import QuantEmbedding, QuantLinear
 from tests.gguf_files import tiny_hf_dir, write_gguf
 
 PROMPTS = ["The quick brown fox", "Prefill computes the prompt; decode", "a b c d e f",
@@ -171,13 +172,13 @@ def test_tied_q8_0_table_is_one_copy_for_lookups_and_logits(files, backend):
     raw = {t.name: t for t in open_gguf(d / "m.gguf").raw_tensors()}
     model = LLM(d / "m.gguf", num_blocks=8, kernel_backend=backend).engine.model
     emb, head = model.embed_tokens, model.lm_head
-    assert isinstance(emb, QuantEmbedding) and head.qweight.data_ptr() == emb.qweight.data_ptr()
+    assert isinstance(emb, QuantEmbedding) and head.packed is emb.packed
     on_c = model.backend == "cpu"
     assert on_c == (backend == "auto" and cpu.library() is not None)
     if on_c:
-        assert emb.plain and head.cpu_g32 and not head.exact_top
-    else:
-        assert emb.cpu_packed and head.exact_top     # torch's CPU int4 layout, top logits exact
+        assert isinstance(emb.packed, G32Plain)      # float32 logits from the codes
+    else:                                            # torch's CPU int4 layout, top logits exact
+        assert isinstance(emb.packed, G32Int4Pack) and emb.packed.rows_ok and head.head
     want = torch.from_numpy(raw["model.embed_tokens.weight"].dequantize())
     assert torch.equal(head.dequantize(), want)
     assert torch.equal(emb(torch.arange(want.shape[0])), want)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine import LLM, SamplingParams
-from engine.quant import QuantLinear
+from engine.quant.linear import QuantLinear
 from tests.gguf_files import tiny_hf_dir
 from tests.prequant_files import stored_definition, write_quantized
 

@@ -8,9 +8,30 @@ import torch
 
 from engine.config import QUANTIZATIONS
 from engine.llm_engine import LLM
-from engine.quant import (QuantLinear, dequantize_fp8, dequantize_int4, dequantize_int8,
-                          quantize_fp8, quantize_int4, quantize_int8, weight_bytes)
-from engine.quant.quantize import Int8Weight, unpack_int4
+from engine.kernels.packing import unpack_int4
+from engine.quant.fp8 import quantize_fp8
+from engine.quant.int4 import Int4Int4Pack, quantize_int4
+from engine.quant.int8 import Int8Weight, quantize_int8
+from engine.quant.int8_g32 import G32Int4Pack
+from engine.quant.linear import QuantEmbedding, QuantLinear
+from engine.quant.quantize import weight_bytes
+
+
+def dequantize_int8(qw):
+    return qw.dequantize()
+
+
+dequantize_int4 = dequantize_fp8 = dequantize_int8
+
+
+def torch_int4_layout(lin) -> bool:
+    """The layer runs torch's CPU int4 kernel in its packed layout."""
+    return isinstance(lin.packed, (Int4Int4Pack, G32Int4Pack))
+
+
+def refines_top(lin) -> bool:
+    """The layer's head logits near the top are recomputed exactly (G32Int4Pack.refine_top)."""
+    return lin.head and isinstance(lin.packed, G32Int4Pack) and lin.packed.rows_ok
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import CORPUS, ensure_default_model
 
@@ -79,7 +100,7 @@ def test_fp8_hand_example():
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_quant_linear_cpu_matches_dequantized_matmul(method, rows):
     w, b, x = torch.randn(96, 128), torch.randn(96), torch.randn(rows, 128)
-    lin = QuantLinear.from_float(method, w, b)
+    lin = QuantLinear.quantize(method, w, b)
     ref = {"int8": dequantize_int8(quantize_int8(w)), "int8_g32": dequantize_int8(quantize_int8(w, 32)),
            "int4_g32": dequantize_int4(quantize_int4(w, 32)),
            "int4_g128": dequantize_int4(quantize_int4(w, 128)), "fp8": dequantize_fp8(quantize_fp8(w)),
@@ -92,8 +113,8 @@ def test_quant_linear_cpu_matches_dequantized_matmul(method, rows):
 
 def test_quant_linear_int4_cpu_odd_rows_fall_back():
     w, x = torch.randn(70, 64), torch.randn(3, 64)     # N % 16 != 0: torch's kernel refuses
-    lin = QuantLinear.from_float("int4_g32", w)
-    assert not lin.cpu_int4
+    lin = QuantLinear.quantize("int4_g32", w)
+    assert not torch_int4_layout(lin)
     torch.testing.assert_close(lin(x), x @ dequantize_int4(quantize_int4(w, 32)).T)
 
 
@@ -170,8 +191,8 @@ def test_int8_g32_cpu_split_holds_every_code_exactly():
     codes = torch.arange(-128, 128, dtype=torch.int8).repeat(32, 2)[:, torch.randperm(512)]
     scale = (torch.rand(32, 16) * 0.1 + 1e-3).half()
     qw = Int8Weight(codes, scale, 32)
-    lin = QuantLinear.from_quantized("int8_g32", qw)
-    assert lin.cpu_int4
+    lin = QuantLinear.of(qw)
+    assert torch_int4_layout(lin)
     held = lin.quantized()
     assert torch.equal(held.q, codes) and torch.equal(held.scale, scale)
     x = torch.randn(3, 512)
@@ -184,17 +205,17 @@ def test_int8_g32_plain_layout_and_triton_split():
     split in nibbles: they read back exactly, and the Triton int4 kernel (under the
     interpreter) on [x, x] with the split scales computes x @ W.T."""
     from engine.kernels import quant_matmul as qm
-    from engine.quant.linear import int8_g32_split_scales
+    from engine.kernels.packing import split_scales
     codes = torch.arange(-128, 128, dtype=torch.int8).repeat(40, 1)[:, torch.randperm(256)][:, :128]
     qw = Int8Weight(codes.contiguous(), (torch.rand(40, 4) * 0.1 + 1e-3).half(), 32)
-    lin = QuantLinear.from_quantized("int8_g32", qw)
-    assert not lin.cpu_int4
+    lin = QuantLinear.of(qw)
+    assert not torch_int4_layout(lin)
     held = lin.quantized()
     assert torch.equal(held.q, qw.q) and torch.equal(held.scale, qw.scale)
     x = torch.randn(3, 128)
     want = x @ dequantize_int8(qw).T
     torch.testing.assert_close(lin(x), want)
-    got = qm.int4_matmul(torch.cat((x, x), dim=1), lin.qweight, *int8_g32_split_scales(lin.scale), 32)
+    got = qm.int4_matmul(torch.cat((x, x), dim=1), lin.packed.qweight, *split_scales(lin.packed.scale), 32)
     torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
 
 
@@ -206,13 +227,13 @@ def test_tied_int8_g32_table_lookups_and_head(rows):
     computes x @ W.T to bf16 rounding; in the int4 layout, every logit near a row's maximum
     is the float32 one exactly (argmax and top values as on the dequantized table), for the
     tied head and for an untied head of the same codes alike."""
-    from engine.quant import QuantEmbedding
     codes = torch.randint(-128, 128, (rows, 128), dtype=torch.int8)
     codes[:, :2] = torch.tensor([-128, 127], dtype=torch.int8)
     qw = Int8Weight(codes, (torch.rand(rows, 4) * 0.1 + 1e-3).half(), 32)
     emb = QuantEmbedding(qw, torch.float32)
-    head = QuantLinear.sharing(emb)
-    assert emb.cpu_packed == (rows % 64 == 0) and head.qweight.data_ptr() == emb.qweight.data_ptr()
+    head = emb.tied_head()
+    cpu_packed = isinstance(emb.packed, G32Int4Pack)
+    assert cpu_packed == (rows % 64 == 0) and head.packed.qweight.data_ptr() == emb.packed.qweight.data_ptr()
     table = dequantize_int8(qw)
     ids = torch.tensor([[0, 31, 32, 63], [64, 95, rows - 1, 7]])
     assert torch.equal(emb(ids), table[ids])
@@ -222,11 +243,11 @@ def test_tied_int8_g32_table_lookups_and_head(rows):
     x = torch.randn(3, 128)
     want = x @ table.T
     torch.testing.assert_close(head(x), want, atol=0.01 * want.abs().max().item(), rtol=0.01)
-    untied = QuantLinear.head(qw)                  # an untied head of the same codes
-    assert head.exact_top == untied.exact_top == emb.cpu_packed
-    if emb.cpu_packed:
+    untied = QuantLinear.of(qw, head=True)         # an untied head of the same codes
+    assert refines_top(head) == refines_top(untied) == cpu_packed
+    if cpu_packed:
         assert torch.equal(head(x), untied(x))
-        at_load = QuantLinear.head(qw, keep_scales=False)     # the kernel's bf16 scales only
+        at_load = QuantLinear.of(qw, keep_scales=False, head=True)     # the kernel's bf16 scales only
         table16 = at_load.dequantize()
         want16 = x @ table16.T
         near16 = want16 >= want16.amax(-1, keepdim=True) - 2 ** -6 * want16.abs().amax(-1, keepdim=True)

@@ -14,7 +14,8 @@ from torch.nn import functional as F
 from engine import LLM, LLMEngine
 from engine.kernels import reference
 from engine.moe import Experts, SparseMoeBlock, select_experts
-from engine.quant import QuantExperts, QuantLinear, weight_bytes
+from engine.quant.linear import QuantExperts, QuantLinear
+from engine.quant.quantize import weight_bytes
 from engine.sampling_params import SamplingParams
 from tests.hf_models import make_hf_model
 from tests.unit.test_engine_vs_hf import assert_no_blocks_held, run_staggered
