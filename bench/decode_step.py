@@ -36,7 +36,8 @@ import engine.llm_engine as llm_engine  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.kernels import build_cos_sin_cache  # noqa: E402
-from engine.model import CausalLM  # noqa: E402
+from engine.models import build  # noqa: E402
+from engine.models.base import CausalLM  # noqa: E402
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128)
@@ -60,7 +61,7 @@ def random_model(cfg: ModelConfig, dtype, device, backend="auto") -> CausalLM:
     """load_model's stand-in: the model built on `device` with N(0, 0.02) weights drawn there
     (16 GB in bf16: never through the CPU)."""
     with torch.device("meta"):
-        m = CausalLM(cfg, backend)
+        m = build(cfg, backend)
     m.to_empty(device=device).to(dtype)
     with torch.no_grad():
         for name, p in m.named_parameters():

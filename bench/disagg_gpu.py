@@ -168,7 +168,7 @@ def build_engine(layers: int, max_tokens: int, kv_connector, device: str = "cuda
     import engine.llm_engine as le
     from engine.config import EngineConfig, EngineOptions
     from engine.kernels.rope import build_cos_sin_cache
-    from engine.model import CausalLM
+    from engine.models import build
 
     def random_model(config, dtype, device, backend):
         torch.manual_seed(0)
@@ -176,7 +176,7 @@ def build_engine(layers: int, max_tokens: int, kv_connector, device: str = "cuda
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                model = CausalLM(config, backend)
+                model = build(config, backend)
         finally:
             torch.set_default_dtype(prev)
         model.cos_sin = build_cos_sin_cache(config.head_dim, config.max_model_len + 1,

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # run from a checkout
 
 from engine.kernels import fused_moe, reference  # noqa: E402  (after the path insert)
-from engine.moe import select_experts  # noqa: E402
+from engine.models.moe import select_experts  # noqa: E402
 
 
 def hf_block(wg, w13, w2, top_k, impl):

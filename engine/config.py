@@ -19,22 +19,11 @@ from pathlib import Path
 from .quant import QUANTIZATIONS
 from .spec_decode import SpeculativeConfig
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-}
-_MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
-
-
 @dataclass
 class MoeConfig:
-    """The mixture-of-experts part of a model (engine/moe.py): which layers route, to how many
-    of how many experts, and how the chosen experts' weights are normalised."""
+    """The mixture-of-experts part of a model (engine/models/moe.py): which layers route, to
+    how many of how many experts, and how the chosen experts' weights are normalised. Each
+    MoE family reads its own config.json names into it (engine/models/mixtral.py, ...)."""
     num_experts: int
     top_k: int
     intermediate_size: int            # of one expert
@@ -43,31 +32,15 @@ class MoeConfig:
     sparse_layers: list[int]          # the layers with an MoE block; the others are dense
 
     @classmethod
-    def parse(cls, kind: str, c: dict, num_layers: int, path) -> "MoeConfig":
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {c['hidden_act']!r} in {path}: MoE experts are SiLU-gated")
-        if kind == "mixtral":         # every layer routes; top-k always renormalised
-            e, inter, norm, shared, sparse = (c["num_local_experts"], c["intermediate_size"], True,
-                                              0, list(range(num_layers)))
-        else:                         # Qwen2-MoE / Qwen3-MoE: dense layers where configured
-            e = c["num_experts"] if "num_experts" in c else c["num_local_experts"]   # transformers 5 writes the latter
-            inter, norm = c["moe_intermediate_size"], bool(c.get("norm_topk_prob", False))
-            shared = c.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
-            step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
-            sparse = [i for i in range(num_layers) if i not in dense and e > 0 and (i + 1) % step == 0]
-        k = c["num_experts_per_tok"]
-        if not 1 <= k <= e:
-            raise ValueError(f"num_experts_per_tok {k} must be in 1..{e} (num_experts) in {path}")
-        return cls(e, k, inter, norm, shared, sparse)
-
-
-def _moe_config(kind: str, c: dict, path) -> MoeConfig | None:
-    if kind not in _MOE_KINDS:
-        return None
-    try:
-        return MoeConfig.parse(kind, c, c["num_hidden_layers"], path)
-    except KeyError as e:
-        raise ValueError(f"{path}: a {kind} config needs {e.args[0]!r}") from None
+    def checked(cls, path, hidden_act: str = "silu", **fields) -> "MoeConfig":
+        """The config, or a ValueError naming `path` for what the MoE block cannot run."""
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r} in {path}: MoE experts are SiLU-gated")
+        m = cls(**fields)
+        if not 1 <= m.top_k <= m.num_experts:
+            raise ValueError(f"num_experts_per_tok {m.top_k} must be in 1..{m.num_experts} "
+                             f"(num_experts) in {path}")
+        return m
 
 
 @dataclass
@@ -93,6 +66,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
     moe: MoeConfig | None = None
+    sliding_window: int | None = None     # tokens each one attends to (None: all)
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and i in self.moe.sparse_layers
@@ -112,49 +86,56 @@ class ModelConfig:
             if not path.exists():
                 raise ValueError(f"model directory {str(d)!r} has no config.json")
             c = json.loads(path.read_text())
+        from .models import ARCHITECTURES, model_class
         # transformers writes no `architectures` for a model loaded from GGUF: use model_type
-        archs = c.get("architectures") or [a for a, t in SUPPORTED_ARCHITECTURES.items()
+        archs = c.get("architectures") or [a for a, (t, _) in ARCHITECTURES.items()
                                            if t == c.get("model_type")]
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r} in "
-                             f"{path}: supported are {sorted(SUPPORTED_ARCHITECTURES)}")
-        kind = SUPPORTED_ARCHITECTURES[arch]
+                             f"{path}: supported are {sorted(ARCHITECTURES)}")
+        kind = ARCHITECTURES[arch][0]
+        try:
+            family = model_class(arch).config_fields(kind, c, path)
+        except KeyError as e:
+            raise ValueError(f"{path}: a {kind} config needs {e.args[0]!r}") from None
         heads = c["num_attention_heads"]
-        # transformers >= 5 writes rope settings under rope_parameters.
-        rope = dict(c.get("rope_parameters") or {})
-        theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-        scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            rtype = scaling.get("rope_type", scaling.get("type"))
-            if rtype not in ("default", "llama3"):
-                raise ValueError(f"unsupported rope scaling {rtype!r} in {path}")
-            if rtype == "default":
-                scaling = None
         max_pos = c.get("max_position_embeddings", 2048)
-        window = c.get("sliding_window") if c.get("use_sliding_window", kind in ("mistral", "mixtral")) else None
+        window = family.get("sliding_window")
         limit = min(max_pos, window) if window else max_pos   # within the window, attention is full
         eos = c.get("eos_token_id")
         eos = [eos] if isinstance(eos, int) else list(eos or [])
+        theta, scaling = _rope(c, path)
         cfg = cls(
             model_dir=str(d), architecture=arch, vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
             num_layers=c["num_hidden_layers"], num_heads=heads,
             num_kv_heads=c.get("num_key_value_heads") or heads,
             head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=theta,
             rope_scaling=scaling, max_position_embeddings=max_pos,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=(kind == "qwen2" or (kind == "qwen2_moe" and c.get("qkv_bias", True))
-                      or bool(c.get("attention_bias", False))),
-            qk_norm=kind in ("qwen3", "qwen3_moe"),
             max_model_len=min(max_model_len or limit, limit),
             bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, name=model_name(d),
-        )
+            **family)
         if cfg.num_heads % cfg.num_kv_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads")
-        cfg.moe = _moe_config(kind, c, path)
         return cfg
+
+
+def _rope(c: dict, path) -> tuple[float, dict | None]:
+    """rope theta and scaling (None, or llama3's); transformers >= 5 writes them under
+    rope_parameters."""
+    rope = dict(c.get("rope_parameters") or {})
+    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        rtype = scaling.get("rope_type", scaling.get("type"))
+        if rtype not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope scaling {rtype!r} in {path}")
+        if rtype == "default":
+            scaling = None
+    return float(theta), scaling
 
 
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")    # what engine.kernels dispatches on

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .model import AttentionMetadata, CausalLM
+from .models.base import CausalLM
+from .models.layers import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 CONTEXT_BUCKET_BASE = 1024

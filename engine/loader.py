@@ -1,14 +1,21 @@
 """Load a Hugging Face model directory (config.json + *.safetensors), or a GGUF file
-(engine/gguf.py), into `CausalLM`, offline.
+(engine/gguf.py), into its family's CausalLM (engine/models), offline.
 
-Every parameter of the model must be filled and every tensor in the checkpoint used (a few
-known buffers excepted), with matching shapes, or loading fails naming the culprit.
+    build      the model on the meta device (nothing allocated or drawn)
+    read       every checkpoint tensor under the model's own name (CausalLM.checkpoint_name),
+               pre-quantized ones kept or dequantized (`_keep_quantized`)
+    assemble   fused and stacked parameters from their shards (CausalLM.assemble)
+    check      every parameter filled, with its shape; every checkpoint tensor used (a few
+               known buffers excepted), or loading fails naming the culprit
+    fill       the float tensors copied into the materialised model; the quantized ones
+               installed as QuantLinear / QuantEmbedding layers (engine/quant)
 
 Pre-quantized weights (GGUF Q8_0/Q4_0/Q4_1, a config.json's quantization_config: see
-engine/quant/checkpoint.py) of the decoder's linear layers, the output head and the embedding
-table (int8 only) become QuantLinear / QuantEmbedding with the stored codes and scales, unless
+engine/quant/checkpoint.py) of the model's quantizable linears, the output head and the
+embedding table (a scheme that holds tables) keep the stored codes and scales, unless
 `quantization` is "none" (then everything is dequantized, exactly). Elsewhere (norms, MoE
-experts) and where a fused layer's parts are stored in different layouts, they are dequantized."""
+experts, routers) and where a fused layer's parts are stored in different layouts, they are
+dequantized."""
 from __future__ import annotations
 
 import json
@@ -22,20 +29,15 @@ from torch import nn
 
 from .config import ModelConfig
 from .gguf import find_gguf, open_gguf
-from .model import CausalLM
-from .kernels.rope import build_cos_sin_cache
-from .moe import expert_target, stack_experts
+from .models import model_class
+from .models.base import CausalLM
 from .quant import get_scheme
 from .quant.checkpoint import check_config, gguf_weight, hf_tensors
 from .quant.linear import QuantEmbedding, QuantLinear
 from .quant.scheme import QuantWeight
 
-# checkpoint name -> (our parameter, shard index within a fused parameter, or None)
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-_KEPT = re.compile(r"(layers\.\d+\.(self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)"
-                   r"|lm_head|embed_tokens)\.weight")
+Weight = torch.Tensor | QuantWeight
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -52,11 +54,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def checkpoint_tensors(model_dir: str | Path) -> Iterator[
-        tuple[str, str, Callable[[], torch.Tensor | QuantWeight]]]:
+def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, str, Callable[[], Weight]]]:
     """(file name, Hugging Face tensor name, a getter of the tensor) for every tensor of the
-    checkpoint: *.safetensors or a GGUF file's tensors, float, or a quantize.py layout where
-    the checkpoint holds the tensor pre-quantized."""
+    checkpoint: *.safetensors or a GGUF file's tensors, float, or a scheme's weight where the
+    checkpoint holds the tensor pre-quantized."""
     gguf_file = find_gguf(model_dir)
     if gguf_file is not None:
         for raw in open_gguf(gguf_file).raw_tensors():
@@ -77,30 +78,26 @@ def checkpoint_tensors(model_dir: str | Path) -> Iterator[
                 yield f.name, key, get
 
 
-def _target(name: str) -> tuple[str, int | None]:
-    """HF name -> (our name, shard). model.layers.0.self_attn.q_proj.weight -> qkv_proj."""
-    name = name.removeprefix("model.")
-    if (expert := expert_target(name)) is not None:     # an MoE expert's: shard (expert, part)
-        return expert
-    parts = name.split(".")
-    for i, p in enumerate(parts):
-        if p in _FUSED:
-            fused, shard = _FUSED[p]
-            return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
-    return name, None
-
-
 def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
                kernel_backend: str = "auto", quantization: str = "auto") -> CausalLM:
     """`quantization`: "none" dequantizes pre-quantized weights; any method but "auto" must be
     the one the checkpoint's pre-quantized decoder layers hold (ValueError otherwise)."""
     with torch.device("meta"):
-        model = CausalLM(config, kernel_backend)
-    params = dict(model.named_parameters())
-    tensors: dict[str, torch.Tensor | QuantWeight] = {}
-    shards: dict[str, dict[int, torch.Tensor | QuantWeight]] = {}
+        model = model_class(config.architecture)(config, kernel_backend)
+    tensors, shards = _read(model, quantization)
+    tensors.update({name: model.assemble(name, parts) for name, parts in shards.items()})
+    _check(model, tensors)
+    _fill(model, tensors, dtype, device)
+    return model.eval().requires_grad_(False)
+
+
+def _read(model: CausalLM, quantization: str) -> tuple[dict[str, Weight], dict[str, dict]]:
+    """Every checkpoint tensor by our name: whole ones, and the shards of fused ones."""
+    config, params = model.config, dict(model.named_parameters())
+    keep = _keep_quantized(model, quantization)
+    tensors, shards = {}, {}
     for source, key, get in checkpoint_tensors(config.model_dir):
-        name, shard = _target(key)
+        name, shard = model.checkpoint_name(key.removeprefix("model."))
         if name not in params:
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue
@@ -112,35 +109,46 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
                 raise ValueError(f"{source}: {key} is stored pre-quantized as {t.method}; "
                                  f"quantization {quantization!r} disagrees (leave it unset, or "
                                  f"'none' to dequantize)")
-            if quantization == "none" or not _KEPT.fullmatch(name) or (
-                    name == "embed_tokens.weight" and not get_scheme(t.method).tables):
+            if not keep(name, t):
                 t = t.dequantize()
         if shard is None:
             tensors[name] = t
         else:
             shards.setdefault(name, {})[shard] = t
-    for name, parts in shards.items():
-        if ".experts." in name:
-            tensors[name] = stack_experts(name, parts, config.moe.num_experts)
-            continue
-        n = 3 if "qkv" in name else 2
-        if len(parts) != n:
-            raise ValueError(f"checkpoint has {len(parts)} of {n} parts of {name!r}")
-        parts = [parts[i] for i in range(n)]
-        methods = {"float" if isinstance(p, torch.Tensor) else p.method for p in parts}
-        if len(methods) > 1:       # stored in different layouts: the fused layer is float
-            parts = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
-        tensors[name] = torch.cat(parts) if isinstance(parts[0], torch.Tensor) else type(parts[0]).cat(parts)
+    return tensors, shards
+
+
+def _keep_quantized(model: CausalLM, quantization: str) -> Callable[[str, QuantWeight], bool]:
+    """Whether parameter `name`, stored pre-quantized, stays so: a quantizable linear's
+    weight, the head's, or the embedding table where its scheme holds tables."""
+    linears = {f"{n}.{c}.weight" for n, m in model.named_modules()
+               for c in model.quantizable if isinstance(getattr(m, c, None), nn.Module)}
+
+    def keep(name: str, qw: QuantWeight) -> bool:
+        if quantization == "none":
+            return False
+        if name == "embed_tokens.weight":
+            return get_scheme(qw.method).tables
+        return name == "lm_head.weight" or name in linears
+    return keep
+
+
+def _check(model: CausalLM, tensors: dict[str, Weight]) -> None:
+    params = dict(model.named_parameters())
     missing = sorted(set(params) - set(tensors))
     if missing:
-        raise ValueError(f"checkpoint in {config.model_dir} lacks tensors: {missing[:8]}"
+        raise ValueError(f"checkpoint in {model.config.model_dir} lacks tensors: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
     for name, p in params.items():
-        shape = tensors[name].shape
-        if tuple(shape) != tuple(p.shape):
-            raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(shape)}, "
+        if tuple(tensors[name].shape) != tuple(p.shape):
+            raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(tensors[name].shape)}, "
                              f"model expects {tuple(p.shape)}")
-    # pre-quantized modules: out of the float model before it is materialised
+
+
+def _fill(model: CausalLM, tensors: dict[str, Weight], dtype: torch.dtype, device: str) -> None:
+    """Materialise the model on `device` in `dtype` and copy the float tensors in; the
+    quantized ones become their scheme's layers (out of the float model before it is
+    materialised, so their float stand-ins are never allocated)."""
     quantized = {n.removesuffix(".weight"): t for n, t in tensors.items() if not isinstance(t, torch.Tensor)}
     for path in quantized:
         _set(model, path, nn.Identity())
@@ -159,9 +167,7 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
                 _set(model, path, QuantLinear.of(qw, None if bias is None else bias.to(device, dtype),
                                                  head=path == "lm_head", backend=backend))
         # buffers were on the meta device: rebuild the rotary table (fp32) where it lives now
-        model.cos_sin = build_cos_sin_cache(config.head_dim, config.max_model_len + 1,
-                                            config.rope_theta, config.rope_scaling, device)
-    return model.eval().requires_grad_(False)
+        model.cos_sin = model.rotary_table(device)
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from .cuda_graph import DecodeGraphs
-from .model import AttentionMetadata, CausalLM
+from .models.base import CausalLM
+from .models.layers import AttentionMetadata
 from .quant.linear import QuantExperts
 from .scheduler import SchedulerOutput
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from engine import kernels as K
+import engine.kernels as K
 from engine.kernels import reference
 
 from .int8 import check_2d

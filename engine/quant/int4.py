@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine import kernels as K
+import engine.kernels as K
 from engine.kernels import packing as P
 from engine.kernels import reference
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import kernels as K
+import engine.kernels as K
 from engine.kernels import reference
 
 from .scheme import Packed, QuantScheme, QuantWeight

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine import kernels as K
+import engine.kernels as K
 from engine.kernels import packing as P
 
 from .int8 import Int8Weight, quantize_int8

@@ -39,7 +39,7 @@ def test_forced_torch_never_launches_triton(monkeypatch):
 
 def test_bad_backend_name(tmp_path):
     from engine.config import ModelConfig
-    from engine.model import CausalLM
+    from engine.models.llama import LlamaForCausalLM as CausalLM
     from tests.hf_models import make_hf_model
     with pytest.raises(ValueError, match="unknown kernel backend 'cuda'"):
         EngineOptions(kernel_backend="cuda")                # rejected where the config is built

@@ -6,7 +6,7 @@ import torch
 
 from engine.kernels import reference
 from engine.kernels.moe import align_by_expert, fused_moe
-from engine.moe import select_experts
+from engine.models.moe import select_experts
 from kernel_testlib import DEVICE, assert_close, fresh_generator, on_device, randn
 
 E, H, I = 8, 32, 48

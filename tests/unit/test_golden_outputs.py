@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import QUANTIZATIONS, SUPPORTED_ARCHITECTURES
+from engine.models import SUPPORTED_ARCHITECTURES
+from engine.quant import QUANTIZATIONS
 from tests import golden
 
 ALL = golden.recorded()

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from engine import LLM, LLMEngine
 from engine.kernels import reference
-from engine.moe import Experts, SparseMoeBlock, select_experts
+from engine.models.moe import Experts, SparseMoeBlock, select_experts
 from engine.quant.linear import QuantExperts, QuantLinear
 from engine.quant.quantize import weight_bytes
 from engine.sampling_params import SamplingParams

@@ -1,17 +1,16 @@
-"""The mixture-of-experts block of Mixtral, Qwen2-MoE and Qwen3-MoE, and how their expert
-weights are stacked at load time.
+"""The mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE) and how checkpoints' per-expert
+tensors are stacked at load.
 
     router   logits = x @ gate.T  [T, E]  ->  softmax (fp32)  ->  top-k  (-> renormalise)
     experts  engine.kernels.fused_moe over the stacked weights:
              gate_up_proj [E, 2I, H] = cat(gate, up) of each expert,  down_proj [E, H, I]
-             (with --quantization: engine.quant.QuantExperts, one quantized layer per expert)
+             (with --quantization: engine.quant.linear.QuantExperts, a quantized layer each)
     shared   Qwen2-MoE only: + sigmoid(x @ shared_expert_gate.T) * dense MLP(x)
 
 Routing is device-side tensor ops of shapes fixed by T (no host sync), so a decode step with
 MoE layers can be captured in a CUDA graph (float experts: the quantized ones' loop syncs).
-Checkpoints hold one tensor per expert (`experts.3.w1.weight` / `experts.3.gate_proj.weight`);
-`expert_target` names where each goes and `stack_experts` builds the stacked parameter, once,
-at load.
+Checkpoints hold one tensor per expert; each family's `checkpoint_name` maps them to a
+stacked parameter and an (expert, part) shard, and `stack_experts` builds it, once, at load.
 """
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ import re
 import torch
 from torch import nn
 
-from . import kernels as K
-from .config import ModelConfig
+import engine.kernels as K
+from engine.config import ModelConfig
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -32,6 +31,13 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
 
 class SparseMoeBlock(nn.Module):
@@ -49,39 +55,27 @@ class SparseMoeBlock(nn.Module):
         if isinstance(self.experts, Experts):
             out = K.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
                               backend=self.backend)
-        else:   # quantized: engine.quant.QuantExperts, a QuantLinear per expert
+        else:   # quantized: engine.quant.linear.QuantExperts, a QuantLinear per expert
             out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 
-class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+def expert_names(block: str, parts: dict[str, tuple[str, int]]):
+    """A mapper of one family's per-expert checkpoint names: `layers.N.<block>.experts.E.<part>
+    .weight` (without `model.`) -> (`layers.N.mlp.experts.<stacked>`, (E, index)), where
+    `parts` maps the part's name to the stacked parameter and its index within it; None for
+    any other name."""
+    pattern = re.compile(rf"^(layers\.\d+)\.{block}\.experts\.(\d+)\.({'|'.join(parts)})\.weight$")
 
-
-# Per-expert checkpoint tensors: Mixtral's w1 (gate) / w3 (up) / w2 (down) under
-# block_sparse_moe, Qwen's gate_proj / up_proj / down_proj under mlp.
-_EXPERT = re.compile(r"^(layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
-                     r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
-_PART = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0),
-         "w3": ("gate_up_proj", 1), "up_proj": ("gate_up_proj", 1),
-         "w2": ("down_proj", 0), "down_proj": ("down_proj", 0)}
-
-
-def expert_target(name: str) -> tuple[str, tuple[int, int]] | None:
-    """A checkpoint name without `model.` -> (our stacked parameter, (expert, part)), for one
-    expert's weight; the router `block_sparse_moe.gate` -> (`mlp.gate.weight`, None); else None."""
-    m = _EXPERT.match(name)
-    if m:
-        param, part = _PART[m.group(3)]
+    def target(name: str) -> tuple[str, tuple[int, int]] | None:
+        m = pattern.match(name)
+        if m is None:
+            return None
+        param, part = parts[m.group(3)]
         return f"{m.group(1)}.mlp.experts.{param}", (int(m.group(2)), part)
-    if ".block_sparse_moe.gate." in name:
-        return name.replace(".block_sparse_moe.", ".mlp."), None
-    return None
+    return target
 
 
 def stack_experts(name: str, parts: dict[tuple[int, int], torch.Tensor], num_experts: int) -> torch.Tensor:

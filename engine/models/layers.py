@@ -1,0 +1,136 @@
+"""The blocks decoder models are built from: norms, attention over the paged KV cache, the
+gated MLP, and the pre-norm decoder layer that joins them (the MoE block: moe.py).
+
+Every block takes a flat, ragged batch: every scheduled token of every request in one [T]
+row, with `AttentionMetadata` saying where each request's queries start, how long its
+context is, and which cache slot each new token's K/V goes to. Each block keeps the model's
+kernel `backend` and hands it to every op of engine.kernels (base.CausalLM.set_backend).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import engine.kernels as K
+from engine.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [T] int64, cache slot of each new token (-1: skip)
+    block_tables: torch.Tensor      # [B, max_blocks] int32
+    context_lens: torch.Tensor      # [B] int32, tokens in cache after this step
+    cu_seqlens_q: torch.Tensor      # [B + 1] int32
+    max_q_len: int
+    max_context_len: int
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_q_len == 1
+
+
+def input_dtype(block: nn.Module | None) -> torch.dtype | None:
+    """The dtype `block` (a linear layer, or a block whose first op is one) multiplies in
+    when it is not the activations' (engine.quant's CPU int8 / int4 layers: bfloat16): the
+    op before it writes that dtype where it can."""
+    return getattr(block, "input_dtype", None)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, backend: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.backend = eps, backend
+
+    def forward(self, x, residual=None, out_dtype=None):
+        return K.rms_norm(x, self.weight, self.eps, residual, out_dtype=out_dtype, backend=self.backend)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with fused q/k/v rows (`qkv_proj`), an optional bias and
+    optional per-head RMSNorm of q and k (Qwen3), rotary on q and k, K/V written to the paged
+    cache; decode and prefill kernels by the batch's shape."""
+
+    def __init__(self, c: ModelConfig, backend: str):
+        super().__init__()
+        self.backend = backend
+        self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps, backend) if c.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps, backend) if c.qk_norm else None
+        self.scale = self.hd ** -0.5
+        self.k_cache = self.v_cache = None   # [num_blocks, block_size, nkv, hd], bound later
+        self.k_scales = self.v_scales = None # [num_blocks, nkv] fp32 for an 8-bit cache
+
+    @property
+    def input_dtype(self) -> torch.dtype | None:
+        return input_dtype(self.qkv_proj)
+
+    def bind_kv_cache(self, k_cache, v_cache, k_scales=None, v_scales=None) -> None:
+        self.k_cache, self.v_cache, self.k_scales, self.v_scales = k_cache, v_cache, k_scales, v_scales
+
+    def forward(self, positions, x, meta: AttentionMetadata, cos_sin, rope_rows=None):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.nh, self.hd)
+        k = k.view(T, self.nkv, self.hd)
+        v = v.view(T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        scales = dict(k_scales=self.k_scales, v_scales=self.v_scales, backend=self.backend)
+        q = K.rotary_embedding_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
+                                        meta.slot_mapping, rows=rope_rows, **scales)
+        if meta.decode_only:
+            o = K.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                         meta.context_lens, self.scale,
+                                         max_context_len=meta.max_context_len,
+                                         out_dtype=input_dtype(self.o_proj), **scales)
+        else:
+            o = K.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                          meta.cu_seqlens_q, meta.context_lens, self.scale,
+                                          max_q_len=meta.max_q_len, **scales)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP with fused gate and up rows (`gate_up_proj`)."""
+
+    def __init__(self, c: ModelConfig, backend: str, intermediate_size: int | None = None):
+        super().__init__()
+        self.backend = backend
+        inter = intermediate_size or c.intermediate_size
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
+
+    @property
+    def input_dtype(self) -> torch.dtype | None:
+        return input_dtype(self.gate_up_proj)
+
+    def forward(self, x):
+        return self.down_proj(K.silu_and_mul(self.gate_up_proj(x), out_dtype=input_dtype(self.down_proj),
+                                             backend=self.backend))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm: h += attn(norm(h)); h += mlp(norm(h)), the residual add fused into the norms."""
+
+    def __init__(self, c: ModelConfig, backend: str, mlp: nn.Module, attention: nn.Module | None = None):
+        super().__init__()
+        self.self_attn = attention or Attention(c, backend)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
+
+    def forward(self, positions, h, residual, meta, cos_sin, rope_rows=None):
+        wants = input_dtype(self.self_attn)
+        if residual is None:
+            residual, h = h, self.input_layernorm(h, out_dtype=wants)
+        else:
+            h, residual = self.input_layernorm(h, residual, wants)
+        h = self.self_attn(positions, h, meta, cos_sin, rope_rows)
+        h, residual = self.post_attention_layernorm(h, residual, input_dtype(self.mlp))
+        return self.mlp(h), residual

@@ -1,0 +1,45 @@
+"""Qwen2-MoE and Qwen3-MoE: the Qwen decoders with MoE blocks where configured (every
+`decoder_sparse_step`-th layer not in `mlp_only_layers`), top-k unnormalised unless
+`norm_topk_prob`; Qwen2-MoE adds a sigmoid-gated shared expert (and q/k/v biases), Qwen3-MoE
+per-head q/k RMSNorm. Experts stored as `mlp.experts.E.gate_proj` / `up_proj` / `down_proj`."""
+from __future__ import annotations
+
+from engine.config import ModelConfig, MoeConfig
+
+from .base import CausalLM
+from .layers import MLP
+from .moe import SparseMoeBlock, expert_names, stack_experts
+
+_EXPERT = expert_names("mlp", {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                               "down_proj": ("down_proj", 0)})
+
+
+class QwenMoeForCausalLM(CausalLM):
+    @classmethod
+    def config_fields(cls, kind: str, c: dict, path) -> dict:
+        e = c["num_experts"] if "num_experts" in c else c["num_local_experts"]   # transformers 5 writes the latter
+        step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
+        moe = MoeConfig.checked(
+            path, num_experts=e, top_k=c["num_experts_per_tok"], intermediate_size=c["moe_intermediate_size"],
+            norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+            shared_intermediate_size=c.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0,
+            sparse_layers=[i for i in range(c["num_hidden_layers"])
+                           if i not in dense and e > 0 and (i + 1) % step == 0],
+            hidden_act=c.get("hidden_act", "silu"))
+        return dict(qkv_bias=(kind == "qwen2_moe" and c.get("qkv_bias", True)) or bool(c.get("attention_bias", False)),
+                    qk_norm=kind == "qwen3_moe", moe=moe,
+                    sliding_window=c.get("sliding_window") if c.get("use_sliding_window") else None)
+
+    def make_mlp(self, c: ModelConfig, layer: int):
+        if layer not in c.moe.sparse_layers:
+            return MLP(c, self.backend)
+        shared = c.moe.shared_intermediate_size
+        return SparseMoeBlock(c, self.backend, MLP(c, self.backend, shared) if shared else None)
+
+    def checkpoint_name(self, name: str):
+        return _EXPERT(name) or super().checkpoint_name(name)
+
+    def assemble(self, name: str, shards: dict):
+        if ".experts." in name:
+            return stack_experts(name, shards, self.config.moe.num_experts)
+        return super().assemble(name, shards)
