@@ -7,9 +7,12 @@ __all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name):
-    if name in ("LLM", "LLMEngine"):
-        from . import llm_engine
-        return getattr(llm_engine, name)
+    if name == "LLM":
+        from .offline import LLM
+        return LLM
+    if name == "LLMEngine":
+        from .llm_engine import LLMEngine
+        return LLMEngine
     if name == "RequestOutput":
         from .outputs import RequestOutput
         return RequestOutput

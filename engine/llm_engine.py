@@ -1,4 +1,13 @@
-"""The engine: `step()` = schedule -> run the model -> sample -> update requests.
+"""The engine: `step()` = schedule -> run -> postprocess.
+
+    schedule      the speculator's proposals (engine/spec_decode.py), then the scheduler's
+                  tokens for this step (engine/scheduler.py)
+    run           the model over them (engine/runner.py; the KV connector told per layer)
+    postprocess   the scheduler advances computed tokens; prompt logprobs; one token sampled
+                  per sampling row and proposals verified, each through the token-level
+                  finish rules (`_append_token`); finished requests leave the scheduler
+Only the scheduler and the KV manager change their own state (queues, blocks); the engine
+changes a request's outputs and status, and its own table of requests.
 
 Serves both halves of the disaggregated split:
   * prefill role: `add_request(..., prefill_only=True)` finishes the request after its first
@@ -16,26 +25,25 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
 from . import memory
-from .config import CacheConfig, EngineConfig, EngineOptions
+from .config import EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_connector import KVConnector
 from .loader import load_model
 from .quant.quantize import quantize_model
 from .outputs import EngineStats, Prefix, RequestOutput
 from .request import Request, RequestStatus
-from .runner import ModelRunner
+from .runner import ModelOutput, ModelRunner
 from .sampler import DeviceSampler, Sampler, compute_prompt_logprobs, skip_draws
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledRequest, Scheduler
-from .spec_decode import DraftProposer, SpecState, SpecStats, ngram_propose
+from .scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from .spec_decode import DraftProposer, Speculator, SpecStats
 from .step_observer import StepObserver
 from .structured import StructuredOutputs
-from .output_processor import OutputProcessor
 from .tokenizer import Tokenizer, has_tokenizer
 
 log = logging.getLogger(__name__)
@@ -73,7 +81,7 @@ class LLMEngine:
         eos = set(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self.eos_token_ids = eos
         cc = config.cache
-        self.num_blocks = cc.num_blocks or self._blocks_for_memory(cc)
+        self.num_blocks = cc.num_blocks or memory.kv_cache_blocks(config)
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, config.device,
@@ -91,22 +99,31 @@ class LLMEngine:
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache, mc.name, self.kv_scales)
         self.step_observers = list(step_observers)
-        self.spec_stats = SpecStats()
-        self._spec_state: dict[str, SpecState] = {}
-        self.draft = None
-        sc = config.speculative
-        if sc is not None and sc.method == "draft":
-            draft = LLMEngine.from_model_dir(sc.draft_model, EngineOptions(
-                device=config.device, dtype=config.dtype, kernel_backend=config.kernel_backend,
-                max_model_len=mc.max_model_len, cache=replace(cc, num_blocks=None),
-                scheduler=config.scheduler))
-            if draft.config.model.vocab_size != mc.vocab_size:
-                raise ValueError(f"draft model {sc.draft_model}: vocabulary of "
-                                 f"{draft.config.model.vocab_size}, the target's is {mc.vocab_size}")
-            self.draft = DraftProposer(draft)
+        self.speculator = self._speculator()
         # the last step scheduled nothing (every waiting request lacks blocks or a slot):
         # until a command frees blocks or adds work, another step would do nothing either
         self.stalled = False
+
+    def _speculator(self) -> Speculator | None:
+        sc, mc = self.config.speculative, self.config.model
+        if sc is None:
+            return None
+        draft = None
+        if sc.method == "draft":
+            c = self.config
+            draft = LLMEngine.from_model_dir(sc.draft_model, EngineOptions(
+                device=c.device, dtype=c.dtype, kernel_backend=c.kernel_backend,
+                max_model_len=mc.max_model_len, cache=replace(c.cache, num_blocks=None),
+                scheduler=c.scheduler))
+            if draft.config.model.vocab_size != mc.vocab_size:
+                raise ValueError(f"draft model {sc.draft_model}: vocabulary of "
+                                 f"{draft.config.model.vocab_size}, the target's is {mc.vocab_size}")
+            draft = DraftProposer(draft)
+        return Speculator(sc, mc.max_model_len, draft)
+
+    @property
+    def spec_stats(self) -> SpecStats:
+        return self.speculator.stats if self.speculator is not None else SpecStats()
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, options: EngineOptions | None = None, *,
@@ -119,26 +136,6 @@ class LLMEngine:
             raise TypeError("give EngineOptions or options by name, not both")
         return cls(EngineConfig.build(model_dir, options or EngineOptions.of(**by_name)),
                    kv_connector, step_observers, decode_graphs)
-
-    def _blocks_for_memory(self, cc: CacheConfig) -> int:
-        """Blocks for kv_cache_memory_gb, or for gpu_memory_utilization of the device memory
-        free now that the weights are loaded; never more than max_num_seqs full contexts."""
-        mc = self.config.model
-        per_block = (mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim
-                     * self.config.kv_torch_dtype.itemsize)
-        if cc.gpu_memory_utilization:
-            budget = memory.kv_cache_bytes(self.config.device, cc.gpu_memory_utilization)
-            source = f"{cc.gpu_memory_utilization:.0%} of the free device memory"
-        else:
-            budget, source = int(cc.kv_cache_memory_gb * 2**30), f"{cc.kv_cache_memory_gb} GiB"
-        enough = self.config.scheduler.max_num_seqs * cdiv(mc.max_model_len, cc.block_size)
-        blocks = min(budget // per_block, enough)
-        if blocks < 1:
-            raise ValueError(f"no room for one KV block ({per_block} bytes) in {source} "
-                             f"({budget} bytes)")
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, from %s)", blocks, cc.block_size,
-                 blocks * per_block / 2**30, source)
-        return blocks
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -215,7 +212,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
         self.structured.remove(request_id)
-        self._spec_state.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         if req is None:
             return False
         if not req.is_finished or req.prefill_only:
@@ -227,7 +225,7 @@ class LLMEngine:
         """Free the blocks of a finished prefill-only request (its KV has been shipped)."""
         req = self.requests.pop(request_id, None)
         if req is not None:
-            self.kv.free(req)
+            self.scheduler.release(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -235,20 +233,25 @@ class LLMEngine:
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        if self.config.speculative is not None:
-            self._propose()
-        sched = self.scheduler.schedule()
-        self.stalled = not sched and not sched.preempted
+        sched = self._schedule()
         if not sched:
             return []
-        now = time.monotonic()
-        for s in sched.scheduled:
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
-        kvc = self.kv_connector
-        mo = self.runner.execute(sched, None if kvc is None else (lambda i: kvc.save_kv_layer(i, sched)))
-        if kvc is not None:
-            kvc.wait_for_save(sched)
+        out = self.runner.execute(sched, self.kv_connector)
+        outputs = self._postprocess(sched, out)
+        if self.step_observers:
+            tokens = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}
+            for o in self.step_observers:
+                o.on_step(time.perf_counter() - t0, tokens)
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+        sched = self.scheduler.schedule()
+        self.stalled = not sched and not sched.preempted
+        return sched
+
+    def _postprocess(self, sched: SchedulerOutput, mo: ModelOutput) -> list[RequestOutput]:
         self.scheduler.update(sched)
         for s in sched.scheduled:
             if s.request.request_id in mo.prompt_logits:
@@ -259,75 +262,35 @@ class LLMEngine:
             allowed = self.structured.token_mask([r.request_id for r in reqs], mo.logits.shape[1])
             sampled = self.sampler(mo.logits, reqs, allowed)
             for i, req in enumerate(reqs):
-                top = sampled.top_logprobs[i] if sampled.top_logprobs else None
-                outputs.append(self._append_token(req, sampled.token_ids[i], sampled.logprobs[i], top))
-                if req.is_finished:
-                    self._finish(req)
+                outputs.append(self._emit(req, sampled, i))
         for s in sched.scheduled:
             if s.spec_token_ids:
                 outputs.append(self._verify(s, mo.spec_logits[s.request.request_id]))
-        if self.step_observers:
-            took = time.perf_counter() - t0
-            tokens = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}
-            for o in self.step_observers:
-                o.on_step(took, tokens)
         return outputs
 
-    # -- speculative decoding (engine/spec_decode.py) --------------------------------------
-    def _propose(self) -> None:
-        """Proposals for the running requests that are decoding, unless the batch is large
-        enough that decode is compute-bound (then nobody speculates this step)."""
-        sc, running = self.config.speculative, self.scheduler.running
-        for r in running:
-            r.spec_token_ids = []
-        if len(running) >= sc.disable_batch_size:
-            return
-        L, wants = self.config.model.max_model_len, []
-        for r in running:
-            if (r.prefill_only or not r.sampling_params.speculative
-                    or r.num_computed_tokens != r.num_tokens - 1):
-                continue
-            state = self._spec_state.setdefault(r.request_id, SpecState(sc.k))
-            if not state.ready():
-                continue
-            # k + 1 tokens may come out: stay within max_tokens and the context
-            k = min(state.k, r.max_tokens - len(r.output_token_ids) - 1, L - r.num_tokens - 1)
-            if k > 0:
-                wants.append((r, k))
-        if self.draft is not None:
-            got = self.draft.propose([(r.request_id, r.all_token_ids, k) for r, k in wants])
-            for r, k in wants:
-                r.spec_token_ids = got.get(r.request_id, [])[:k]
-        else:
-            for r, k in wants:
-                r.spec_token_ids = ngram_propose(r.all_token_ids, k, sc.n, sc.min_n)
+    def _emit(self, req: Request, sampled, i: int) -> RequestOutput:
+        """Row i of a sampler result appended to `req`; the request finished where it ends."""
+        top = sampled.top_logprobs[i] if sampled.top_logprobs else None
+        out = self._append_token(req, sampled.token_ids[i], sampled.logprobs[i], top)
+        if req.is_finished:
+            self._finish(req)
+        return out
 
     def _verify(self, s: ScheduledRequest, logits: torch.Tensor) -> RequestOutput:
         """Emit the accepted prefix of the proposal plus one corrected (or bonus) token, each
-        through the usual per-token rules; keep the KV of the accepted tokens only."""
-        req, drafts = s.request, s.spec_token_ids
-        new, accepted, out = [], 0, None
-        for i in range(len(drafts) + 1):
-            draft = drafts[i] if i < len(drafts) else None
+        through the usual per-token rules; the scheduler keeps the accepted tokens' KV."""
+        req = s.request
+
+        def emit(i: int, draft: int | None):
             allowed = self.structured.token_mask([req.request_id], logits.shape[1])
             sampled, ok = self.verifier.verify(logits[i:i + 1], req, allowed, draft)
             top = sampled.top_logprobs[0] if sampled.top_logprobs else None
-            out = self._append_token(req, sampled.token_ids[0], sampled.logprobs[0], top)
-            new.append(sampled.token_ids[0])
-            accepted += ok
-            if req.is_finished or not ok:
-                break
-        self.spec_stats.record(len(drafts), accepted, len(new))
-        state = self._spec_state.get(req.request_id)
-        if state is not None:
-            state.update(len(drafts), accepted, self.config.speculative.k)
+            return sampled.token_ids[0], ok, self._append_token(req, sampled.token_ids[0], sampled.logprobs[0], top)
+        new, accepted, out = self.speculator.verify(req, s.spec_token_ids, emit)
         if req.is_finished:
             self._finish(req)
         else:
-            # the last known token and the accepted drafts have their KV in the cache
-            req.num_computed_tokens = s.start + 1 + accepted
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            self.kv.trim(req, req.num_computed_tokens)
+            self.scheduler.accept_speculative(req, s.start + 1 + accepted)
         out.new_token_ids = new
         return out
 
@@ -365,13 +328,13 @@ class LLMEngine:
             max(req.num_cached_tokens, 0), list(req.block_ids) if req.prefill_only else [])
 
     def _finish(self, req: Request) -> None:
-        """Leave the scheduler; free blocks, except a prefill-only request's (see release())."""
+        """Leave the scheduler (Scheduler.finish); a prefill-only request stays known until
+        `release`."""
         self.structured.remove(req.request_id)
-        self._spec_state.pop(req.request_id, None)
-        if req.prefill_only:
-            self.scheduler.running.remove(req)
-        else:
-            self.scheduler.remove(req)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
+        self.scheduler.finish(req)
+        if not req.prefill_only:
             self.requests.pop(req.request_id, None)
 
     def stats(self) -> EngineStats:
@@ -386,77 +349,3 @@ class LLMEngine:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_num_emitted_tokens=self.spec_stats.num_emitted_tokens)
-
-
-class LLM:
-    """Offline API: `LLM(model_dir).generate(prompts, params)`.
-
-    The engine finishes requests on token criteria; text, stop strings and their finish
-    reasons come from one `OutputProcessor` per request, the same one the gateway runs."""
-
-    def __init__(self, model_dir: str | Path, **engine_kwargs):
-        self.engine = LLMEngine.from_model_dir(model_dir, **engine_kwargs)
-        self._counter = 0
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def generate(self, prompts, params: SamplingParams | Iterable[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        params = list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        procs = self._add_all(prompts, params)
-        texts = dict.fromkeys(procs, "")
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(procs):
-            for out in self.engine.step():
-                done = self._process(procs[out.request_id], texts, out)
-                if done is not None:
-                    final[out.request_id] = done
-        return [final[rid] for rid in procs]
-
-    def _add_all(self, prompts, params) -> dict[str, OutputProcessor | None]:
-        """Admit every prompt (all or none); request id -> its processor (None: no tokenizer,
-        token ids only)."""
-        procs: dict[str, OutputProcessor | None] = {}
-        try:
-            for p, sp in zip(prompts, params):
-                rid = f"offline-{self._counter}"
-                self._counter += 1
-                req = self.engine.add_request(rid, p, sp)
-                procs[rid] = None if self.tokenizer is None else OutputProcessor(
-                    self.tokenizer, req.prompt_token_ids, req.sampling_params,
-                    self.engine.config.model.max_model_len)
-        except ValueError:
-            for rid in procs:
-                self.engine.abort_request(rid)
-            raise
-        return procs
-
-    def _process(self, proc: OutputProcessor | None, texts: dict[str, str],
-                 out: RequestOutput) -> RequestOutput | None:
-        """The request's final output once it is finished, by the engine or by a stop string
-        the processor found (the engine request is then aborted); else None."""
-        rid = out.request_id
-        if proc is None:
-            return out if out.finished else None
-        delta = proc.add(out.new_token_ids, None, out.finish_reason if out.finished else None)
-        if delta is not None:
-            texts[rid] += delta.text
-        if not proc.finished:
-            return None
-        if not out.finished:                    # a stop string: the engine would go on
-            self.engine.abort_request(rid)
-        n = len(proc.token_ids)
-        by_text = isinstance(proc.stop_reason, str)
-        return replace(out, token_ids=list(proc.token_ids), text=texts[rid], finished=True,
-                       finish_reason=proc.finish_reason if by_text or not out.finished else out.finish_reason,
-                       stop_reason=proc.stop_reason if by_text or not out.finished else out.stop_reason,
-                       logprobs=list(out.logprobs)[:n], top_logprobs=list(out.top_logprobs)[:n])

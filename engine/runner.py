@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .cuda_graph import DecodeGraphs
+from .kv_connector import KVConnector
 from .models.base import CausalLM
 from .models.layers import AttentionMetadata
 from .quant.linear import QuantExperts
@@ -90,8 +91,17 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(pos, dtype=torch.int64, device=dev), meta)
 
+    def execute(self, out: SchedulerOutput, kv_connector: KVConnector | None = None) -> ModelOutput:
+        """Run the scheduled tokens; `kv_connector` is told as each layer's KV is written
+        (save_kv_layer) and waited for once the forward pass is done (wait_for_save)."""
+        if kv_connector is None:
+            return self._execute(out, None)
+        mo = self._execute(out, lambda i: kv_connector.save_kv_layer(i, out))
+        kv_connector.wait_for_save(out)
+        return mo
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, layer_hook=None) -> ModelOutput:
+    def _execute(self, out: SchedulerOutput, layer_hook) -> ModelOutput:
         input_ids, positions, meta = self.prepare(out)
         if (self.graphs is not None and meta.decode_only and layer_hook is None
                 and len(out.scheduled) <= self.graphs.max_batch):

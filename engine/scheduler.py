@@ -12,6 +12,7 @@ admission order), `remote` (dict: requests whose KV is being filled from another
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -94,6 +95,25 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
+    def finish(self, req: Request) -> None:
+        """A finished request leaves the running batch. Its blocks are freed, except a
+        prefill-only request's: their KV is being shipped until `release`."""
+        if req.prefill_only:
+            self.running.remove(req)
+        else:
+            self.remove(req)
+
+    def release(self, req: Request) -> None:
+        """Free the blocks of a finished prefill-only request (its KV has been shipped)."""
+        self.kv.free(req)
+
+    def accept_speculative(self, req: Request, num_computed: int) -> None:
+        """After verification: the last known token and the accepted drafts have their KV in
+        the cache (`num_computed` tokens); the rejected drafts' slots are given back."""
+        req.num_computed_tokens = num_computed
+        self.kv.cache_blocks(req, num_computed)
+        self.kv.trim(req, num_computed)
+
     def remove(self, req: Request) -> None:
         """Take a request out of every queue and free its blocks (finish or abort)."""
         if req in self.running:
@@ -121,7 +141,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            # speculative tokens (set by the engine for decoding requests) fit the budget and
+            # speculative tokens (engine/spec_decode.py's proposals) fit the budget and
             # the free blocks, or are dropped: never a preemption for a guess
             spec = req.spec_token_ids[:budget - n]
             if spec and not self.kv.allocate_slots(req, n + len(spec)):
@@ -132,7 +152,7 @@ class Scheduler:
                 budget -= n + len(spec)
                 i += 1
         if out.preempted:
-            return out
+            return _stamped(out)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, n_hit = self.kv.get_computed_blocks(req)
@@ -151,7 +171,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, n_hit))
             budget -= n
-        return out
+        return _stamped(out)
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Blocks for `n` more tokens of a running request, preempting the most recently
@@ -176,6 +196,15 @@ class Scheduler:
     def update(self, out: SchedulerOutput) -> None:
         """After the model ran: advance computed counts and cache newly full blocks."""
         for s in out.scheduled:
-            # speculative tokens count once verified (LLMEngine._verify)
+            # speculative tokens count once verified (accept_speculative)
             s.request.num_computed_tokens = s.start + s.num_new_tokens - len(s.spec_token_ids)
             self.kv.cache_blocks(s.request, s.request.num_computed_tokens)
+
+
+def _stamped(out: SchedulerOutput) -> SchedulerOutput:
+    """Each request's first scheduling time (TTFT's queue part), once."""
+    now = time.monotonic()
+    for s in out.scheduled:
+        if s.request.first_scheduled_time is None:
+            s.request.first_scheduled_time = now
+    return out

@@ -152,6 +152,67 @@ class SpecStats:
             self.accepted_per_pos[i] += 1
 
 
+class Speculator:
+    """A decode engine's speculation: which running requests propose how many tokens this
+    step (`propose`), and the accept-or-correct walk over the target's logits (`verify`).
+    It edits only the requests' proposals and its own per-request state and counters; the
+    scheduler keeps the accepted KV (Scheduler.accept_speculative)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: "DraftProposer | None" = None):
+        self.config, self.max_model_len, self.draft = config, max_model_len, draft
+        self.stats = SpecStats()
+        self.states: dict[str, SpecState] = {}
+
+    def propose(self, running: list) -> None:
+        """Proposals for the running requests that are decoding, unless the batch is large
+        enough that decode is compute-bound (then nobody speculates this step)."""
+        sc = self.config
+        for r in running:
+            r.spec_token_ids = []
+        if len(running) >= sc.disable_batch_size:
+            return
+        wants = []
+        for r in running:
+            if (r.prefill_only or not r.sampling_params.speculative
+                    or r.num_computed_tokens != r.num_tokens - 1):
+                continue
+            state = self.states.setdefault(r.request_id, SpecState(sc.k))
+            if not state.ready():
+                continue
+            # k + 1 tokens may come out: stay within max_tokens and the context
+            k = min(state.k, r.max_tokens - len(r.output_token_ids) - 1, self.max_model_len - r.num_tokens - 1)
+            if k > 0:
+                wants.append((r, k))
+        if self.draft is not None:
+            got = self.draft.propose([(r.request_id, r.all_token_ids, k) for r, k in wants])
+            for r, k in wants:
+                r.spec_token_ids = got.get(r.request_id, [])[:k]
+        else:
+            for r, k in wants:
+                r.spec_token_ids = ngram_propose(r.all_token_ids, k, sc.n, sc.min_n)
+
+    def verify(self, req, drafts: list[int], emit) -> tuple[list[int], int, object]:
+        """Walk the proposal: `emit(i, draft)` samples position i against `draft` (None: the
+        bonus position) through the engine's per-token rules and returns (token, accepted,
+        output); the walk stops at the first rejection or a finish. -> (tokens emitted, drafts
+        accepted, the last output)."""
+        new, accepted, out = [], 0, None
+        for i in range(len(drafts) + 1):
+            token, ok, out = emit(i, drafts[i] if i < len(drafts) else None)
+            new.append(token)
+            accepted += ok
+            if req.is_finished or not ok:
+                break
+        self.stats.record(len(drafts), accepted, len(new))
+        state = self.states.get(req.request_id)
+        if state is not None:
+            state.update(len(drafts), accepted, self.config.k)
+        return new, accepted, out
+
+    def forget(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+
 class DraftProposer:
     """Proposals from a smaller model sharing the target's tokenizer, run greedily by its own
     engine (own paged KV, own prefix cache) in the same worker.

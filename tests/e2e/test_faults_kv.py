@@ -291,7 +291,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    from engine.llm_engine import LLM
+    from engine.offline import LLM
     from tests.unit.test_pd_inprocess import BS
     llm = LLM(model_dir, block_size=BS, num_blocks=64)
 

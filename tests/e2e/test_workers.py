@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.llm_engine import LLM
+from engine.offline import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import make_tiny_model
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc

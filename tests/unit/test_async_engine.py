@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.async_engine import AsyncEngine, EngineError
-from engine.llm_engine import LLM, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.offline import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import make_tiny_model
 

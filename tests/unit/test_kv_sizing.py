@@ -50,7 +50,7 @@ def fake_device(monkeypatch):
 def test_block_count_follows_the_fraction_of_free_memory(model_dir, fake_device, caplog,
                                                          fraction, free_mib):
     fake_device["free"] = free_mib * 2**20
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="engine.memory"):
         eng = LLMEngine.from_model_dir(model_dir, block_size=16, max_num_seqs=100_000,
                                        gpu_memory_utilization=fraction)
     expected = int(free_mib * 2**20 * fraction) // _bytes_per_block(model_dir, 16)

@@ -19,7 +19,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import ROLE as DECODE
 from engine.config import EngineOptions
 from engine.kv_cache_manager import cdiv
-from engine.llm_engine import LLM
+from engine.offline import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import ensure_default_model
 from gateway.config import GatewayConfig

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import QUANTIZATIONS
-from engine.llm_engine import LLM
+from engine.offline import LLM
 from engine.kernels.packing import unpack_int4
 from engine.quant.fp8 import quantize_fp8
 from engine.quant.int4 import Int4Int4Pack, quantize_int4

@@ -8,7 +8,7 @@ import uuid
 import grpc
 import pytest
 
-from engine.llm_engine import LLM
+from engine.offline import LLM
 from engine.sampling_params import SamplingParams
 from gateway.request import GenerateInput
 from protos.pdserve.v1 import decode_pb2, prefill_pb2

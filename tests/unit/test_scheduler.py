@@ -128,3 +128,36 @@ def test_remote_reservations_keep_a_watermark_and_max_num_seqs():
     s2 = make(num_blocks=64, block_size=4, max_seqs=2)
     assert s2.reserve_remote(req("x", 4)) and s2.reserve_remote(req("y", 4))
     assert not s2.reserve_remote(req("z", 4))
+
+
+def test_finish_frees_blocks_but_a_prefill_only_request_keeps_them_until_release():
+    s = make()
+    a, p = req("a", 6), req("p", 6)
+    p.prefill_only = True
+    s.add(a)
+    s.add(p)
+    run_step(s)
+    assert a.block_ids == [0, 1] and p.block_ids == [2, 3]
+    s.finish(a)
+    s.finish(p)
+    assert s.running == [] and a.block_ids == [] and p.block_ids == [2, 3]
+    assert s.kv.num_free_blocks == 14
+    s.release(p)
+    assert p.block_ids == [] and s.kv.num_free_blocks == 16
+    s.kv.pool.check()
+
+
+def test_accept_speculative_keeps_the_accepted_tokens_kv_and_trims_the_rest():
+    s = make(block_size=4)
+    a = req("a", 5, max_tokens=16)
+    s.add(a)
+    run_step(s)                                    # prompt 5 tokens + 1 sampled: 6 known
+    a.spec_token_ids = [1, 2, 3, 4, 5]             # 5 proposals after the last known token
+    out = s.schedule()
+    s.update(out)
+    assert plan(out) == [("a", 5, 6)] and a.block_ids == [0, 1, 2]    # 11 positions
+    assert a.num_computed_tokens == 6              # the known token; proposals once verified
+    s.accept_speculative(a, 5 + 1 + 1)             # the known token and one draft accepted
+    assert a.num_computed_tokens == 7 and a.block_ids == [0, 1]       # block 2 given back
+    assert s.kv.num_free_blocks == 14
+    s.kv.pool.check()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.llm_engine import LLM
+from engine.offline import LLM
 from engine.sampler import Sampler, processed_probs
 from engine.spec_decode import SpeculativeConfig, SpecState, ngram_propose
 from engine.structured import StructuredOutput
@@ -294,7 +294,7 @@ def test_every_block_returns_after_rejections_and_aborts(model_dir, other_draft)
     _run(eng, _prompts(), _greedy(30), abort=("r0", "r1"))
     assert eng.spec_stats.num_draft_tokens > eng.spec_stats.num_accepted_tokens
     assert eng.kv.num_held_blocks() == 0
-    assert eng.draft.engine.kv.num_held_blocks() == 0      # the draft's shadows finished too
+    assert eng.speculator.draft.engine.kv.num_held_blocks() == 0      # the draft's shadows finished too
 
 
 # ----------------------------------------------------------------------------- over P/D
