@@ -108,68 +108,73 @@ _FLOATS = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int
            "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
-def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
-    """(metadata {key: value}, tensors) of a GGUF file (versions 2 and 3, little-endian)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    at = 0
+class _Reader:
+    """Little-endian reads at a moving offset of a mapped file."""
 
-    def take(fmt: str):
-        nonlocal at
-        v = struct.unpack_from("<" + fmt, buf, at)
-        at += struct.calcsize("<" + fmt)
+    def __init__(self, buf, path):
+        self.buf, self.path, self.at = buf, path, 0
+
+    def take(self, fmt: str):
+        v = struct.unpack_from("<" + fmt, self.buf, self.at)
+        self.at += struct.calcsize("<" + fmt)
         return v[0] if len(v) == 1 else v
 
-    def string() -> str:
-        nonlocal at
-        n = take("Q")
-        at += n
-        return buf[at - n:at].decode("utf-8", errors="replace")
+    def string(self) -> str:
+        n = self.take("Q")
+        self.at += n
+        return self.buf[self.at - n:self.at].decode("utf-8", errors="replace")
 
-    def value(kind: int):
+    def value(self, kind: int):
         if kind == 8:
-            return string()
+            return self.string()
         if kind == 9:
-            item, n = take("IQ")
+            item, n = self.take("IQ")
             if item in _SCALARS:                              # one unpack for the whole array
-                return list(take(f"{n}{_SCALARS[item]}")) if n != 1 else [take(_SCALARS[item])]
-            return [value(item) for _ in range(n)]
+                return list(self.take(f"{n}{_SCALARS[item]}")) if n != 1 else [self.take(_SCALARS[item])]
+            return [self.value(item) for _ in range(n)]
         if kind not in _SCALARS:
-            raise ValueError(f"{path}: unknown GGUF metadata type {kind}")
-        return take(_SCALARS[kind])
+            raise ValueError(f"{self.path}: unknown GGUF metadata type {kind}")
+        return self.take(_SCALARS[kind])
 
+
+def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
+    """(metadata {key: value}, tensors) of a GGUF file (versions 2 and 3, little-endian)."""
+    from gguf import GGMLQuantizationType
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if buf[:4] != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r})")
-    at = 4
-    version, n_tensors, n_kv = take("IQQ")
+    r = _Reader(buf, path)
+    r.at = 4
+    version, n_tensors, n_kv = r.take("IQQ")
     if version not in (2, 3):
         raise ValueError(f"{path}: unsupported GGUF version {version}")
     meta = {}
     for _ in range(n_kv):
-        key = string()
-        meta[key] = value(take("I"))
+        key = r.string()
+        meta[key] = r.value(r.take("I"))
     infos = []
     for _ in range(n_tensors):
-        name = string()
-        dims = take(f"{take('I')}Q")
+        name = r.string()
+        dims = r.take(f"{r.take('I')}Q")
         dims = (dims,) if isinstance(dims, int) else dims
-        kind, offset = take("IQ")
+        kind, offset = r.take("IQ")
         infos.append((name, dims, GGMLQuantizationType(kind), offset))
     align = int(meta.get("general.alignment", 32))
-    start = -(-at // align) * align
-    tensors = []
-    for name, dims, kind, offset in infos:
-        n = int(np.prod(dims))
-        rows = tuple(reversed(dims))
-        if kind.name in _FLOATS:
-            data = np.frombuffer(buf, _FLOATS[kind.name], n, start + offset).reshape(rows)
-        else:
-            block, size = GGML_QUANT_SIZES[kind]
-            data = np.frombuffer(buf, np.uint8, n * size // block, start + offset) \
-                .reshape(*rows[:-1], rows[-1] * size // block)
-        tensors.append(GGUFTensor(name, kind.name, dims, data))
-    return meta, tensors
+    start = -(-r.at // align) * align
+    return meta, [GGUFTensor(name, kind.name, dims, _tensor_data(buf, dims, kind, start + offset))
+                  for name, dims, kind, offset in infos]
+
+
+def _tensor_data(buf, dims, kind, at: int) -> np.ndarray:
+    """A tensor's bytes in the file: [rows..., cols] of its float type, or of whole blocks."""
+    from gguf import GGML_QUANT_SIZES
+    n = int(np.prod(dims))
+    rows = tuple(reversed(dims))
+    if kind.name in _FLOATS:
+        return np.frombuffer(buf, _FLOATS[kind.name], n, at).reshape(rows)
+    block, size = GGML_QUANT_SIZES[kind]
+    return np.frombuffer(buf, np.uint8, n * size // block, at).reshape(*rows[:-1], rows[-1] * size // block)
 
 
 class GGUFModel:

@@ -125,8 +125,9 @@ Prefill computes the prompt; decode produces new tokens; transfer moves the cach
 
 
 def default_model_dir() -> Path:
-    """Where `pdserve up` keeps the embedded default model."""
-    return Path.home() / ".cache" / "pdserve" / "tiny-llama"
+    """Where `pdserve up` keeps the embedded tiny model (under engine.config.cache_dir)."""
+    from .config import cache_dir
+    return cache_dir() / "tiny-llama"
 
 
 def ensure_default_model() -> Path:

