@@ -148,10 +148,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             self.receiver.abort(pend.transfer_id, f"request aborted: {request.reason}")
         if not pend.first_token.done():
             pend.first_token.set_exception(_Aborted())
-        try:
-            await self.ae.abort(request.request_id)
-        except EngineError:
-            pass
+        await worker_server.abort_quietly(self.ae, request.request_id)
         return common_pb2.AbortResponse(found=True)
 
     async def Stats(self, request, context):
@@ -342,7 +339,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if pend.transfer_id:
             self.receiver.abort(pend.transfer_id, "request ended")   # no-op once final
         if not pend.finished:
-            await asyncio.shield(self._abort_quietly(pend.request_id))
+            await asyncio.shield(worker_server.abort_quietly(self.ae, pend.request_id))
 
     async def _recompute(self, pend: _Pending, first, problem: str) -> int:
         """Policy recompute: drop the reservation, compute the prompt here. Returns how many
@@ -369,12 +366,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         pend.finished = True
         return _error_chunk(pend.request_id, common_pb2.FINISH_REASON_ABORT,
                             f"aborted: {pend.abort_reason}" if pend.abort_reason else "", pend.usage)
-
-    async def _abort_quietly(self, rid: str) -> None:
-        try:
-            await self.ae.abort(rid)
-        except EngineError:
-            pass
 
 
 class DecodeRole(worker_server.WorkerRole):

@@ -297,7 +297,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if call.push is not None:
             self.kv.end(call.push, cancel=not call.released)
         if not call.released:
-            await asyncio.shield(self._abort_quietly(call.request_id))
+            await asyncio.shield(worker_server.abort_quietly(self.ae, call.request_id))
 
     async def _observe_engine_phases(self, rid: str) -> None:
         """Queue and compute time of a finished prefill-only request, from the engine's own
@@ -309,12 +309,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                                     prefill_s=times.first_token - times.first_scheduled)
         tracing.record_span("pdserve.prefill.queue", None, times.arrival, times.first_scheduled)
         tracing.record_span("pdserve.prefill.compute", None, times.first_scheduled, times.first_token)
-
-    async def _abort_quietly(self, rid: str) -> None:
-        try:
-            await self.ae.abort(rid)
-        except EngineError:
-            pass
 
 
 class PrefillRole(worker_server.WorkerRole):

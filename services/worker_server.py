@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineError
 from engine.kv_connector import KVConnector
 from engine.sampling_params import SamplingParams
 from kvtransfer.transport import Transport
@@ -281,6 +281,15 @@ async def warm_up(ae: AsyncEngine, prefill_only: bool) -> None:
         pass
     if prefill_only:
         await ae.release(rid)
+
+
+async def abort_quietly(ae: AsyncEngine, rid: str) -> None:
+    """Abort `rid` in the engine (its blocks are freed), whatever its state: an engine that
+    failed (EngineError) holds nothing more to free, so that is not the caller's error."""
+    try:
+        await ae.abort(rid)
+    except EngineError:
+        pass
 
 
 def run(cfg, role: WorkerRole) -> None:
