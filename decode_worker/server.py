@@ -46,13 +46,12 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.receiver import KVReceiver, TransferState
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from services import protoconv, tracing, worker_server
+from services import protoconv, service_names, tracing, worker_server
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .config import DecodeWorkerConfig
 
 log = logging.getLogger(__name__)
-SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 MAX_KV_TIMEOUT_MS = 600_000          # a reservation holds blocks: at most 10 minutes
 _POLICIES = {decode_pb2.KV_FAILURE_POLICY_FAIL: "fail", decode_pb2.KV_FAILURE_POLICY_RECOMPUTE: "recompute"}
 
@@ -371,7 +370,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
 class DecodeRole(worker_server.WorkerRole):
     """The decode worker for services.worker_server.serve: no KV connector (the KV comes
     in); its KV endpoint is a KVReceiver writing into the engine's cache."""
-    name, service_name = "decode", SERVICE
+    name, service_name = "decode", service_names.DECODE
 
     def kv_address(self, cfg: DecodeWorkerConfig) -> tuple[str, int]:
         return cfg.kv_host or cfg.host, cfg.kv_port

@@ -38,13 +38,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.core import GaugeMetricFamily
 
 from protos.pdserve.v1 import common_pb2
+from services import service_names
 from services.security import MTLS, channel
 
 log = logging.getLogger(__name__)
 
 RETIRE_TIMEOUT_S = 600.0
 SLOW_PROBES_TOLERATED = 2
-_SERVICE_NAMES = {"prefill": "pdserve.v1.PrefillWorker", "decode": "pdserve.v1.DecodeWorker"}
 
 
 class Worker:
@@ -137,7 +137,7 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self._task: asyncio.Task | None = None
         self._retiring: dict[Worker, asyncio.Task] = {}    # removed, requests still on them
-        self._service = _SERVICE_NAMES[kind]
+        self._service = service_names.BY_ROLE[kind]
 
     async def on_change(self, added: list[str], removed: list[str]) -> None:
         for a in removed:

@@ -44,11 +44,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineOptions
+from services import service_names
 from services.cli_args import config_argv
 from services.security import exposed, mtls_triple, tls_pair
 
-SERVICES = {"prefill": "pdserve.v1.PrefillWorker", "decode": "pdserve.v1.DecodeWorker",
-            "gateway": "pdserve.v1.Generation"}
 
 
 class LaunchError(RuntimeError):
@@ -278,7 +277,7 @@ class Launcher:
                 if left <= 0:
                     raise LaunchError(f"{c.role} on {c.address} not SERVING in time")
                 try:
-                    r = stub.Check(health_pb2.HealthCheckRequest(service=SERVICES[c.role]),
+                    r = stub.Check(health_pb2.HealthCheckRequest(service=service_names.BY_ROLE[c.role]),
                                    timeout=min(1.0, left))
                     if r.status == health_pb2.HealthCheckResponse.SERVING:
                         return

@@ -40,7 +40,7 @@ from kvtransfer.sender import KVTransferTimeout, TransferStats
 from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from services import protoconv, tracing, worker_server
+from services import protoconv, service_names, tracing, worker_server
 from services.security import MTLS
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
@@ -50,7 +50,6 @@ from .decoders import KnownDecoders
 from .kv_push import DestinationRefused, KVPush, Push, PushFailed
 
 log = logging.getLogger(__name__)
-SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 
 
 class _DestinationFault(RpcStatus):
@@ -314,7 +313,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 class PrefillRole(worker_server.WorkerRole):
     """The prefill worker for services.worker_server.serve: KVPush is both its engine's KV
     connector and its KV endpoint."""
-    name, service_name, prefill_only = "prefill", SERVICE, True
+    name, service_name, prefill_only = "prefill", service_names.PREFILL, True
 
     def kv_address(self, cfg: PrefillWorkerConfig) -> tuple[str, int]:
         return cfg.host, 0
