@@ -235,7 +235,8 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         from kvtransfer.ucx import UcxTransport   # imports ucxx; only a serving process needs it
         transport = UcxTransport(*role.kv_address(cfg), device_memory=cfg.kv_staging == "device")
     tel = telemetry.start_role_telemetry(role.name, host=cfg.host, metrics_port=cfg.metrics_port or None,
-                                         trace_file=cfg.trace_file, device=cfg.engine.device)
+                                         trace_file=cfg.trace_file, device=cfg.engine.device,
+                                         restarts=cfg.restarts)
     if role.prefill_only and cfg.engine.speculative:   # it samples one token per request
         log.info("--speculative is a decode worker's option: this prefill worker ignores it")
         cfg = replace(cfg, engine=replace(cfg.engine, speculative=""))
