@@ -167,14 +167,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     # -------------------------------------------------------------- Decode body
     def _validate(self, request, span) -> _Pending:
         bad = grpc.StatusCode.INVALID_ARGUMENT
-        if not request.request_id:
-            raise RpcStatus(bad, "request_id is required")
-        if request.request_id in self._pending:
-            raise RpcStatus(bad, f"request id {request.request_id!r} is already in flight")
-        try:
-            params = protoconv.worker_sampling_from_proto(request.sampling)
-        except (ValueError, TypeError) as e:
-            raise RpcStatus(bad, str(e)) from None
+        params = worker_server.new_request_params(request, self._pending)
         if not 0 <= request.kv_timeout_ms <= MAX_KV_TIMEOUT_MS:
             raise RpcStatus(bad, f"kv_timeout_ms must be in [0, {MAX_KV_TIMEOUT_MS}], "
                                  f"got {request.kv_timeout_ms}")
@@ -382,15 +375,10 @@ class DecodeRole(worker_server.WorkerRole):
         log.info("decode KV endpoint %s", await receiver.start())
         return receiver
 
-    servicer_class = DecodeServicer
+    config_class, servicer_class = DecodeWorkerConfig, DecodeServicer
     add_to_server = staticmethod(decode_pb2_grpc.add_DecodeWorkerServicer_to_server)
 
 ROLE = DecodeRole()
 
-
-def main(argv: list[str] | None = None) -> int:
-    return worker_server.main(ROLE, DecodeWorkerConfig, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_server.main(ROLE))

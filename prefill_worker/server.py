@@ -134,14 +134,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     # -------------------------------------------------------------- Prefill body
     def _validate(self, request) -> _Call:
         bad = grpc.StatusCode.INVALID_ARGUMENT
-        if not request.request_id:
-            raise RpcStatus(bad, "request_id is required")
-        if request.request_id in self._tasks:
-            raise RpcStatus(bad, f"request id {request.request_id!r} is already in flight")
-        try:
-            params = protoconv.worker_sampling_from_proto(request.sampling)
-        except (ValueError, TypeError) as e:
-            raise RpcStatus(bad, str(e)) from None
+        params = worker_server.new_request_params(request, self._tasks)
         ids = list(request.prompt_token_ids)
         try:
             self.ae.check_prompt(ids)
@@ -325,15 +318,10 @@ class PrefillRole(worker_server.WorkerRole):
     async def open_kv(self, cfg, engine, transport, connector: KVPush) -> KVPush:
         return connector                 # bound to the cache by the engine's construction
 
-    servicer_class = PrefillServicer
+    config_class, servicer_class = PrefillWorkerConfig, PrefillServicer
     add_to_server = staticmethod(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server)
 
 ROLE = PrefillRole()
 
-
-def main(argv: list[str] | None = None) -> int:
-    return worker_server.main(ROLE, PrefillWorkerConfig, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_server.main(ROLE))
