@@ -46,13 +46,12 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.receiver import KVReceiver, TransferState
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from services import protoconv, tracing, worker_server
+from services import protoconv, service_names, tracing, worker_server
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .config import DecodeWorkerConfig
 
 log = logging.getLogger(__name__)
-SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 MAX_KV_TIMEOUT_MS = 600_000          # a reservation holds blocks: at most 10 minutes
 _POLICIES = {decode_pb2.KV_FAILURE_POLICY_FAIL: "fail", decode_pb2.KV_FAILURE_POLICY_RECOMPUTE: "recompute"}
 
@@ -148,10 +147,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             self.receiver.abort(pend.transfer_id, f"request aborted: {request.reason}")
         if not pend.first_token.done():
             pend.first_token.set_exception(_Aborted())
-        try:
-            await self.ae.abort(request.request_id)
-        except EngineError:
-            pass
+        await worker_server.abort_quietly(self.ae, request.request_id)
         return common_pb2.AbortResponse(found=True)
 
     async def Stats(self, request, context):
@@ -171,14 +167,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     # -------------------------------------------------------------- Decode body
     def _validate(self, request, span) -> _Pending:
         bad = grpc.StatusCode.INVALID_ARGUMENT
-        if not request.request_id:
-            raise RpcStatus(bad, "request_id is required")
-        if request.request_id in self._pending:
-            raise RpcStatus(bad, f"request id {request.request_id!r} is already in flight")
-        try:
-            params = protoconv.worker_sampling_from_proto(request.sampling)
-        except (ValueError, TypeError) as e:
-            raise RpcStatus(bad, str(e)) from None
+        params = worker_server.new_request_params(request, self._pending)
         if not 0 <= request.kv_timeout_ms <= MAX_KV_TIMEOUT_MS:
             raise RpcStatus(bad, f"kv_timeout_ms must be in [0, {MAX_KV_TIMEOUT_MS}], "
                                  f"got {request.kv_timeout_ms}")
@@ -342,7 +331,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if pend.transfer_id:
             self.receiver.abort(pend.transfer_id, "request ended")   # no-op once final
         if not pend.finished:
-            await asyncio.shield(self._abort_quietly(pend.request_id))
+            await asyncio.shield(worker_server.abort_quietly(self.ae, pend.request_id))
 
     async def _recompute(self, pend: _Pending, first, problem: str) -> int:
         """Policy recompute: drop the reservation, compute the prompt here. Returns how many
@@ -370,17 +359,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         return _error_chunk(pend.request_id, common_pb2.FINISH_REASON_ABORT,
                             f"aborted: {pend.abort_reason}" if pend.abort_reason else "", pend.usage)
 
-    async def _abort_quietly(self, rid: str) -> None:
-        try:
-            await self.ae.abort(rid)
-        except EngineError:
-            pass
-
 
 class DecodeRole(worker_server.WorkerRole):
     """The decode worker for services.worker_server.serve: no KV connector (the KV comes
     in); its KV endpoint is a KVReceiver writing into the engine's cache."""
-    name, service_name = "decode", SERVICE
+    name, service_name = "decode", service_names.DECODE
 
     def kv_address(self, cfg: DecodeWorkerConfig) -> tuple[str, int]:
         return cfg.kv_host or cfg.host, cfg.kv_port
@@ -392,15 +375,10 @@ class DecodeRole(worker_server.WorkerRole):
         log.info("decode KV endpoint %s", await receiver.start())
         return receiver
 
-    servicer_class = DecodeServicer
+    config_class, servicer_class = DecodeWorkerConfig, DecodeServicer
     add_to_server = staticmethod(decode_pb2_grpc.add_DecodeWorkerServicer_to_server)
 
 ROLE = DecodeRole()
 
-
-def main(argv: list[str] | None = None) -> int:
-    return worker_server.main(ROLE, DecodeWorkerConfig, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_server.main(ROLE))

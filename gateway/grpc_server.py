@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services import metrics, security
+from services import metrics, security, service_names
 from services import tracing
 from services.grpc_options import SERVER_OPTIONS
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -42,7 +42,7 @@ from .validate import MAX_BODY_BYTES, check_request
 
 log = logging.getLogger(__name__)
 
-SERVICE = "pdserve.v1.Generation"
+SERVICE = service_names.GENERATION
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

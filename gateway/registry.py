@@ -15,6 +15,8 @@
     probes unanswered (an RPC error, not NOT_SERVING) for stall_timeout_s -> mark_lost():
         the streams open on it are cut (Worker.streams; the gateway migrates them). A
         draining worker answers NOT_SERVING: it is only skipped and keeps its streams.
+    a segment's call on it: attach(segment) when it opens, detach(segment) when it ends;
+        in_flight is the number attached, requests_total the number ever attached
 
 Picking (`pick`): only healthy workers; the key is (gateway-side requests in flight, the
 worker's own running + waiting, -free KV blocks). In-flight counts are exact and immediate;
@@ -36,13 +38,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.core import GaugeMetricFamily
 
 from protos.pdserve.v1 import common_pb2
+from services import service_names
 from services.security import MTLS, channel
 
 log = logging.getLogger(__name__)
 
 RETIRE_TIMEOUT_S = 600.0
 SLOW_PROBES_TOLERATED = 2
-_SERVICE_NAMES = {"prefill": "pdserve.v1.PrefillWorker", "decode": "pdserve.v1.DecodeWorker"}
 
 
 class Worker:
@@ -61,14 +63,32 @@ class Worker:
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False
         self.stats = None            # last PrefillStats / DecodeStats
-        self.in_flight = 0           # requests this gateway has on it now
-        self.requests_total = 0      # requests this gateway sent it (breaks load ties)
+        self.requests_total = 0      # calls this gateway opened on it (breaks load ties)
         self.last_error = ""
-        self.streams: set = set()    # open calls to cut if it is lost (.cut(worker, reason))
+        self.streams: set = set()    # who holds an open call on it (attach/detach): each is
+                                     # cut if it is lost (.cut(worker, reason))
         self.failing_since: float | None = None   # loop time of the first unanswered probe
         self.slow_probes = 0         # probe timeouts in a row
         self.held_until = 0.0        # loop time before which probes may not bring it back
         self.wrong_model = ""        # the model its Stats name, when not its pool's
+
+    @property
+    def in_flight(self) -> int:
+        """Calls this gateway has open on it now (one per attached holder)."""
+        return len(self.streams)
+
+    def attach(self, holder) -> None:
+        """`holder` (a segment, with .cut(worker, reason)) opened a call on this worker: it
+        counts in `in_flight` and `requests_total` until detach(holder), and is cut if the
+        worker is lost. The only place these counts go up."""
+        if holder in self.streams:
+            raise RuntimeError(f"{self.kind} worker {self.address}: {holder!r} attached twice")
+        self.streams.add(holder)
+        self.requests_total += 1
+
+    def detach(self, holder) -> None:
+        """`holder`'s call ended (or was cancelled); a holder not attached is ignored."""
+        self.streams.discard(holder)
 
     def load_key(self):
         s = self.stats
@@ -117,7 +137,7 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self._task: asyncio.Task | None = None
         self._retiring: dict[Worker, asyncio.Task] = {}    # removed, requests still on them
-        self._service = _SERVICE_NAMES[kind]
+        self._service = service_names.BY_ROLE[kind]
 
     async def on_change(self, added: list[str], removed: list[str]) -> None:
         for a in removed:

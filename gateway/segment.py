@@ -17,6 +17,10 @@
 
 Every RPC carries the request's remaining deadline. A segment's cleanup() cancels its open
 calls and sends Abort to both workers in the background (each Abort its own short deadline).
+A call a segment opens attaches the segment to its worker (Segment.attach_decode /
+attach_prefill -> Worker.attach: counted in flight, cut if the worker is lost) until the call
+ends or cleanup() detaches it (Segment.detach -> Worker.detach); nothing else moves those
+counts. Status codes and what they mean here: worker_errors.py.
 """
 from __future__ import annotations
 
@@ -30,41 +34,21 @@ import grpc
 
 from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from services.metrics import Metrics
-from services.protoconv import (FINISH_FROM_PROTO, KV_DESTINATION_FAULT, logprob_from_proto,
-                                sampling_to_proto)
+from services.protoconv import FINISH_FROM_PROTO, logprob_from_proto, sampling_to_proto
 
 from .config import GatewayConfig
 from .registry import Worker
 from .request import GatewayError, GenerateEvent, RequestState
 from .routing import Router, no_worker
+from .worker_errors import DECODE_REFUSALS, PREFILL_RETRY, LostCall, blames_destination, rpc_error
 
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0
 _SUBMIT_TIMEOUT_S = 10.0
-# Codes a gateway passes through from a worker as they are; anything else becomes INTERNAL.
-_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE,
-                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
-                 grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION}
-# A Prefill that failed with one of these is retried once on another prefill worker.
-_PREFILL_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
-# A decode worker's Decode that ends with one of these before KvReady was refused: another
-# worker may take the request. CANCELLED there comes from the worker's server (a stopping
-# server cancels the calls that reach it during its grace; an overloaded one drops them):
-# the gateway's own cancellation raises CancelledError, not a status.
-_DECODE_REFUSALS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    grpc.StatusCode.CANCELLED}
 # A decode worker whose KV endpoint failed stays out of routing this long: its gRPC health
 # does not cover the KV endpoint, so its next probe would bring it back at once.
 KV_FAULT_HOLD_S = 10.0
-
-
-class _LostCall(grpc.aio.AioRpcError):
-    """A call the gateway cut because its worker was lost (stalled): handled as that status."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class _DecodeLost(Exception):
@@ -88,6 +72,35 @@ class Segment:
     metadata: object = None            # gRPC metadata for the workers (trace context)
     lost: str = ""                     # why the decode worker's calls were cut (cut())
     prefill_lost: str = ""             # why the Prefill was cut
+
+    def attach_decode(self, w: Worker, call) -> None:
+        """`call` (w's Decode stream) is this segment's; `w` counts it until detach(w)."""
+        self.decode, self.decode_call = w, call
+        w.attach(self)
+
+    def attach_prefill(self, w: Worker, call) -> None:
+        """`call` (w's Prefill) is this segment's; `w` counts it until detach(w)."""
+        self.prefill, self.prefill_call = w, call
+        w.attach(self)
+
+    def detach(self, w: Worker | None) -> None:
+        """`w`'s call ended or was cancelled: the segment no longer holds it (None: nothing)."""
+        if w is None:
+            return
+        w.detach(self)
+        if w is self.decode:
+            self.decode = self.decode_call = None
+        if w is self.prefill:
+            self.prefill = self.prefill_call = None
+
+    def retry(self, attempt: int) -> None:
+        """The same pass again with a fresh reservation ("#r<attempt>"): every field back to
+        its default but the metadata. Only once cleanup() detached both workers."""
+        if self.decode is not None or self.prefill is not None:
+            raise RuntimeError(f"segment {self.rid} retried while a worker holds it")
+        self.rid = f"{self.rid}#r{attempt}"
+        self.decode_call = self.prefill_call = self.submit_task = None
+        self.decode_done, self.lost, self.prefill_lost = False, "", ""
 
     def cut(self, worker: Worker, reason: str) -> None:
         """`worker` is lost. The decode worker: cancel every open call of this segment
@@ -181,12 +194,12 @@ class Segments:
         for attempt in range(2):
             if attempt:
                 self.cleanup(seg)
-                seg.__init__(f"{seg.rid}#r{attempt}", metadata=seg.metadata)
+                seg.retry(attempt)
             kv = await self._open_decode(seg, prompt, params, req)
             try:
                 return kv, await self._prefill(seg, prompt, params, kv, req.deadline, failed_prefill)
             except grpc.aio.AioRpcError as e:
-                if _blames_destination(e):
+                if blames_destination(e):
                     # The decode worker's KV endpoint failed: its fault, not the prefill's.
                     w = seg.decode
                     w.hold(KV_FAULT_HOLD_S, f"KV endpoint: {e.details()}")
@@ -198,7 +211,7 @@ class Segments:
                         w.mark_failed(e.details() or "UNAVAILABLE")
                     failed_prefill.append(w.address)
                     others = self.router.prefill.healthy(failed_prefill)
-                if not (e.code() in _PREFILL_RETRY and attempt == 0 and others):
+                if not (e.code() in PREFILL_RETRY and attempt == 0 and others):
                     raise rpc_error(f"{w.kind} worker {w.address}", e) from None
                 self.metrics.observe_kv_fallback("retry")
                 log.warning("request %s: Prefill on %s failed (%s: %s); retrying once without "
@@ -229,20 +242,16 @@ class Segments:
     async def _reserve(self, seg: Segment, w: Worker, prompt: list[int], params,
                        deadline: float) -> decode_pb2.KvReady | GatewayError:
         """Open `w`'s Decode stream and read its KvReady; the error when `w` refused
-        (_DECODE_REFUSALS: another worker may take it)."""
+        (DECODE_REFUSALS: another worker may take it)."""
         req = decode_pb2.DecodeRequest(request_id=seg.rid, prompt_token_ids=prompt,
                                        sampling=sampling_to_proto(params),
                                        kv_timeout_ms=self.cfg.kv_timeout_ms)
-        seg.decode_call = w.stub.Decode(req, timeout=_remaining(deadline), metadata=seg.metadata)
-        seg.decode = w
-        w.streams.add(seg)
-        w.in_flight += 1
-        w.requests_total += 1
+        seg.attach_decode(w, w.stub.Decode(req, timeout=_remaining(deadline), metadata=seg.metadata))
         try:
             msg = await seg.decode_call.read()
         except grpc.aio.AioRpcError as e:
-            self._release(seg)
-            if e.code() not in _DECODE_REFUSALS:
+            seg.detach(w)
+            if e.code() not in DECODE_REFUSALS:
                 raise rpc_error(f"decode worker {w.address}", e) from None
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 w.mark_failed(e.details() or e.code().name)      # down, or stopping
@@ -250,7 +259,7 @@ class Segments:
                         seg.rid, w.address, e.code().name, e.details())
             return rpc_error(f"decode worker {w.address}", e)
         if msg is grpc.aio.EOF or not msg.HasField("kv_ready"):
-            self._release(seg)
+            seg.detach(w)
             raise GatewayError(grpc.StatusCode.INTERNAL,
                                f"decode worker {w.address} did not start with KvReady")
         return msg.kv_ready
@@ -332,21 +341,14 @@ class Segments:
             expires_at_unix_ms=kv.expires_at_unix_ms)
         req = prefill_pb2.PrefillRequest(request_id=seg.rid, prompt_token_ids=prompt,
                                          sampling=sampling_to_proto(params), destination=dest)
-        seg.prefill_call = w.stub.Prefill(req, timeout=_remaining(deadline), metadata=seg.metadata)
-        seg.prefill = w
-        w.streams.add(seg)
-        w.in_flight += 1
-        w.requests_total += 1
+        seg.attach_prefill(w, w.stub.Prefill(req, timeout=_remaining(deadline), metadata=seg.metadata))
         try:
             resp = await seg.prefill_call
         except asyncio.CancelledError:
             if not seg.prefill_lost or seg.lost or asyncio.current_task().cancelling():
                 raise
-            raise _LostCall(grpc.StatusCode.UNAVAILABLE, seg.prefill_lost) from None
-        seg.prefill_call = None
-        w.in_flight -= 1
-        w.streams.discard(seg)
-        seg.prefill = None
+            raise LostCall(grpc.StatusCode.UNAVAILABLE, seg.prefill_lost) from None
+        seg.detach(w)
         self.router.served(w, hashes)
         return resp
 
@@ -358,22 +360,12 @@ class Segments:
         if seg.prefill is not None:
             seg.prefill_call.cancel()
             self._spawn(self._abort(seg.prefill, seg.rid))
-            seg.prefill.in_flight -= 1
-            seg.prefill.streams.discard(seg)
-            seg.prefill = None
+            seg.detach(seg.prefill)
         if seg.decode is not None:
             seg.decode_call.cancel()
             if not seg.decode_done:
                 self._spawn(self._abort(seg.decode, seg.rid))
-            self._release(seg)
-
-    def _release(self, seg: Segment) -> None:
-        """The decode worker no longer holds this segment (refused or finished)."""
-        if seg.decode is not None:
-            seg.decode.in_flight -= 1
-            seg.decode.streams.discard(seg)
-            seg.decode = None
-        seg.decode_call = None
+            seg.detach(seg.decode)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -393,16 +385,6 @@ def _add(req: RequestState, tokens, finish_reason: str | None) -> GenerateEvent 
     d = req.out.add([t.token_id for t in tokens], [logprob_from_proto(t) for t in tokens],
                     finish_reason)
     return None if d is None else GenerateEvent.of(d)
-
-
-def _blames_destination(e: grpc.aio.AioRpcError) -> bool:
-    """The prefill worker says the decode worker's KV endpoint failed (connect, send)."""
-    return any(tuple(kv) == KV_DESTINATION_FAULT for kv in e.trailing_metadata() or ())
-
-
-def rpc_error(where: str, e: grpc.aio.AioRpcError) -> GatewayError:
-    code = e.code() if e.code() in _PASS_THROUGH else grpc.StatusCode.INTERNAL
-    return GatewayError(code, f"{where}: {e.code().name}: {e.details()}")
 
 
 def _remaining(deadline: float) -> float:

@@ -33,8 +33,8 @@ the decode worker learns it at once instead of at the deadline.
 Who may send: a connection's HELLO carries a token, the id of a transfer live on this
 receiver (the decode worker makes ids unguessable and hands them out only with a
 reservation, over its mTLS-protected gRPC), or it is REJECTed. Sizes are checked before any
-buffer is sized: a HELLO body above MAX_HELLO_BYTES or a LAYER body above the largest
-possible layer message (every block of the cache) drops the connection unread.
+buffer is sized. How a connection is read (the handshake, LAYER messages into staging
+buffers, handed to `on_layer`): inbound.py; the copies into the cache: layer_copy.py.
 
 Threading: the connection readers, the reaper and `wait` run on the event loop `start()`
 was awaited on. `reserve`, `abort` and `poll` may be called from any thread; a lock makes
@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import threading
 import time
@@ -63,11 +62,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .inbound import Inbound
+from .layer_copy import body_block_ids, scatter
 from .staging import StagingPool
-from .transport import Connection, ConnectionClosed, Transport, TransportError
-from .wire import (HEADER_BYTES, MAX_HELLO_BYTES, PROTOCOL_VERSION, CompatKey, Header,
-                   IncompatibleKV, MsgType, WireError, block_bytes, body_checksum, hello_body,
-                   ids_bytes, layer_body_bytes, payload_views)
+from .transport import Connection, Transport
+from .wire import CompatKey, Header, MsgType, block_bytes, body_checksum, ids_bytes, layer_body_bytes
 
 log = logging.getLogger(__name__)
 
@@ -286,95 +285,34 @@ class KVReceiver:
         return [t.tid for t in overdue]
 
     async def _serve(self, conn: Connection) -> None:
+        """One sender's connection (inbound.py), tracked so that close() stops it."""
         task = asyncio.current_task()
         self._readers.add(task)
-        fed: set[str] = set()         # transfer ids this connection sent LAYERs for
         try:
-            if not await self._handshake(conn):
-                return
-            while True:
-                hdr = Header.unpack(await conn.recv(HEADER_BYTES))
-                if hdr.msg_type is MsgType.LAYER and len(fed) < 4096:
-                    fed.add(hdr.transfer_id)
-                if hdr.msg_type is not MsgType.LAYER:
-                    raise WireError(f"unexpected {hdr.msg_type.name} after the handshake")
-                if hdr.body_bytes > self.max_body_bytes:
-                    raise WireError(f"LAYER body of {hdr.body_bytes} bytes: the largest possible "
-                                    f"is {self.max_body_bytes}")
-                body = self.pool.acquire(hdr.body_bytes)
-                try:
-                    if hdr.body_bytes:
-                        await conn.recv(into=body)
-                    copied, done = self._on_layer(hdr, body)
-                except BaseException:
-                    self.pool.release(body, reuse=False)
-                    raise
-                if copied is None:
-                    self.pool.release(body)
-                else:
-                    task = self._loop.create_task(self._settle(copied, body, done))
-                    self._settling.add(task)
-                    task.add_done_callback(self._settling.discard)
-        except (ConnectionClosed, asyncio.CancelledError):
-            pass
-        except (WireError, TransportError) as e:
-            log.warning("KV connection from %s dropped: %s", conn.peer, e)
-            self._fail_fed(fed, f"its KV connection was dropped: {e}")
-        except Exception:
-            log.exception("KV connection from %s: receiver error", conn.peer)
-            self._fail_fed(fed, "its KV connection failed (receiver error)")
+            await Inbound(self, conn).run()
         finally:
             self._readers.discard(task)
-            await conn.close()
 
-    async def _handshake(self, conn: Connection) -> bool:
-        hdr = Header.unpack(await conn.recv(HEADER_BYTES))
-        if hdr.msg_type is not MsgType.HELLO:
-            raise WireError(f"expected HELLO, got {hdr.msg_type.name}")
-        if hdr.body_bytes > MAX_HELLO_BYTES:
-            self.rejected_connections += 1
-            raise WireError(f"HELLO body of {hdr.body_bytes} bytes (at most {MAX_HELLO_BYTES})")
-        body = await conn.recv(hdr.body_bytes) if hdr.body_bytes else b""
-        error = ""
-        if hdr.version != PROTOCOL_VERSION:
-            error = f"protocol version: sender={hdr.version} receiver={PROTOCOL_VERSION}"
-        else:
-            try:
-                hello = CompatKey.parse_hello(body)
-                self.compat.check(CompatKey.from_dict(hello), "decode", "prefill")
-                staging = hello.get("staging", "host")
-                with self._lock:
-                    known = hello.get("token") in self._live
-                if staging != self.staging:
-                    error = f"KV staging: decode={self.staging!r} prefill={staging!r}"
-                elif not known:
-                    error = "the HELLO names no reservation of this receiver (bad token)"
-            except (IncompatibleKV, WireError) as e:
-                error = str(e)
-        if error:
-            self.rejected_connections += 1
-            log.warning("rejected KV connection from %s: %s", conn.peer, error)
-            reply = json.dumps({"error": error, "compat": json.loads(self.compat.to_json())}).encode()
-            await self._send(conn, Header(MsgType.REJECT, body_bytes=len(reply)), reply)
-            return False
-        reply = hello_body(self.compat, self.staging)
-        await self._send(conn, Header(MsgType.HELLO_ACK, body_bytes=len(reply)), reply)
-        return True
+    def is_reserved(self, token) -> bool:
+        """Whether a HELLO's token names a transfer live here (who may connect)."""
+        with self._lock:
+            return token in self._live
 
-    @staticmethod
-    async def _send(conn: Connection, hdr: Header, body: bytes) -> None:
-        await conn.send(hdr.pack())
-        if body:
-            await conn.send(body)
+    def settle_later(self, copied, body: torch.Tensor, t: _Transfer | None) -> None:
+        """After on_layer queued a side-stream write: settle it in a task (_settle)."""
+        task = self._loop.create_task(self._settle(copied, body, t))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
-    def _fail_fed(self, fed: set[str], reason: str) -> None:
+    def fail_fed(self, fed: set[str], reason: str) -> None:
+        """A connection that fed these transfers dropped: each still live fails."""
         for tid in fed:
             with self._lock:
                 t = self._live.get(tid)
             if t is not None:
                 self._fail(t, reason)
 
-    def _on_layer(self, hdr: Header, body: torch.Tensor):
+    def on_layer(self, hdr: Header, body: torch.Tensor):
         """Validate one LAYER message and write it, or drop it. -> (the side stream's event
         after the write, or None when the write is done or nothing was written; the
         transfer if this was its last message and its writes are still in flight)."""
@@ -392,7 +330,7 @@ class KVReceiver:
             if problem is None and not intact:
                 problem = f"layer {layer}: the body does not match its checksum (corrupted)"
             if problem is None:
-                ids = self._block_ids(body, n)
+                ids = body_block_ids(body, n, self._stream)
                 if ids != t.block_ids[off:off + n]:
                     problem = (f"layer {layer}: block ids {ids} are not the reserved "
                                f"block ids[{off}:{off + n}] = {t.block_ids[off:off + n]}")
@@ -409,13 +347,6 @@ class KVReceiver:
         elif t.state is TransferState.DONE:
             self._signal(t)
         return copied, done
-
-    def _block_ids(self, body: torch.Tensor, n: int) -> list[int]:
-        head = body[:4 * n]
-        if head.is_cuda:      # staging "device": read on the side stream, not the decode step's
-            with torch.cuda.stream(self._stream):
-                head = head.cpu()
-        return head.view(torch.int32).tolist()
 
     async def _settle(self, copied, body: torch.Tensor, t: _Transfer | None) -> None:
         """After a side-stream write: give the staging buffer back; finish `t` if given."""
@@ -445,25 +376,9 @@ class KVReceiver:
         return None
 
     def _write_locked(self, t: _Transfer, layer: int, off: int, n: int, body: torch.Tensor):
-        payload, scales = payload_views(body, self.kv_cache, self.kv_scales, n)
-        pairs = [(self.kv_cache[layer], payload)]
-        if scales is not None:
-            pairs.append((self.kv_scales[layer], scales))
-        copied = None
-        if self._stream is None:
-            idx = torch.tensor(t.block_ids[off:off + n], dtype=torch.long)
-            for dst, src in pairs:
-                if dst.element_size() == 1:     # torch's CPU index_copy_ has no float8 kernel
-                    dst, src = dst.view(torch.uint8), src.view(torch.uint8)
-                dst.index_copy_(1, idx, src)
-        else:
-            with torch.cuda.stream(self._stream):
-                idx = torch.tensor(t.block_ids[off:off + n], dtype=torch.long, device=self.kv_cache.device)
-                for dst, src in pairs:
-                    if dst.element_size() == 1:
-                        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
-                    dst.index_copy_(1, idx, src.to(dst.device, non_blocking=True))
-                copied = self._stream.record_event()
+        """Write the body's blocks (layer_copy.scatter) and count them."""
+        copied = scatter(self.kv_cache, self.kv_scales, layer, t.block_ids[off:off + n], body,
+                         self._stream)
         t.got[layer][off:off + n] = b"\x01" * n
         t.remaining -= n
         t.blocks += n

@@ -16,6 +16,7 @@ from prefill_worker.config import PrefillWorkerConfig
 from services.cli_args import add_role_args, config_from_args, dataclass_args, role_config
 
 from . import launcher
+from .processes import die_with_parent
 
 
 def _make_tiny_model(args) -> int:
@@ -68,6 +69,9 @@ def _run_up(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    p.add_argument("--parent-pid", type=int, default=0, help="`pdserve up` sets it for the "
+                   "processes it starts: the launcher's pid; this process gets SIGTERM when "
+                   "that one dies (0: none)")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("make-tiny-model", help="write the tiny random Llama model used by default")
     t.add_argument("dir")
@@ -107,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    launcher.die_with_parent()
     args = build_parser().parse_args(argv)
+    die_with_parent(args.parent_pid)
     return args.func(args) or 0
 
 

@@ -16,21 +16,19 @@ Supervision (`Launcher.supervise`): SIGINT/SIGTERM stops every child (SIGTERM, t
 after a grace period) and exits 0. A worker that dies on its own is restarted on the same
 ports and arguments after an exponential backoff (restart_backoff_s, doubling per crash up
 to max_backoff_s; a worker that then ran for restart_window_s starts over), logged with its
-restart count, which the worker also exports as the `pdserve:process_restarts` gauge
-(environment PDSERVE_RESTARTS); the gateway probes it back in while the others keep
+restart count, which the worker gets as `--restarts N` and exports as the
+`pdserve:process_restarts` gauge; the gateway probes it back in while the others keep
 serving. Only the gateway's death, or a worker crashing more than max_restarts times within
 restart_window_s (a crash loop), stops everything and exits non-zero. Children also get
 SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, set by each child
-at its start: `die_with_parent`), so none is ever orphaned. Every wait has a deadline.
+at its start from `--parent-pid`: `processes.die_with_parent`), so none is ever orphaned.
+Every wait has a deadline. Each child's spec and command line: processes.py.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,113 +36,21 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineOptions
+from services import service_names
 from services.cli_args import config_argv
 from services.security import exposed, mtls_triple, tls_pair
 
-SERVICES = {"prefill": "pdserve.v1.PrefillWorker", "decode": "pdserve.v1.DecodeWorker",
-            "gateway": "pdserve.v1.Generation"}
+from .processes import Child, ModelPools, free_port
+
 
 
 class LaunchError(RuntimeError):
     pass
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free now, chosen BELOW the kernel's ephemeral range.
-
-    The port is handed to a child that binds it seconds later (after loading a model). A
-    port from the ephemeral range (what bind(0) returns) can be taken in that window by any
-    outgoing connection or port-0 listener on the machine; one below it cannot."""
-    lo, _ = _ephemeral_range()
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, lo - 12000), lo)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:   # crowded: any free port
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-PARENT_ENV = "PDSERVE_PARENT_PID"
-
-
-def die_with_parent() -> None:
-    """In a launcher's child (PARENT_ENV set): SIGTERM from the kernel when the launcher
-    dies (PR_SET_PDEATHSIG), and exit at once if it already has. Done by the child itself,
-    not in a preexec_fn: a preexec_fn makes subprocess fork() where it would vfork(), and
-    fork() runs grpc's fork handlers in the child, which can abort there while the launcher
-    holds channels ("epoll_wait error: Bad file descriptor", grpc/grpc#43055)."""
-    parent = os.environ.pop(PARENT_ENV, "")
-    if not parent:
-        return
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != int(parent):       # the launcher died before the prctl
-        sys.exit(f"pdserve: the launcher (pid {parent}) is gone")
-
-
-@dataclass
-class Child:
-    role: str
-    address: str
-    argv: list[str]
-    popen: subprocess.Popen | None = None
-    model: str = ""                         # its model's id, with several models
-    log: IO | None = None
-    restarts: int = 0                       # by the supervisor, in all
-    crashes: list[float] = field(default_factory=list)   # monotonic times, within the window
-    restart_at: float | None = None         # a restart is due then (the child is dead)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-
-@dataclass
-class ModelPools:
-    """One model of a several-model system: the id clients send, its directory, pool sizes."""
-    name: str
-    model_dir: str
-    num_prefill: int = 1
-    num_decode: int = 1
-
-    @classmethod
-    def read(cls, path: str) -> list["ModelPools"]:
-        """`pdserve up --models-file`: a JSON list of {name, model, prefill, decode} (counts)."""
-        try:
-            entries = json.loads(Path(path).read_text())
-            models = [cls(str(e["name"]), str(e["model"]), int(e.get("prefill", 1)),
-                          int(e.get("decode", 1))) for e in entries]
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"models file {path!r}: expected a JSON list of "
-                             f"{{name, model, prefill, decode}}: {e!r}") from None
-        names = [m.name for m in models]
-        if not models or len(set(names)) != len(names) or not all(names):
-            raise ValueError(f"models file {path!r}: expected distinct, non-empty names")
-        if any(m.num_prefill < 1 or m.num_decode < 1 for m in models):
-            raise ValueError(f"models file {path!r}: prefill and decode must be >= 1")
-        return models
 
 
 @dataclass
@@ -237,16 +143,8 @@ class Launcher:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
             n = sum(1 for x in self.children if x.role == c.role)
             c.log = open(Path(self.log_dir) / f"{c.role}-{n}.log", "ab")
-        self._popen(c)
+        c.start()
         self.children.append(c)
-
-    def _popen(self, c: Child) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PDSERVE_RESTARTS=str(c.restarts), **{PARENT_ENV: str(os.getpid())})
-        out = c.log
-        c.popen = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *c.argv], env=env,
-                                   stdout=out, stderr=subprocess.STDOUT if out else None,
-                                   stdin=subprocess.DEVNULL)
 
     def _mtls_args(self) -> list[str]:
         if self.mtls is None:
@@ -278,7 +176,7 @@ class Launcher:
                 if left <= 0:
                     raise LaunchError(f"{c.role} on {c.address} not SERVING in time")
                 try:
-                    r = stub.Check(health_pb2.HealthCheckRequest(service=SERVICES[c.role]),
+                    r = stub.Check(health_pb2.HealthCheckRequest(service=service_names.BY_ROLE[c.role]),
                                    timeout=min(1.0, left))
                     if r.status == health_pb2.HealthCheckResponse.SERVING:
                         return
@@ -306,7 +204,7 @@ class Launcher:
                     c.restart_at = None
                     c.restarts += 1
                     _say(f"pdserve up: restarting {c.role} on {c.address} (restart #{c.restarts})")
-                    self._popen(c)
+                    c.start()
                 continue
             code = c.popen.poll()
             if code is None:

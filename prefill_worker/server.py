@@ -40,7 +40,7 @@ from kvtransfer.sender import KVTransferTimeout, TransferStats
 from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from services import protoconv, tracing, worker_server
+from services import protoconv, service_names, tracing, worker_server
 from services.security import MTLS
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
@@ -50,7 +50,6 @@ from .decoders import KnownDecoders
 from .kv_push import DestinationRefused, KVPush, Push, PushFailed
 
 log = logging.getLogger(__name__)
-SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 
 
 class _DestinationFault(RpcStatus):
@@ -135,14 +134,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     # -------------------------------------------------------------- Prefill body
     def _validate(self, request) -> _Call:
         bad = grpc.StatusCode.INVALID_ARGUMENT
-        if not request.request_id:
-            raise RpcStatus(bad, "request_id is required")
-        if request.request_id in self._tasks:
-            raise RpcStatus(bad, f"request id {request.request_id!r} is already in flight")
-        try:
-            params = protoconv.worker_sampling_from_proto(request.sampling)
-        except (ValueError, TypeError) as e:
-            raise RpcStatus(bad, str(e)) from None
+        params = worker_server.new_request_params(request, self._tasks)
         ids = list(request.prompt_token_ids)
         try:
             self.ae.check_prompt(ids)
@@ -297,7 +289,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if call.push is not None:
             self.kv.end(call.push, cancel=not call.released)
         if not call.released:
-            await asyncio.shield(self._abort_quietly(call.request_id))
+            await asyncio.shield(worker_server.abort_quietly(self.ae, call.request_id))
 
     async def _observe_engine_phases(self, rid: str) -> None:
         """Queue and compute time of a finished prefill-only request, from the engine's own
@@ -310,17 +302,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         tracing.record_span("pdserve.prefill.queue", None, times.arrival, times.first_scheduled)
         tracing.record_span("pdserve.prefill.compute", None, times.first_scheduled, times.first_token)
 
-    async def _abort_quietly(self, rid: str) -> None:
-        try:
-            await self.ae.abort(rid)
-        except EngineError:
-            pass
-
 
 class PrefillRole(worker_server.WorkerRole):
     """The prefill worker for services.worker_server.serve: KVPush is both its engine's KV
     connector and its KV endpoint."""
-    name, service_name, prefill_only = "prefill", SERVICE, True
+    name, service_name, prefill_only = "prefill", service_names.PREFILL, True
 
     def kv_address(self, cfg: PrefillWorkerConfig) -> tuple[str, int]:
         return cfg.host, 0
@@ -332,15 +318,10 @@ class PrefillRole(worker_server.WorkerRole):
     async def open_kv(self, cfg, engine, transport, connector: KVPush) -> KVPush:
         return connector                 # bound to the cache by the engine's construction
 
-    servicer_class = PrefillServicer
+    config_class, servicer_class = PrefillWorkerConfig, PrefillServicer
     add_to_server = staticmethod(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server)
 
 ROLE = PrefillRole()
 
-
-def main(argv: list[str] | None = None) -> int:
-    return worker_server.main(ROLE, PrefillWorkerConfig, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_server.main(ROLE))

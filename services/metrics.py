@@ -27,7 +27,6 @@ ignored on purpose.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -60,7 +59,8 @@ class Metrics:
     and the event loop may both call them.
     """
 
-    def __init__(self, role: str, registry: CollectorRegistry | None = None):
+    def __init__(self, role: str, registry: CollectorRegistry | None = None, restarts: int = 0):
+        """`restarts`: a worker's restart count by its supervisor (its --restarts)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.role = role
@@ -81,7 +81,7 @@ class Metrics:
         if role == "gateway":
             self._gateway_metrics()
         else:
-            self._worker_metrics()
+            self._worker_metrics(restarts)
 
     def _counter(self, name: str, doc: str, *labels: str) -> Counter:
         return Counter(PREFIX + name, doc, ("role", *labels), registry=self.registry)
@@ -110,7 +110,7 @@ class Metrics:
         self.request_errors = counter(
             "request_errors", "Requests that failed, by gRPC status code name", "code")
 
-    def _worker_metrics(self) -> None:
+    def _worker_metrics(self, restarts: int) -> None:
         """Engine-level: queues, cache, phases, KV transfers."""
         role, counter, gauge, histogram = self.role, self._counter, self._gauge, self._histogram
         self.num_requests_waiting = gauge("num_requests_waiting",
@@ -145,9 +145,7 @@ class Metrics:
         self.kv_transfer_time = histogram("kv_transfer_seconds", "Duration of one request's KV transfer",
                                           TRANSFER_BUCKETS)
         self.kv_transfer_failures = counter("kv_transfer_failures", "KV transfers that failed").labels(role)
-        # `pdserve up` restarts a crashed worker with PDSERVE_RESTARTS set to its count
-        gauge("process_restarts", "Times this worker was restarted by its supervisor").set(
-            int(os.environ.get("PDSERVE_RESTARTS", "0")))
+        gauge("process_restarts", "Times this worker was restarted by its supervisor").set(restarts)
         self._last_totals: dict[str, int] = {}
 
     # ---------------------------------------------------------------- gateway

@@ -34,12 +34,13 @@ class RoleTelemetry:
 
 def start_role_telemetry(role: str, *, host: str = "0.0.0.0", metrics_port: int | None = None,
                          trace_file: str = "", device: str = "cpu",
-                         service_name: str = "") -> RoleTelemetry:
+                         service_name: str = "", restarts: int = 0) -> RoleTelemetry:
     """Tracing as `pdserve-<role>` (trace_file: JSON-lines spans, see setup_tracing), a
-    Metrics, a /metrics server on metrics_port when it is given (0: a free port; None: none,
-    e.g. the gateway serves /metrics on its HTTP app), an EnergyMeter for a CUDA device."""
+    Metrics (`restarts`: a worker's --restarts), a /metrics server on metrics_port when it
+    is given (0: a free port; None: none, e.g. the gateway serves /metrics on its HTTP app),
+    an EnergyMeter for a CUDA device."""
     setup_tracing(service_name or f"pdserve-{role}", span_file=trace_file or None)
-    metrics = Metrics(role)
+    metrics = Metrics(role, restarts=restarts)
     server, port = (None, 0)
     if metrics_port is not None:
         server, port = start_metrics_server(metrics.registry, host, metrics_port)

@@ -36,6 +36,9 @@ class WorkerConfig:
     mtls_cert: str = field(default="", metadata={
         "help": "this worker's certificate (PEM, signed by --mtls-ca)"})
     mtls_key: str = field(default="", metadata={"help": "PEM private key of --mtls-cert"})
+    restarts: int = field(default=0, metadata={
+        "help": "times a supervisor restarted this worker (`pdserve up` passes it from the "
+                "second start on): its pdserve:process_restarts gauge"})
     mtls_callers: str = field(default="", metadata={
         "help": "certificate common names (comma-separated) that may call this worker's RPCs "
                 "other than Stats and health, i.e. the gateway's (empty: any certificate "
@@ -58,6 +61,8 @@ class WorkerConfig:
             raise ValueError(f"kv_staging must be 'host' or 'device', got {self.kv_staging!r}")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.restarts < 0:
+            raise ValueError(f"restarts must be >= 0, got {self.restarts}")
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
         if self.mtls_callers and not self.mtls_ca:
             raise ValueError("--mtls-callers needs --mtls-ca (callers are named by their certificates)")

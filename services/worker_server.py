@@ -34,13 +34,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineError
 from engine.kv_connector import KVConnector
 from engine.sampling_params import SamplingParams
 from kvtransfer.transport import Transport
 from kvtransfer.wire import CompatKey
 
-from . import telemetry
+from . import protoconv, telemetry
 from .cli_args import config_from_argv
 from .energy import EnergyMeter
 from .grpc_options import SERVER_OPTIONS
@@ -177,6 +177,20 @@ class WorkerServer:
             log.warning("drain timeout: %d call(s) still in flight are cancelled", self.in_flight)
 
 
+def new_request_params(request, in_flight) -> SamplingParams:
+    """What both workers check first of a request they are handed (INVALID_ARGUMENT): it has
+    an id, not one of `in_flight`'s, and sampling params the engine takes; returns those."""
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    if not request.request_id:
+        raise RpcStatus(bad, "request_id is required")
+    if request.request_id in in_flight:
+        raise RpcStatus(bad, f"request id {request.request_id!r} is already in flight")
+    try:
+        return protoconv.worker_sampling_from_proto(request.sampling)
+    except (ValueError, TypeError) as e:
+        raise RpcStatus(bad, str(e)) from None
+
+
 def model_compat(engine) -> CompatKey:
     """This engine's compatibility key: the model is named by its directory's name."""
     return CompatKey.from_cache(engine.kv_cache, engine.config.model.name, engine.kv_scales)
@@ -224,6 +238,7 @@ class WorkerRole(abc.ABC):
         """This worker's KV endpoint, once the engine (an engine.llm_engine.LLMEngine, not
         stepping yet) and its cache exist."""
 
+    config_class: type           # its config (a services.worker_config.WorkerConfig)
     servicer_class: type         # the gRPC servicer, built from the WorkerParts
     add_to_server: Callable      # the generated add_<Service>Servicer_to_server (a staticmethod)
 
@@ -235,7 +250,8 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         from kvtransfer.ucx import UcxTransport   # imports ucxx; only a serving process needs it
         transport = UcxTransport(*role.kv_address(cfg), device_memory=cfg.kv_staging == "device")
     tel = telemetry.start_role_telemetry(role.name, host=cfg.host, metrics_port=cfg.metrics_port or None,
-                                         trace_file=cfg.trace_file, device=cfg.engine.device)
+                                         trace_file=cfg.trace_file, device=cfg.engine.device,
+                                         restarts=cfg.restarts)
     if role.prefill_only and cfg.engine.speculative:   # it samples one token per request
         log.info("--speculative is a decode worker's option: this prefill worker ignores it")
         cfg = replace(cfg, engine=replace(cfg.engine, speculative=""))
@@ -283,13 +299,22 @@ async def warm_up(ae: AsyncEngine, prefill_only: bool) -> None:
         await ae.release(rid)
 
 
+async def abort_quietly(ae: AsyncEngine, rid: str) -> None:
+    """Abort `rid` in the engine (its blocks are freed), whatever its state: an engine that
+    failed (EngineError) holds nothing more to free, so that is not the caller's error."""
+    try:
+        await ae.abort(rid)
+    except EngineError:
+        pass
+
+
 def run(cfg, role: WorkerRole) -> None:
     import uvloop
     limit_threads(cfg.num_threads)
     uvloop.run(serve(cfg, role))
 
 
-def main(role: WorkerRole, config_cls, argv: list[str] | None = None) -> int:
-    """`python -m <role>_worker.server`: the config from the command line, then `run`."""
-    run(config_from_argv(config_cls, argv, f"pdserve {role.name} worker"), role)
+def main(role: WorkerRole, argv: list[str] | None = None) -> int:
+    """`python -m <role>_worker.server`: the role's config from the command line, then `run`."""
+    run(config_from_argv(role.config_class, argv, f"pdserve {role.name} worker"), role)
     return 0

@@ -18,7 +18,9 @@ def picks(loads: dict[str, int], slack: int, slack_ratio: float = 0.0, affine: s
         pool = registry.WorkerPool("prefill", prefill_pb2_grpc.PrefillWorkerStub, 3600, 1)
         for name, n in loads.items():
             w = registry.Worker("prefill", name, prefill_pb2_grpc.PrefillWorkerStub)
-            w.healthy, w.in_flight = True, n
+            w.healthy = True
+            for _ in range(n):                 # n calls open on it
+                w.attach(object())
             pool.workers[name] = w
         affinity = registry.PrefixAffinity()
         hashes = affinity.block_hashes(list(range(64)), 16)

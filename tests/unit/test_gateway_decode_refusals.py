@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
+from gateway import registry
 from gateway.config import GatewayConfig
 from gateway.request import GatewayError
 from gateway.segment import Segment, Segments
@@ -23,8 +24,10 @@ class _Call:
 
 
 class _Worker:
+    attach, detach, in_flight = registry.Worker.attach, registry.Worker.detach, registry.Worker.in_flight
+
     def __init__(self, code):
-        self.address, self.streams, self.in_flight, self.requests_total = "w:1", set(), 0, 0
+        self.kind, self.address, self.streams, self.requests_total = "decode", "w:1", set(), 0
         self.healthy, self.errors = True, []
         self.stub = type("Stub", (), {"Decode": lambda _, req, **kw: _Call(code)})()
 

@@ -19,12 +19,13 @@ def test_removed_worker_keeps_its_channel_until_its_requests_end():
             closed.set()
             await close()
         w.close = recording_close
-        w.in_flight = 1
+        call = object()
+        w.attach(call)                                    # one request on it
         await pool.on_change([], ["127.0.0.1:1"])
         assert "127.0.0.1:1" not in pool.workers          # no new request goes there
         await asyncio.sleep(0.1)
         assert not closed.is_set()                       # the one in flight still has it
-        w.in_flight = 0
+        w.detach(call)
         await asyncio.wait_for(closed.wait(), 5)
         await pool.stop()
 
@@ -36,7 +37,8 @@ def test_stop_closes_retiring_workers():
         pool = registry.WorkerPool("decode", decode_pb2_grpc.DecodeWorkerStub, 0.01, 0.1)
         await pool.on_change(["127.0.0.1:1"], [])
         w = pool.workers["127.0.0.1:1"]
-        w.in_flight = 1
+        call = object()
+        w.attach(call)                                    # one request on it
         await pool.on_change([], ["127.0.0.1:1"])
         await asyncio.wait_for(pool.stop(), 5)
         assert w.channel.get_state() == __import__("grpc").ChannelConnectivity.SHUTDOWN

@@ -34,7 +34,7 @@ def test_unanswered_probes_cut_streams_after_the_stall_timeout_not_on_not_servin
         await pool.on_change([f"127.0.0.1:{port}"], [])
         w = pool.workers[f"127.0.0.1:{port}"]
         s = Stream()
-        w.streams.add(s)
+        w.attach(s)
         # Draining: unhealthy (no new requests), but answering, so its stream stays.
         for _ in range(12):
             await pool.probe(w)
@@ -65,8 +65,7 @@ def test_streams_still_on_a_removed_worker_at_the_retire_timeout_are_cut_then_cl
         await pool.on_change(["127.0.0.1:1"], [])
         w = pool.workers["127.0.0.1:1"]
         s = Stream()
-        w.streams.add(s)
-        w.in_flight = 1
+        w.attach(s)
         await pool.on_change([], ["127.0.0.1:1"])
         await asyncio.sleep(0.1)
         assert s.cut_reason is None and w.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN

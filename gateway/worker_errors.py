@@ -1,0 +1,52 @@
+"""What a worker's gRPC status means to the gateway; segment.py acts on it.
+
+    a worker call fails with              the gateway
+      Decode, before KvReady: a code in     takes it as a refusal: another decode worker
+      DECODE_REFUSALS                       may take the request
+      Prefill: a code in PREFILL_RETRY      retries it once on another prefill worker, or,
+                                            when the trailing metadata say the decode
+                                            worker's KV endpoint failed
+                                            (blames_destination), on another decode worker
+      anything it does not retry            ends the request: rpc_error(), the worker's
+                                            code where it is in PASS_THROUGH, else INTERNAL
+    LostCall: a call the gateway cut itself (its worker was lost), read as that status.
+"""
+from __future__ import annotations
+
+import grpc
+
+from services.protoconv import KV_DESTINATION_FAULT
+
+from .request import GatewayError
+
+# Codes a gateway passes through from a worker as they are; anything else becomes INTERNAL.
+PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION}
+# A Prefill that failed with one of these is retried once on another prefill worker.
+PREFILL_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
+# A decode worker's Decode that ends with one of these before KvReady was refused: another
+# worker may take the request. CANCELLED there comes from the worker's server (a stopping
+# server cancels the calls that reach it during its grace; an overloaded one drops them):
+# the gateway's own cancellation raises CancelledError, not a status.
+DECODE_REFUSALS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   grpc.StatusCode.CANCELLED}
+
+
+class LostCall(grpc.aio.AioRpcError):
+    """A call the gateway cut because its worker was lost (stalled): handled as that status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def blames_destination(e: grpc.aio.AioRpcError) -> bool:
+    """The prefill worker says the decode worker's KV endpoint failed (connect, send)."""
+    return any(tuple(kv) == KV_DESTINATION_FAULT for kv in e.trailing_metadata() or ())
+
+
+def rpc_error(where: str, e: grpc.aio.AioRpcError) -> GatewayError:
+    """The request's error for a worker call that failed with `e`, at `where`."""
+    code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.INTERNAL
+    return GatewayError(code, f"{where}: {e.code().name}: {e.details()}")

@@ -1,0 +1,132 @@
+"""The processes `pdserve up` starts (launcher.py), as specs: a `Child` per process (role,
+address, arguments), its command line, the ports it gets, and its side of dying with the
+launcher.
+
+    Child(role, address, argv) --command(launcher pid)-->
+        python -m pdserve.cli --parent-pid PID <argv> [--restarts N]
+                  |                                        |
+                  die_with_parent(PID), first thing:       a worker's restart count, from
+                  SIGTERM when the launcher dies            its second start on: its
+                                                            pdserve:process_restarts gauge
+
+Both are flags, not environment: `--parent-pid` is an option of the `pdserve` command itself
+(pdserve/cli.py), `--restarts` one of every worker's config (services/worker_config.py).
+`ModelPools`: one model of a several-model system, how many workers of each role it gets.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now, chosen BELOW the kernel's ephemeral range.
+
+    The port is handed to a child that binds it seconds later (after loading a model). A
+    port from the ephemeral range (what bind(0) returns) can be taken in that window by any
+    outgoing connection or port-0 listener on the machine; one below it cannot."""
+    lo, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, lo - 12000), lo)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:   # crowded: any free port
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a launcher's child (`pdserve --parent-pid PID`; 0: not one, nothing to do): SIGTERM
+    from the kernel when the launcher dies (PR_SET_PDEATHSIG), and exit at once if it
+    already has. Done by the child itself, not in a preexec_fn: a preexec_fn makes
+    subprocess fork() where it would vfork(), and fork() runs grpc's fork handlers in the
+    child, which can abort there while the launcher holds channels ("epoll_wait error: Bad
+    file descriptor", grpc/grpc#43055)."""
+    if not parent_pid:
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != parent_pid:        # the launcher died before the prctl
+        sys.exit(f"pdserve: the launcher (pid {parent_pid}) is gone")
+
+
+@dataclass
+class Child:
+    role: str
+    address: str
+    argv: list[str]                         # `pdserve` arguments: the role, then its options
+    popen: subprocess.Popen | None = None
+    model: str = ""                         # its model's id, with several models
+    log: IO | None = None
+    restarts: int = 0                       # by the supervisor, in all
+    crashes: list[float] = field(default_factory=list)   # monotonic times, within the window
+    restart_at: float | None = None         # a restart is due then (the child is dead)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def command(self, parent_pid: int) -> list[str]:
+        """Its command line: `pdserve` told its launcher's pid, its own arguments, and once
+        the supervisor restarted it, how often (a worker's --restarts)."""
+        again = ["--restarts", str(self.restarts)] if self.restarts else []
+        return [sys.executable, "-m", "pdserve.cli", "--parent-pid", str(parent_pid),
+                *self.argv, *again]
+
+    def start(self) -> None:
+        """Run it (again): its command line, one intra-op thread, output to its log (None:
+        the launcher's stdout/stderr)."""
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.popen = subprocess.Popen(self.command(os.getpid()), env=env, stdout=self.log,
+                                      stderr=subprocess.STDOUT if self.log else None,
+                                      stdin=subprocess.DEVNULL)
+
+
+@dataclass
+class ModelPools:
+    """One model of a several-model system: the id clients send, its directory, pool sizes."""
+    name: str
+    model_dir: str
+    num_prefill: int = 1
+    num_decode: int = 1
+
+    @classmethod
+    def read(cls, path: str) -> list["ModelPools"]:
+        """`pdserve up --models-file`: a JSON list of {name, model, prefill, decode} (counts)."""
+        try:
+            entries = json.loads(Path(path).read_text())
+            models = [cls(str(e["name"]), str(e["model"]), int(e.get("prefill", 1)),
+                          int(e.get("decode", 1))) for e in entries]
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"models file {path!r}: expected a JSON list of "
+                             f"{{name, model, prefill, decode}}: {e!r}") from None
+        names = [m.name for m in models]
+        if not models or len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"models file {path!r}: expected distinct, non-empty names")
+        if any(m.num_prefill < 1 or m.num_decode < 1 for m in models):
+            raise ValueError(f"models file {path!r}: prefill and decode must be >= 1")
+        return models
