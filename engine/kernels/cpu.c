@@ -1,16 +1,20 @@
-/* pdserve's CPU kernels: the elementwise ops and decode attention of a float32 model, each one
- * call instead of the dozen eager torch ops of its reference (engine/kernels/reference.py).
- * At decode on CPU a layer's torch calls cost more than its arithmetic; the matmuls stay
- * torch's (MKL, or its int8/int4 weight-only kernels).
+/* pdserve's CPU kernels: the elementwise ops, decode attention and the int8 weight-only
+ * matmuls of a float32 model, each one call instead of the dozen eager torch ops of its
+ * reference (engine/kernels/reference.py). At decode on CPU a layer's torch calls cost more
+ * than its arithmetic. The float32 and int4 matmuls stay torch's (MKL; its int4 kernel).
  *
  * Built by engine/kernels/cpu.py with the host compiler and loaded with ctypes. Tensors arrive
  * as pointers with row strides in elements; within a row, heads and head dims are contiguous.
  * Activations are float32 or bfloat16 (dtype codes below: what torch's CPU int8/int4 matmuls
- * take and return); weights, the residual stream and the KV cache are float32.
+ * take and return); weights, the residual stream and the KV cache are float32, int8 codes
+ * with their scales for the matmuls.
  *
- * Compiled with -ffp-contract=off: no fused multiply-adds, so every product and sum rounds
- * where the torch reference rounds it (rotary is bitwise equal to the reference; the norm and
- * attention sum in another order, within float32 rounding of it).
+ * Compiled with -ffp-contract=off: the compiler fuses no multiply-add, so the scalar code
+ * rounds every product and sum where the torch reference does (rotary is bitwise equal to the
+ * reference; the norm and attention sum in another order, within float32 rounding of it). The
+ * AVX-512 matmul blocks use fused multiply-adds explicitly (_mm512_fmadd_ps): their sums are
+ * within float32 rounding of the reference's, not bitwise. Functions that need scratch memory
+ * return 0, or 1 when it cannot be had (nothing is written then; cpu.py raises MemoryError).
  */
 #include <math.h>
 #include <stdint.h>
@@ -83,9 +87,10 @@ static inline float exp_nonpos(float x) {
 
 /* RMSNorm over rows of H: out = w * (s * 1/sqrt(mean(s^2) + eps)), s = x (+ res). With res,
  * the sum s is also written to res_out (the new residual stream). res and res_out float32. */
-void pd_rms_norm(const void *x, int xdt, long xs, const float *res, long rs, float *res_out,
-                 long ros, const float *w, void *out, int odt, long os, int T, int H, float eps) {
+int pd_rms_norm(const void *x, int xdt, long xs, const float *res, long rs, float *res_out,
+                long ros, const float *w, void *out, int odt, long os, int T, int H, float eps) {
     float *s = malloc(sizeof(float) * H);
+    if (!s) return 1;
     for (int t = 0; t < T; t++) {
         float acc[16] = {0};
         for (int i = 0; i < H; i++) s[i] = ld(x, xdt, t * xs + i);
@@ -103,6 +108,7 @@ void pd_rms_norm(const void *x, int xdt, long xs, const float *res, long rs, flo
         for (int i = 0; i < H; i++) st(out, odt, t * os + i, w[i] * (s[i] * r));
     }
     free(s);
+    return 0;
 }
 
 /* Neox-style rotary on q and k, then k and v into their cache slots (slot < 0: skip).
@@ -151,13 +157,14 @@ static void softmax(float *x, int n) {
  * Hkv, D] float32; block_tables [B, W] int32; ctx [B] int32 (0: a padding row, zeros out).
  * Positions are read in cache order, every head of a position at once: a block's K (then V)
  * rows are one contiguous run of memory, which is what decode's time goes to here. */
-void pd_decode_attention(const float *q, const float *k_cache, const float *v_cache, int bs,
-                         int Hq, int Hkv, int D, const int32_t *block_tables, int W,
-                         const int32_t *ctx, int B, float scale, void *out, int odt) {
+int pd_decode_attention(const float *q, const float *k_cache, const float *v_cache, int bs,
+                        int Hq, int Hkv, int D, const int32_t *block_tables, int W,
+                        const int32_t *ctx, int B, float scale, void *out, int odt) {
     int G = Hq / Hkv, Lmax = 1;
     long row = (long)Hkv * D;                       /* floats per cache position */
     for (int b = 0; b < B; b++) Lmax = ctx[b] > Lmax ? ctx[b] : Lmax;
     float *p = malloc(sizeof(float) * ((long)Hq * Lmax + (long)Hq * D));   /* scores [Hq, L] */
+    if (!p) return 1;
     float *acc = p + (long)Hq * Lmax;                                          /* [Hq, D] */
     for (int b = 0; b < B; b++) {
         int L = ctx[b];
@@ -183,6 +190,7 @@ void pd_decode_attention(const float *q, const float *k_cache, const float *v_ca
         for (long i = 0; i < (long)Hq * D; i++) st(out, odt, (long)b * Hq * D + i, acc[i]);
     }
     free(p);
+    return 0;
 }
 
 /* x [T, 2I] = cat(gate, up) -> silu(gate) * up [T, I], silu(g) = g / (1 + exp(-g)) */
@@ -241,9 +249,10 @@ static inline __attribute__((always_inline)) void i8_block(
 }
 #endif
 
-void pd_int8_matmul(const void *x, int xdt, int M, int K, const int8_t *w, const uint16_t *scale,
-                    int N, void *y, int odt) {
+int pd_int8_matmul(const void *x, int xdt, int M, int K, const int8_t *w, const uint16_t *scale,
+                   int N, void *y, int odt) {
     float *xf = malloc(sizeof(float) * (long)M * K);
+    if (!xf) return 1;
     for (long i = 0; i < (long)M * K; i++) xf[i] = ld(x, xdt, i);
     int n = 0;
 #if defined(__AVX512F__)
@@ -258,6 +267,7 @@ void pd_int8_matmul(const void *x, int xdt, int M, int K, const int8_t *w, const
         for (int m = 0; m < M; m++)
             st(y, odt, (long)m * N + n, dot_i8(xf + (long)m * K, w + (long)n * K, K) * bf16_to_f32(scale[n]));
     free(xf);
+    return 0;
 }
 
 /* y [M, N] float32 = x [M, K] @ W.T for int8 codes with a float32 scale per 32 values of a
@@ -297,9 +307,10 @@ static inline __attribute__((always_inline)) void i8g_block(
 }
 #endif
 
-void pd_int8g32_matmul(const void *x, int xdt, int M, int K, const int8_t *w, const float *scale,
-                       int N, float *y) {
+int pd_int8g32_matmul(const void *x, int xdt, int M, int K, const int8_t *w, const float *scale,
+                      int N, float *y) {
     float *xf = malloc(sizeof(float) * (long)M * K);
+    if (!xf) return 1;
     for (long i = 0; i < (long)M * K; i++) xf[i] = ld(x, xdt, i);
     int n = 0, G = K / 32;
 #if defined(__AVX512F__)
@@ -314,4 +325,5 @@ void pd_int8g32_matmul(const void *x, int xdt, int M, int K, const int8_t *w, co
         for (int m = 0; m < M; m++)
             y[(long)m * N + n] = dot_i8g(xf + (long)m * K, w + (long)n * K, scale + (long)n * G, K);
     free(xf);
+    return 0;
 }

@@ -35,6 +35,7 @@ _DTYPE = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
 _lib: ctypes.PyDLL | None | bool = False      # False: not tried yet
 
+_SCRATCH = ("pd_rms_norm", "pd_decode_attention", "pd_int8_matmul", "pd_int8g32_matmul")  # return 1: no memory
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "pd_rms_norm": [_P, _I, _L, _P, _L, _P, _L, _P, _P, _I, _L, _I, _I, _F],
@@ -85,7 +86,7 @@ def _build() -> ctypes.PyDLL | None:
         return None
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, (ctypes.c_int if name in _SCRATCH else None)
     return lib
 
 
@@ -97,6 +98,12 @@ def library() -> ctypes.PyDLL | None:
             if _lib is False:
                 _lib = _build()
     return _lib
+
+
+def _ok(status: int, op: str) -> None:
+    """The status of a kernel that allocates scratch memory (0: done)."""
+    if status:
+        raise MemoryError(f"CPU kernel {op}: no memory for its scratch buffer")
 
 
 def _dt(t: torch.Tensor) -> int:
@@ -131,8 +138,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     x2 = x.reshape(-1, H)
     out = torch.empty(x.shape, dtype=out_dtype or torch.float32)
     res = 0 if residual is None else _f32(residual, "residual")
-    library().pd_rms_norm(x2.data_ptr(), _dt(x2), _rows(x2, "x"), res, H, res, H,
-                          _f32(weight, "weight"), out.data_ptr(), _dt(out), H, x2.shape[0], H, eps)
+    _ok(library().pd_rms_norm(x2.data_ptr(), _dt(x2), _rows(x2, "x"), res, H, res, H,
+                              _f32(weight, "weight"), out.data_ptr(), _dt(out), H, x2.shape[0], H, eps),
+        "rms_norm")
     return out if residual is None else (out, residual)
 
 
@@ -167,10 +175,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("block_tables and context_lens are int32")
     tables = block_tables.contiguous()
     out = torch.empty(B, Hq, D, dtype=out_dtype or torch.float32)
-    library().pd_decode_attention(
+    _ok(library().pd_decode_attention(
         _f32(q, "q"), _f32(k_cache, "k_cache"), _f32(v_cache, "v_cache"), bs, Hq, Hkv, D,
         tables.data_ptr(), tables.shape[1], context_lens.contiguous().data_ptr(), B, scale,
-        out.data_ptr(), _dt(out))
+        out.data_ptr(), _dt(out)), "decode_attention")
     return out
 
 
@@ -194,8 +202,8 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
         raise ValueError("qweight: contiguous int8 [N, K]; scale: bfloat16 [N]")
     x = x.contiguous()
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    library().pd_int8_matmul(x.data_ptr(), _dt(x), M, K, qweight.data_ptr(),
-                             scale.contiguous().data_ptr(), N, y.data_ptr(), _dt(y))
+    _ok(library().pd_int8_matmul(x.data_ptr(), _dt(x), M, K, qweight.data_ptr(),
+                                 scale.contiguous().data_ptr(), N, y.data_ptr(), _dt(y)), "int8_matmul")
     return y
 
 
@@ -209,6 +217,6 @@ def int8g32_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) 
         raise ValueError("qweight: contiguous int8 [N, K], K % 32 == 0; scale: float32 [N, K/32]")
     x = x.contiguous()
     y = torch.empty(M, N)
-    library().pd_int8g32_matmul(x.data_ptr(), _dt(x), M, K, qweight.data_ptr(), _f32(scale, "scale"),
-                                N, y.data_ptr())
+    _ok(library().pd_int8g32_matmul(x.data_ptr(), _dt(x), M, K, qweight.data_ptr(), _f32(scale, "scale"),
+                                    N, y.data_ptr()), "int8g32_matmul")
     return y

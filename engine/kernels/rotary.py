@@ -10,34 +10,44 @@ from .rope import build_cos_sin_cache  # noqa: F401  (re-exported: the cache thi
 
 
 @triton.jit
+def _cos_sin(cs_ptr, p, stride_cs, i, HALF):
+    """cos_sin_cache[p] = [cos_0 .. cos_{D/2-1} | sin_0 .. sin_{D/2-1}] at columns i."""
+    cos = tl.load(cs_ptr + p * stride_cs + i, mask=i < HALF, other=0.0)
+    sin = tl.load(cs_ptr + p * stride_cs + HALF + i, mask=i < HALF, other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def _rotated(x_ptr, mask, cos, sin, HALF):
+    """x = [x1 | x2] at x_ptr (+ HALF) -> (x1*cos - x2*sin, x2*cos + x1*sin) in fp32."""
+    x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _store_rotated(x_ptr, o_ptr, mask, cos, sin, HALF):
+    r1, r2 = _rotated(x_ptr, mask, cos, sin, HALF)
+    tl.store(o_ptr, r1.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + HALF, r2.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotary_embedding_kernel(pos_ptr, q_ptr, k_ptr, cs_ptr, qo_ptr, ko_ptr,
                              stride_qt, stride_qh, stride_kt, stride_kh,
                              stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
                              HQ, HK, HALF,
                              BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # grid (T, cdiv(max(HQ, HK), BLOCK_H)). For token t at position p and every head:
-    #   cos_sin_cache[p] = [cos_0 .. cos_{D/2-1} | sin_0 .. sin_{D/2-1}]
     #   x = [x1 | x2]  ->  [x1*cos - x2*sin | x2*cos + x1*sin]      (fp32, rounded once)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, BLOCK_HALF)[None, :]
-    p = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cs_ptr + p * stride_cs + i, mask=i < HALF, other=0.0)
-    sin = tl.load(cs_ptr + p * stride_cs + HALF + i, mask=i < HALF, other=0.0)
-
-    mq = (h < HQ) & (i < HALF)
-    q1 = tl.load(q_ptr + t * stride_qt + h * stride_qh + i, mask=mq, other=0.0).to(tl.float32)
-    q2 = tl.load(q_ptr + t * stride_qt + h * stride_qh + HALF + i, mask=mq, other=0.0).to(tl.float32)
-    qo = qo_ptr + t * stride_qot + h * stride_qoh + i
-    tl.store(qo, (q1 * cos - q2 * sin).to(qo_ptr.dtype.element_ty), mask=mq)
-    tl.store(qo + HALF, (q2 * cos + q1 * sin).to(qo_ptr.dtype.element_ty), mask=mq)
-
-    mk = (h < HK) & (i < HALF)
-    k1 = tl.load(k_ptr + t * stride_kt + h * stride_kh + i, mask=mk, other=0.0).to(tl.float32)
-    k2 = tl.load(k_ptr + t * stride_kt + h * stride_kh + HALF + i, mask=mk, other=0.0).to(tl.float32)
-    ko = ko_ptr + t * stride_kot + h * stride_koh + i
-    tl.store(ko, (k1 * cos - k2 * sin).to(ko_ptr.dtype.element_ty), mask=mk)
-    tl.store(ko + HALF, (k2 * cos + k1 * sin).to(ko_ptr.dtype.element_ty), mask=mk)
+    cos, sin = _cos_sin(cs_ptr, tl.load(pos_ptr + t).to(tl.int64), stride_cs, i, HALF)
+    _store_rotated(q_ptr + t * stride_qt + h * stride_qh + i, qo_ptr + t * stride_qot + h * stride_qoh + i,
+                   (h < HQ) & (i < HALF), cos, sin, HALF)
+    _store_rotated(k_ptr + t * stride_kt + h * stride_kh + i, ko_ptr + t * stride_kot + h * stride_koh + i,
+                   (h < HK) & (i < HALF), cos, sin, HALF)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_out, check_shape, check_tensor
+from .rotary import _cos_sin, _rotated, _store_rotated
 
 
 @triton.jit
@@ -23,29 +24,19 @@ def _rotary_write_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, BLOCK_HALF)[None, :]
-    p = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cs_ptr + p * stride_cs + i, mask=i < HALF, other=0.0)
-    sin = tl.load(cs_ptr + p * stride_cs + HALF + i, mask=i < HALF, other=0.0)
-
-    mq = (h < HQ) & (i < HALF)
-    q1 = tl.load(q_ptr + t * stride_qt + h * stride_qh + i, mask=mq, other=0.0).to(tl.float32)
-    q2 = tl.load(q_ptr + t * stride_qt + h * stride_qh + HALF + i, mask=mq, other=0.0).to(tl.float32)
-    qo = qo_ptr + t * stride_qot + h * stride_qoh + i
-    tl.store(qo, (q1 * cos - q2 * sin).to(qo_ptr.dtype.element_ty), mask=mq)
-    tl.store(qo + HALF, (q2 * cos + q1 * sin).to(qo_ptr.dtype.element_ty), mask=mq)
+    cos, sin = _cos_sin(cs_ptr, tl.load(pos_ptr + t).to(tl.int64), stride_cs, i, HALF)
+    _store_rotated(q_ptr + t * stride_qt + h * stride_qh + i, qo_ptr + t * stride_qot + h * stride_qoh + i,
+                   (h < HQ) & (i < HALF), cos, sin, HALF)
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # (slot >= 0) broadcast to the tile: the interpreter rejects a scalar mask term
     mk = (h < HK) & (i < HALF) & (h * 0 + i * 0 + slot >= 0)
     slot = tl.maximum(slot, 0)
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + h * stride_ch + i
-    k1 = tl.load(k_ptr + t * stride_kt + h * stride_kh + i, mask=mk, other=0.0).to(tl.float32)
-    k2 = tl.load(k_ptr + t * stride_kt + h * stride_kh + HALF + i, mask=mk, other=0.0).to(tl.float32)
+    kr1, kr2 = _rotated(k_ptr + t * stride_kt + h * stride_kh + i, mk, cos, sin, HALF)
     # k rounds to its own dtype first, as rotary_embedding then write_kv_cache would
-    kr1 = (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty)
-    kr2 = (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty)
-    tl.store(kc_ptr + dst, kr1.to(kc_ptr.dtype.element_ty), mask=mk)
-    tl.store(kc_ptr + dst + HALF, kr2.to(kc_ptr.dtype.element_ty), mask=mk)
+    tl.store(kc_ptr + dst, kr1.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=mk)
+    tl.store(kc_ptr + dst + HALF, kr2.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=mk)
     v1 = tl.load(v_ptr + t * stride_vt + h * stride_vh + i, mask=mk, other=0.0)
     v2 = tl.load(v_ptr + t * stride_vt + h * stride_vh + HALF + i, mask=mk, other=0.0)
     tl.store(vc_ptr + dst, v1.to(vc_ptr.dtype.element_ty), mask=mk)

@@ -25,6 +25,15 @@ MAY_IMPORT = {
 # the engine modules the gateway may use: none of them imports torch
 GATEWAY_ENGINE = {"engine.tokenizer", "engine.gguf", "engine.sampling_params", "engine.structured",
                   "engine.output_processor"}
+# inside the engine, downward only: kernels < quantization schemes < model families; none of
+# them knows the step machinery (scheduler, runner, loader, engine) above them
+ENGINE_LAYERS = {
+    "engine.kernels": {"engine.kernels", "engine.config"},
+    "engine.quant": {"engine.kernels", "engine.quant"},
+    "engine.models": {"engine.kernels", "engine.quant", "engine.models", "engine.config"},
+}
+# torch-free, so the CLI, the config and the gateway can import them: the registries too
+TORCH_FREE = GATEWAY_ENGINE | {"engine.config", "engine.models", "engine.quant", "engine.spec_decode"}
 
 
 def _module_name(path: Path) -> str:
@@ -99,6 +108,30 @@ def test_no_file_import_cycle():
             raise AssertionError("import cycle: " + " -> ".join(cycle))
 
 
+def test_engine_layers_point_downward():
+    bad = []
+    for mod, deps in _graph().items():
+        layer = next((l for l in ENGINE_LAYERS if mod == l or mod.startswith(l + ".")), None)
+        if layer is None:
+            continue
+        allowed = ENGINE_LAYERS[layer]
+        for dep in deps:
+            if dep.startswith("engine.") and not any(dep == a or dep.startswith(a + ".") for a in allowed):
+                bad.append(f"{mod} imports {dep}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_registries_and_configs_never_import_torch():
+    code = (f"import sys, importlib; [importlib.import_module(m) for m in {sorted(TORCH_FREE)!r}]; "
+            "from engine.models import SUPPORTED_ARCHITECTURES; from engine.quant import QUANTIZATIONS; "
+            "assert SUPPORTED_ARCHITECTURES and QUANTIZATIONS; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')); "
+            "assert not bad, bad[:5]")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_the_gateway_process_never_imports_torch():
     code = ("import sys, gateway.grpc_server, gateway.openai, gateway.core; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
@@ -117,6 +150,7 @@ def test_the_table_is_not_vacuous():
         or any(d.startswith("services.") for d in graph["prefill_worker.server"])
     assert any(d == "engine.tokenizer" for m, ds in graph.items() if m.startswith("gateway") for d in ds)
     assert any(d.startswith("engine.") for d in graph["decode_worker.server"])
+    assert "engine.quant.linear" in graph["engine.models.base"] and "engine.kernels" in graph["engine.quant.int8"]
 
 
 def test_every_package_ships():
