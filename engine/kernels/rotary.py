@@ -33,6 +33,20 @@ def _store_rotated(x_ptr, o_ptr, mask, cos, sin, HALF):
 
 
 @triton.jit
+def _rotate_q(pos_ptr, q_ptr, cs_ptr, qo_ptr, stride_qt, stride_qh, stride_qot, stride_qoh,
+              stride_cs, HQ, HALF, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """This program's token t and heads h (columns i): q_out[t, h] = rot(q[t, h]); returns
+    (t, h, i, cos, sin) for the kernel's k."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    cos, sin = _cos_sin(cs_ptr, tl.load(pos_ptr + t).to(tl.int64), stride_cs, i, HALF)
+    _store_rotated(q_ptr + t * stride_qt + h * stride_qh + i, qo_ptr + t * stride_qot + h * stride_qoh + i,
+                   (h < HQ) & (i < HALF), cos, sin, HALF)
+    return t, h, i, cos, sin
+
+
+@triton.jit
 def _rotary_embedding_kernel(pos_ptr, q_ptr, k_ptr, cs_ptr, qo_ptr, ko_ptr,
                              stride_qt, stride_qh, stride_kt, stride_kh,
                              stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
@@ -40,14 +54,19 @@ def _rotary_embedding_kernel(pos_ptr, q_ptr, k_ptr, cs_ptr, qo_ptr, ko_ptr,
                              BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # grid (T, cdiv(max(HQ, HK), BLOCK_H)). For token t at position p and every head:
     #   x = [x1 | x2]  ->  [x1*cos - x2*sin | x2*cos + x1*sin]      (fp32, rounded once)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    i = tl.arange(0, BLOCK_HALF)[None, :]
-    cos, sin = _cos_sin(cs_ptr, tl.load(pos_ptr + t).to(tl.int64), stride_cs, i, HALF)
-    _store_rotated(q_ptr + t * stride_qt + h * stride_qh + i, qo_ptr + t * stride_qot + h * stride_qoh + i,
-                   (h < HQ) & (i < HALF), cos, sin, HALF)
+    t, h, i, cos, sin = _rotate_q(pos_ptr, q_ptr, cs_ptr, qo_ptr, stride_qt, stride_qh, stride_qot,
+                                  stride_qoh, stride_cs, HQ, HALF, BLOCK_H, BLOCK_HALF)
     _store_rotated(k_ptr + t * stride_kt + h * stride_kh + i, ko_ptr + t * stride_kot + h * stride_koh + i,
                    (h < HK) & (i < HALF), cos, sin, HALF)
+
+
+def check_positions(positions: torch.Tensor, cos_sin_cache: torch.Tensor, t: int, d: int, dev) -> None:
+    """positions [t] int32/int64 and a float32 [max_pos, d] cos/sin cache on `dev`."""
+    check_tensor("positions", positions, 1, (torch.int32, torch.int64), dev)
+    check_shape("positions", positions, (t,))
+    check_tensor("cos_sin_cache", cos_sin_cache, 2, (torch.float32,), dev)
+    if cos_sin_cache.shape[1] != d:
+        raise ValueError(f"cos_sin_cache rows have {cos_sin_cache.shape[1]} values, head_dim is {d}")
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -65,11 +84,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     hk = k.shape[1]
     if d % 2:
         raise ValueError(f"head_dim must be even for rotate-half, got {d}")
-    check_tensor("positions", positions, 1, (torch.int32, torch.int64), dev)
-    check_shape("positions", positions, (t,))
-    check_tensor("cos_sin_cache", cos_sin_cache, 2, (torch.float32,), dev)
-    if cos_sin_cache.shape[1] != d:
-        raise ValueError(f"cos_sin_cache rows have {cos_sin_cache.shape[1]} values, head_dim is {d}")
+    check_positions(positions, cos_sin_cache, t, d, dev)
     if q_out is None:
         q_out = torch.empty_like(q)
     if k_out is None:

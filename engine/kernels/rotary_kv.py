@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_out, check_shape, check_tensor
-from .rotary import _cos_sin, _rotated, _store_rotated
+from .rotary import _rotate_q, _rotated, check_positions
 
 
 @triton.jit
@@ -21,12 +21,8 @@ def _rotary_write_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr
     #   q_out[t, h] = rot(q[t, h])                       rot(x) = [x1*cos - x2*sin | x2*cos + x1*sin]
     #   cache[slot] = rot(k[t, h]), v[t, h]              (slot < 0: padding, nothing written)
     #   slot = block * block_size + offset -> block * stride_cb + offset * stride_co (int64)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    i = tl.arange(0, BLOCK_HALF)[None, :]
-    cos, sin = _cos_sin(cs_ptr, tl.load(pos_ptr + t).to(tl.int64), stride_cs, i, HALF)
-    _store_rotated(q_ptr + t * stride_qt + h * stride_qh + i, qo_ptr + t * stride_qot + h * stride_qoh + i,
-                   (h < HQ) & (i < HALF), cos, sin, HALF)
+    t, h, i, cos, sin = _rotate_q(pos_ptr, q_ptr, cs_ptr, qo_ptr, stride_qt, stride_qh, stride_qot,
+                                  stride_qoh, stride_cs, HQ, HALF, BLOCK_H, BLOCK_HALF)
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # (slot >= 0) broadcast to the tile: the interpreter rejects a scalar mask term
@@ -64,13 +60,9 @@ def rotary_embedding_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch
     for name, x in (("k", k), ("v", v)):
         check_tensor(name, x, 3, (q.dtype,), dev)
         check_shape(name, x, (t, hk, d))
-    check_tensor("positions", positions, 1, (torch.int32, torch.int64), dev)
-    check_shape("positions", positions, (t,))
+    check_positions(positions, cos_sin_cache, t, d, dev)
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), dev)
     check_shape("slot_mapping", slot_mapping, (t,))
-    check_tensor("cos_sin_cache", cos_sin_cache, 2, (torch.float32,), dev)
-    if cos_sin_cache.shape[1] != d:
-        raise ValueError(f"cos_sin_cache rows have {cos_sin_cache.shape[1]} values, head_dim is {d}")
     if q_out is None:
         q_out = torch.empty_like(q)
     check_out("q_out", q_out, tuple(q.shape), q.dtype, dev)
