@@ -121,8 +121,7 @@ def _read(model: CausalLM, quantization: str) -> tuple[dict[str, Weight], dict[s
 def _keep_quantized(model: CausalLM, quantization: str) -> Callable[[str, QuantWeight], bool]:
     """Whether parameter `name`, stored pre-quantized, stays so: a quantizable linear's
     weight, the head's, or the embedding table where its scheme holds tables."""
-    linears = {f"{n}.{c}.weight" for n, m in model.named_modules()
-               for c in model.quantizable if isinstance(getattr(m, c, None), nn.Module)}
+    linears = {f"{path}.weight" for path, *_ in model.quantizable_linears()}
 
     def keep(name: str, qw: QuantWeight) -> bool:
         if quantization == "none":

@@ -93,13 +93,13 @@ class CausalLM(nn.Module):
         return build_cos_sin_cache(c.head_dim, c.max_model_len + 1, c.rope_theta, c.rope_scaling, device)
 
     # -- what the engine asks --------------------------------------------------------------
-    def quantizable_linears(self) -> Iterator[tuple[nn.Module, str, nn.Module]]:
-        """(parent, name, module) of each decoder linear a scheme may hold: attention, dense
-        MLPs and shared experts (`quantizable`)."""
-        for parent in self.layers.modules():
+    def quantizable_linears(self) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
+        """(path, parent, name, module) of each decoder linear a scheme may hold: attention,
+        dense MLPs and shared experts (`quantizable`)."""
+        for prefix, parent in self.layers.named_modules(prefix="layers"):
             for name in self.quantizable:
                 if isinstance(child := getattr(parent, name, None), nn.Module):
-                    yield parent, name, child
+                    yield f"{prefix}.{name}", parent, name, child
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [m for m in self.layers.modules() if isinstance(m, SparseMoeBlock)]

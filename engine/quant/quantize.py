@@ -34,7 +34,7 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     backend = model.backend
     if HEAD is not None:
         _quantize_head(model, backend)
-    for parent, name, lin in model.quantizable_linears():
+    for _, parent, name, lin in model.quantizable_linears():
         if isinstance(lin, nn.Linear):
             setattr(parent, name, QuantLinear.quantize(
                 method, lin.weight.data, None if lin.bias is None else lin.bias.data, backend=backend))
