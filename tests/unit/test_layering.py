@@ -127,6 +127,11 @@ def test_the_registries_and_configs_never_import_torch():
             "assert SUPPORTED_ARCHITECTURES and QUANTIZATIONS; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')); "
             "assert not bad, bad[:5]")
+    _python_passes(code)
+
+
+def _python_passes(code: str) -> None:
+    """`code` run in a fresh interpreter (nothing imported yet) exits 0."""
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -137,9 +142,7 @@ def test_the_gateway_process_never_imports_torch():
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'triton', 'kvtransfer', 'prefill_worker', 'decode_worker')); "
             "assert not bad, bad[:5]")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _python_passes(code)
 
 
 def test_the_table_is_not_vacuous():
