@@ -210,6 +210,14 @@ def compare(want: dict, got: dict, near_tie: float, atol: float) -> list[str]:
     return bad
 
 
+def dumps(rec: dict[str, dict]) -> str:
+    """The recording as JSON, one case a line (a diff then names the cases that changed)."""
+    caps = [f'{json.dumps(cap)}: {{\n' + ",\n".join(f"{json.dumps(name)}: {json.dumps(r, sort_keys=True)}"
+                                                   for name, r in sorted(cases.items())) + "\n}"
+            for cap, cases in sorted(rec.items())]
+    return "{\n" + ",\n".join(caps) + "\n}\n"
+
+
 def recorded() -> dict[str, dict]:
     return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
 
@@ -259,5 +267,5 @@ if __name__ == "__main__":
         sys.exit(0)
     rec[capability()] = got
     GOLDEN.parent.mkdir(exist_ok=True)
-    GOLDEN.write_text(json.dumps(rec, indent=0, sort_keys=True) + "\n")
+    GOLDEN.write_text(dumps(rec))
     print(f"wrote {GOLDEN} ({capability()})")
