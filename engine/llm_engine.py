@@ -100,6 +100,7 @@ class LLMEngine:
             kv_connector.register_kv_caches(self.kv_cache, mc.name, self.kv_scales)
         self.step_observers = list(step_observers)
         self.speculator = self._speculator()
+        self.spec_stats = self.speculator.stats if self.speculator is not None else SpecStats()
         # the last step scheduled nothing (every waiting request lacks blocks or a slot):
         # until a command frees blocks or adds work, another step would do nothing either
         self.stalled = False
@@ -120,10 +121,6 @@ class LLMEngine:
                                  f"{draft.config.model.vocab_size}, the target's is {mc.vocab_size}")
             draft = DraftProposer(draft)
         return Speculator(sc, mc.max_model_len, draft)
-
-    @property
-    def spec_stats(self) -> SpecStats:
-        return self.speculator.stats if self.speculator is not None else SpecStats()
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, options: EngineOptions | None = None, *,
@@ -270,11 +267,14 @@ class LLMEngine:
 
     def _emit(self, req: Request, sampled, i: int) -> RequestOutput:
         """Row i of a sampler result appended to `req`; the request finished where it ends."""
-        top = sampled.top_logprobs[i] if sampled.top_logprobs else None
-        out = self._append_token(req, sampled.token_ids[i], sampled.logprobs[i], top)
+        out = self._append_sampled(req, sampled, i)
         if req.is_finished:
             self._finish(req)
         return out
+
+    def _append_sampled(self, req: Request, sampled, i: int) -> RequestOutput:
+        top = sampled.top_logprobs[i] if sampled.top_logprobs else None
+        return self._append_token(req, sampled.token_ids[i], sampled.logprobs[i], top)
 
     def _verify(self, s: ScheduledRequest, logits: torch.Tensor) -> RequestOutput:
         """Emit the accepted prefix of the proposal plus one corrected (or bonus) token, each
@@ -284,8 +284,7 @@ class LLMEngine:
         def emit(i: int, draft: int | None):
             allowed = self.structured.token_mask([req.request_id], logits.shape[1])
             sampled, ok = self.verifier.verify(logits[i:i + 1], req, allowed, draft)
-            top = sampled.top_logprobs[0] if sampled.top_logprobs else None
-            return sampled.token_ids[0], ok, self._append_token(req, sampled.token_ids[0], sampled.logprobs[0], top)
+            return sampled.token_ids[0], ok, self._append_sampled(req, sampled, 0)
         new, accepted, out = self.speculator.verify(req, s.spec_token_ids, emit)
         if req.is_finished:
             self._finish(req)
