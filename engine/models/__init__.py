@@ -5,7 +5,7 @@ a family's module, which imports torch, is loaded on first use).
                   MLP, DecoderLayer, AttentionMetadata
     moe.py        the MoE block (router, experts, Qwen2-MoE's shared expert), expert stacking
     base.py       CausalLM: the decoder and the hooks a family overrides (config fields,
-                  MLP/layer, checkpoint names, fused shards)
+                  MLP/layer, checkpoint names, fused and stacked shards)
     llama.py      Llama 2/3, Mistral, Qwen2, Qwen3
     mixtral.py    Mixtral
     qwen_moe.py   Qwen2-MoE, Qwen3-MoE

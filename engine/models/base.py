@@ -4,7 +4,8 @@
 
 A family (llama.py, mixtral.py, qwen_moe.py) subclasses it and says what differs: its
 config.json fields (`config_fields`), its MLP or layer, and how its checkpoint names map onto
-the parameters (`checkpoint_name`, `assemble`: nano-vllm's packed_modules_mapping). The
+the parameters (`checkpoint_name`: nano-vllm's packed_modules_mapping; `assemble` builds the
+fused and stacked parameters from the shards that names). The
 loader asks these; it knows no architecture.
 
 `backend` (auto | torch | triton | cpu) is the kernel backend every block hands to the ops
@@ -24,7 +25,7 @@ from engine.config import ModelConfig, check_kernel_backend
 from engine.kernels.rope import build_cos_sin_cache
 
 from .layers import MLP, AttentionMetadata, DecoderLayer, RMSNorm
-from .moe import SparseMoeBlock
+from .moe import SparseMoeBlock, stack_experts
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,11 @@ class CausalLM(nn.Module):
         return name, None
 
     def assemble(self, name: str, shards: dict):
-        """Parameter `name` from its checkpoint shards {shard: tensor or QuantWeight}: the
-        fused rows in order; parts stored in different layouts are dequantized (the fused
-        layer is then float)."""
+        """Parameter `name` from its checkpoint shards {shard: tensor or QuantWeight}: an MoE
+        block's experts stacked ((expert, part) shards: moe.stack_experts); else the fused rows
+        in order, parts stored in different layouts dequantized (the fused layer is then float)."""
+        if ".experts." in name:
+            return stack_experts(name, shards, self.config.moe.num_experts)
         fused = name.split(".")[-2]
         n = sum(1 for f, _ in self.packed_modules.values() if f == fused)
         if len(shards) != n:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from engine.config import ModelConfig, MoeConfig
 
 from .base import CausalLM
-from .moe import SparseMoeBlock, expert_names, stack_experts
+from .moe import SparseMoeBlock, expert_names
 
 _EXPERT = expert_names("block_sparse_moe", {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
                                             "w2": ("down_proj", 0)})
@@ -31,8 +31,3 @@ class MixtralForCausalLM(CausalLM):
         if (expert := _EXPERT(name)) is not None:
             return expert
         return super().checkpoint_name(name.replace(".block_sparse_moe.gate.", ".mlp.gate."))
-
-    def assemble(self, name: str, shards: dict):
-        if ".experts." in name:
-            return stack_experts(name, shards, self.config.moe.num_experts)
-        return super().assemble(name, shards)

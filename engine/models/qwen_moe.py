@@ -8,7 +8,7 @@ from engine.config import ModelConfig, MoeConfig
 
 from .base import CausalLM
 from .layers import MLP
-from .moe import SparseMoeBlock, expert_names, stack_experts
+from .moe import SparseMoeBlock, expert_names
 
 _EXPERT = expert_names("mlp", {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                                "down_proj": ("down_proj", 0)})
@@ -38,8 +38,3 @@ class QwenMoeForCausalLM(CausalLM):
 
     def checkpoint_name(self, name: str):
         return _EXPERT(name) or super().checkpoint_name(name)
-
-    def assemble(self, name: str, shards: dict):
-        if ".experts." in name:
-            return stack_experts(name, shards, self.config.moe.num_experts)
-        return super().assemble(name, shards)
