@@ -22,7 +22,7 @@ import importlib
 
 import torch
 
-from . import cpu, reference
+from . import cpu, packing, reference
 from .rope import build_cos_sin_cache
 
 __all__ = ["use_triton", "write_kv_cache", "paged_prefill_attention", "paged_decode_attention",
@@ -247,11 +247,11 @@ def int8g32_linear(x, q, scale, *, backend: str = "auto"):
 def int8g32_split_linear(x, split, scale, *, backend: str = "auto"):
     """int8 codes held nibble-split (packing.py: [N, 2K/2] bytes) with float16 scales
     [N, K/32]: the Triton int4 kernel on [x, x], else the reference."""
-    from .packing import nibble_join, split_scales, unpack_int4
     if _small(x, backend):
         return _triton_op("quant_matmul", "int4_matmul")(torch.cat((x, x), dim=1), split,
-                                                         *split_scales(scale), 32)
-    return reference.dequantized_linear(x, reference.dequantize_int8(nibble_join(unpack_int4(split)), scale, 32))
+                                                         *packing.split_scales(scale), 32)
+    codes = packing.nibble_join(packing.unpack_int4(split))
+    return reference.dequantized_linear(x, reference.dequantize_int8(codes, scale, 32))
 
 
 def int8_groupmajor_linear(x, q, scale, group_scales=None):

@@ -10,6 +10,7 @@ business (`gguf_types`, `hf_weight`, `reads_compressed_tensors`); this module as
 """
 from __future__ import annotations
 
+from functools import cache
 from typing import Callable, Iterator
 
 import torch
@@ -18,6 +19,7 @@ from . import all_schemes
 from .scheme import QuantWeight
 
 
+@cache
 def gguf_kept() -> dict[str, object]:
     """GGUF tensor type name -> the scheme that keeps it quantized."""
     return {t: s for s in all_schemes() for t in s.gguf_types}
