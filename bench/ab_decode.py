@@ -7,8 +7,8 @@ own, started in that checkout (its own `engine` package first on the path), with
 model and one torch thread. The processes load every variant (quantization:kernel backend),
 then take turns, one measurement each per round, so a change in the machine's load (this
 VM's two vCPUs are not independent) hits both alike; the table reports medians and B/A.
-Decode tok/s is measured as bench/quant.py does: first to last generated token, greedy,
-`--tokens` tokens after a 32-token prompt. Without --model: the default real model
+Decode tok/s is measured as bench/quant.py does (each checkout's pdserve.eval._decode_tok_s:
+first to last generated token, greedy, `--tokens` tokens after a 32-token prompt). Without --model: the default real model
 (SmolLM2-135M-Instruct Q4_1 GGUF, fetched as `pdserve up` does).
 """
 from __future__ import annotations
@@ -22,10 +22,11 @@ import sys
 from pathlib import Path
 
 WORKER = r'''
-import json, sys, time
+import json, sys
 import torch
 torch.set_num_threads(1)
 from engine import LLM, SamplingParams
+from pdserve.eval import _decode_tok_s      # each checkout's own, the measurement bench/quant.py makes
 model, variants, tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 llms = {}
 for v in variants:
@@ -34,19 +35,8 @@ for v in variants:
     llms[v].generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4))   # warm-up
 print(json.dumps({v: l.engine.model.backend for v, l in llms.items()}), flush=True)
 
-def decode(llm):
-    eng = llm.engine
-    eng.add_request(f"ab-{time.monotonic_ns()}", list(range(5, 37)),
-                    SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
-    first = None
-    while eng.has_unfinished_requests():
-        for _ in eng.step():
-            if first is None:
-                first = time.perf_counter()
-    return (tokens - 1) / (time.perf_counter() - first)
-
 for line in sys.stdin:
-    print(json.dumps(decode(llms[line.strip()])), flush=True)
+    print(json.dumps(_decode_tok_s(llms[line.strip()], list(range(5, 37)), tokens)), flush=True)
 '''
 
 

@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engine.llm_engine as llm_engine  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
-from engine.kernels import build_cos_sin_cache  # noqa: E402
 from engine.models import build  # noqa: E402
 from engine.models.base import CausalLM  # noqa: E402
 
@@ -66,8 +65,7 @@ def random_model(cfg: ModelConfig, dtype, device, backend="auto") -> CausalLM:
     with torch.no_grad():
         for name, p in m.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
-    m.cos_sin = build_cos_sin_cache(cfg.head_dim, cfg.max_model_len + 1, cfg.rope_theta,
-                                    cfg.rope_scaling, device)
+    m.cos_sin = m.rotary_table(device)
     return m.eval().requires_grad_(False)
 
 
