@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import AsyncIterator
 
 import grpc
@@ -98,9 +98,10 @@ class Segment:
         its default but the metadata. Only once cleanup() detached both workers."""
         if self.decode is not None or self.prefill is not None:
             raise RuntimeError(f"segment {self.rid} retried while a worker holds it")
+        for f in fields(self):
+            if f.name not in ("rid", "metadata"):
+                setattr(self, f.name, f.default)
         self.rid = f"{self.rid}#r{attempt}"
-        self.decode_call = self.prefill_call = self.submit_task = None
-        self.decode_done, self.lost, self.prefill_lost = False, "", ""
 
     def cut(self, worker: Worker, reason: str) -> None:
         """`worker` is lost. The decode worker: cancel every open call of this segment
