@@ -74,6 +74,14 @@ class ModelConfig:
     name: str = ""
     moe: MoeConfig | None = None
     sliding_window: int | None = None     # tokens each one attends to (None: all)
+    # per layer "full_attention" | "sliding_attention" (config.json's layer_types; None: every
+    # layer the same, windowed when sliding_window is set)
+    layer_types: list[str] | None = None
+    rotary_dim: int | None = None         # rotary on the first rotary_dim of each head (None: all)
+    hidden_act: str = "silu"              # the gated MLP's activation
+    attention_sinks: bool = False         # a learned per-head logit in every softmax (GPT-OSS)
+    mla: object | None = None             # multi-head latent attention (models/deepseek.py's MlaConfig)
+    extra: dict = field(default_factory=dict)   # a family's own scalars, read in its config_fields
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and i in self.moe.sparse_layers
