@@ -51,6 +51,23 @@ class MoeConfig:
 
 
 @dataclass
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2; engine/models/deepseek.py): the
+    query through an optional low-rank pair, keys and values from one shared latent of
+    `kv_lora_rank` values per token plus a `qk_rope_head_dim` rotary key, which is all the KV
+    cache stores: kv_lora_rank + qk_rope_head_dim values per token and layer."""
+    q_lora_rank: int | None           # None: a full-rank q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int             # each head's query/key dims without rotary
+    qk_rope_head_dim: int             # ... and with (shared by every head on the key side)
+    v_head_dim: int
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass
 class ModelConfig:
     model_dir: str
     architecture: str
@@ -80,11 +97,26 @@ class ModelConfig:
     rotary_dim: int | None = None         # rotary on the first rotary_dim of each head (None: all)
     hidden_act: str = "silu"              # the gated MLP's activation
     attention_sinks: bool = False         # a learned per-head logit in every softmax (GPT-OSS)
-    mla: object | None = None             # multi-head latent attention (models/deepseek.py's MlaConfig)
+    mla: MlaConfig | None = None          # multi-head latent attention (DeepSeek-V3)
     extra: dict = field(default_factory=dict)   # a family's own scalars, read in its config_fields
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and i in self.moe.sparse_layers
+
+    def kv_block_shape(self) -> tuple[int, int, int]:
+        """What one cached token of one layer holds, as (parts, heads, dim): K and V per KV
+        head (2, num_kv_heads, head_dim), or MLA's one latent row (1, 1, latent_dim). The
+        cache is [layers, parts, blocks, block_size, heads, dim] (engine/runner.py)."""
+        if self.mla is not None:
+            return 1, 1, self.mla.latent_dim
+        return 2, self.num_kv_heads, self.head_dim
+
+    def kv_layout(self) -> str:
+        """The cache layout by name, for the KV handshake (kvtransfer.wire.CompatKey): two
+        workers exchange blocks only when theirs are equal."""
+        if self.mla is not None:
+            return f"mla(kv_lora_rank={self.mla.kv_lora_rank}, rope_dim={self.mla.qk_rope_head_dim})"
+        return f"gqa(kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, max_model_len: int | None = None) -> "ModelConfig":

@@ -35,8 +35,8 @@ def kv_cache_blocks(config) -> int:
     gpu_memory_utilization of the device memory free now that the weights are loaded; never
     more than max_num_seqs full contexts."""
     mc, cc = config.model, config.cache
-    per_block = (mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim
-                 * config.kv_torch_dtype.itemsize)
+    parts, heads, dim = mc.kv_block_shape()
+    per_block = mc.num_layers * parts * cc.block_size * heads * dim * config.kv_torch_dtype.itemsize
     if cc.gpu_memory_utilization:
         budget = kv_cache_bytes(config.device, cc.gpu_memory_utilization)
         source = f"{cc.gpu_memory_utilization:.0%} of the free device memory"

@@ -46,13 +46,16 @@ class ModelRunner:
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         self.num_blocks = num_blocks
-        # [layers, K|V, blocks, block_size, kv heads, head_dim]; zeros are lazily committed
+        # [layers, K|V, blocks, block_size, kv heads, head_dim], or MLA's one latent part
+        # [layers, 1, blocks, block_size, 1, latent] (ModelConfig.kv_block_shape); zeros
+        # are lazily committed
         kv_dtype = kv_dtype or dtype
-        self.kv_cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads,
-                                    c.head_dim, dtype=kv_dtype, device=device)
-        # [layers, K|V, blocks, kv heads] fp32, written with the blocks (kernels/reference.py)
+        parts, heads, dim = c.kv_block_shape()
+        self.kv_cache = torch.zeros(c.num_layers, parts, num_blocks, block_size, heads, dim,
+                                    dtype=kv_dtype, device=device)
+        # [layers, parts, blocks, heads] fp32, written with the blocks (kernels/reference.py)
         self.kv_scales = None if kv_dtype.is_floating_point and kv_dtype.itemsize > 1 else \
-            torch.zeros(c.num_layers, 2, num_blocks, c.num_kv_heads, device=device)
+            torch.zeros(c.num_layers, parts, num_blocks, heads, device=device)
         model.bind_kv_cache(self.kv_cache, self.kv_scales)
         if decode_graphs is None:   # the 8-bit cache's write path and quantized experts sync
             decode_graphs = (torch.device(device).type == "cuda" and model.backend != "torch"

@@ -96,6 +96,18 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                                                        context_lens, scale, k_scales, v_scales))
 
 
+def write_latent_cache(latent, cache, slot_mapping, *, backend: str = "auto") -> None:
+    """MLA: latent rows [T, D] into cache [num_blocks, block_size, D] (slot < 0: skipped)."""
+    reference.write_latent_cache(latent, cache, slot_mapping)
+
+
+def paged_mla_decode_attention(q, kv_cache, block_tables, context_lens, scale, v_dim, *,
+                               backend: str = "auto"):
+    """MLA decode in the latent space: q [B, H, D] against every head's shared cached rows
+    kv_cache [num_blocks, block_size, D] -> [B, H, v_dim] (reference.py)."""
+    return reference.paged_mla_decode_attention(q, kv_cache, block_tables, context_lens, scale, v_dim)
+
+
 def rms_norm(x, weight, eps, residual=None, *, out=None, residual_out=None, out_dtype=None,
              backend: str = "auto"):
     """`out_dtype`: as in paged_decode_attention."""

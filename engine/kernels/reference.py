@@ -160,6 +160,40 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.to(q.dtype)
 
 
+def write_latent_cache(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """MLA's cache write: latent rows [T, D] (the normalised compressed KV, then the rotated
+    rotary key) into their slots of cache [num_blocks, block_size, D]; slot < 0: skipped."""
+    nb, bs, d = cache.shape
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        latent, slots = latent[slots >= 0], slots[slots >= 0]
+    cache.view(nb * bs, d).index_copy_(0, slots, latent.to(cache.dtype))
+
+
+def paged_mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                               context_lens: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
+    """Multi-head latent attention for one query token per sequence, in the latent space (the
+    weight-absorbed form): every head attends the same cached rows. q [B, H, D] (each head's
+    query already multiplied into the latent, then its rotary part), kv_cache [num_blocks,
+    block_size, D] -> [B, H, v_dim]: softmax(q . rows * scale) @ rows[:, :v_dim], fp32."""
+    B, H, D = q.shape
+    bs = kv_cache.shape[1]
+    lens = context_lens.tolist()
+    L = max(lens)
+    nblk = (L + bs - 1) // bs
+    if nblk == 0:
+        return q.new_zeros(B, H, v_dim)
+    rows = kv_cache[block_tables[:, :nblk].long()].flatten(1, 2)[:, :L].float()   # [B, L, D]
+    s = torch.matmul(q.float(), rows.transpose(1, 2)).mul_(scale)                 # [B, H, L]
+    if min(lens) < L:
+        valid = torch.arange(L, device=q.device) < context_lens.unsqueeze(1)
+        s.masked_fill_(~valid[:, None, :], float("-inf"))
+    out = torch.matmul(s.softmax(-1), rows[..., :v_dim])
+    if min(lens) == 0:
+        out[context_lens == 0] = 0.0                              # padding rows (CUDA graphs)
+    return out.to(q.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
     """RMSNorm in fp32, as Hugging Face Llama computes it. With `residual`, first adds it and

@@ -117,8 +117,9 @@ class CausalLM(nn.Module):
         set_backend(self, backend)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
-        """kv_cache: [num_layers, 2, num_blocks, block_size, nkv, hd]; kv_scales [num_layers,
-        2, num_blocks, nkv] fp32 when the cache is 8-bit; each layer keeps views.
+        """kv_cache: [num_layers, parts, num_blocks, block_size, heads, dim] (parts: K and V,
+        or MLA's one latent); kv_scales [num_layers, parts, num_blocks, heads] fp32 when the
+        cache is 8-bit; each layer keeps views.
         Here the backend is settled: on CPU, "auto" becomes "cpu" (the C kernels) for a
         float32 model and cache where they build; "cpu" asked for elsewhere is a ValueError."""
         asked = self.backend
@@ -131,9 +132,8 @@ class CausalLM(nn.Module):
             self.set_backend("cpu")
         log.info("kernel backend %s (asked: %s)", self.backend if self.backend != "auto" else
                  ("triton" if kv_cache.is_cuda else "torch"), asked)
-        for i, layer in enumerate(self.layers):
-            scales = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
-            layer.self_attn.bind_kv_cache(kv_cache[i, 0], kv_cache[i, 1], *scales)
+        for i, layer in enumerate(self.layers):    # K, V[, their scales]; MLA: latent[, scales]
+            layer.self_attn.bind_kv_cache(*kv_cache[i], *(() if kv_scales is None else kv_scales[i]))
 
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
