@@ -31,11 +31,12 @@ from .scheduler import SchedulerOutput
 class KVConnector(abc.ABC):
     @abc.abstractmethod
     def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str,
-                           kv_scales: torch.Tensor | None = None) -> None:
+                           kv_scales: torch.Tensor | None = None, layout: str = "") -> None:
         """Called once, from LLMEngine.__init__, when the cache exists:
-        kv_cache [layers, K|V, blocks, block_size, kv heads, head_dim]; `model_name` names
-        the model in compatibility keys; `kv_scales` [layers, K|V, blocks, kv heads] fp32 are
-        an 8-bit cache's scales, which travel with their blocks."""
+        kv_cache [layers, parts, blocks, block_size, heads, dim] (K and V per KV head, or
+        MLA's one latent); `model_name` names the model in compatibility keys; `kv_scales`
+        [layers, parts, blocks, heads] fp32 are an 8-bit cache's scales, which travel with
+        their blocks; `layout` names the layout (ModelConfig.kv_layout)."""
 
     @abc.abstractmethod
     def save_kv_layer(self, layer: int, scheduler_output: SchedulerOutput) -> None:

@@ -97,7 +97,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.kv_connector = kv_connector
         if kv_connector is not None:
-            kv_connector.register_kv_caches(self.kv_cache, mc.name, self.kv_scales)
+            kv_connector.register_kv_caches(self.kv_cache, mc.name, self.kv_scales, mc.kv_layout())
         self.step_observers = list(step_observers)
         self.speculator = self._speculator()
         self.spec_stats = self.speculator.stats if self.speculator is not None else SpecStats()

@@ -122,7 +122,7 @@ class KVReceiver:
                  expiry_s: float = 30.0, *, reap_interval_s: float = 0.05, keep_finished: int = 10_000,
                  staging: str = "host", kv_scales: torch.Tensor | None = None):
         """`kv_scales`: the scales of an 8-bit cache, written with their blocks."""
-        CompatKey.from_cache(kv_cache, compat.model, kv_scales).check(compat, "kv_cache", "compat")
+        CompatKey.from_cache(kv_cache, compat.model, kv_scales, compat.layout).check(compat, "kv_cache", "compat")
         self.kv_cache, self.kv_scales = kv_cache, kv_scales
         self.compat = compat
         self.transport = transport

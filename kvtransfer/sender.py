@@ -157,7 +157,7 @@ class KVSender:
                  kv_scales: torch.Tensor | None = None, send_timeout_s: float = 10.0,
                  max_queued_bytes: int = 1 << 30):
         """`kv_scales`: the scales of an 8-bit cache; they travel with their blocks."""
-        CompatKey.from_cache(kv_cache, compat.model, kv_scales).check(compat, "kv_cache", "compat")
+        CompatKey.from_cache(kv_cache, compat.model, kv_scales, compat.layout).check(compat, "kv_cache", "compat")
         self.kv_cache, self.kv_scales = kv_cache, kv_scales
         self.compat = compat
         self.transport = transport

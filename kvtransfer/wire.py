@@ -79,16 +79,22 @@ class CompatKey:
     head_dim: int
     protocol_version: int = PROTOCOL_VERSION
     kv_scales: str = "none"  # "none" | "block_head_fp32": a scale per block, K|V and KV head
+    # the cache layout by name (engine.config.ModelConfig.kv_layout): "gqa(kv_heads=8, ..)"
+    # or "mla(kv_lora_rank=512, rope_dim=64)"; equal shapes of different layouts never mix
+    layout: str = ""
 
     @classmethod
     def from_cache(cls, kv_cache: torch.Tensor, model: str,
-                   kv_scales: torch.Tensor | None = None) -> "CompatKey":
-        """Derive the key from an engine cache [layers, 2, blocks, block_size, kv_heads, head_dim]
-        and, for an 8-bit cache, its scales [layers, 2, blocks, kv_heads] fp32."""
+                   kv_scales: torch.Tensor | None = None, layout: str = "") -> "CompatKey":
+        """Derive the key from an engine cache [layers, parts, blocks, block_size, heads, dim]
+        (parts: 2 for K and V, 1 for MLA's latent) and, for an 8-bit cache, its scales
+        [layers, parts, blocks, heads] fp32; `layout` names the layout (default: from the
+        shape, "gqa(..)" for two parts, "latent(dim=..)" for one)."""
         check_cache_shape(kv_cache, kv_scales)
-        layers, _, _, bs, heads, dim = kv_cache.shape
+        layers, parts, _, bs, heads, dim = kv_cache.shape
+        layout = layout or (f"gqa(kv_heads={heads}, head_dim={dim})" if parts == 2 else f"latent(dim={dim})")
         return cls(model, str(kv_cache.dtype).removeprefix("torch."), bs, layers, heads, dim,
-                   kv_scales="none" if kv_scales is None else SCALE_LAYOUT)
+                   kv_scales="none" if kv_scales is None else SCALE_LAYOUT, layout=layout)
 
     def check(self, other: "CompatKey", mine: str = "local", theirs: str = "remote") -> None:
         """Raise IncompatibleKV naming every differing field and both sides' values."""
@@ -153,9 +159,9 @@ SCALE_LAYOUT = "block_head_fp32"
 
 
 def check_cache_shape(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
-    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
-        raise ValueError("kv_cache must have shape [num_layers, 2, num_blocks, block_size, "
-                         f"num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    if kv_cache.dim() != 6 or kv_cache.shape[1] not in (1, 2):
+        raise ValueError("kv_cache must have shape [num_layers, 2 (K, V) or 1 (a latent), "
+                         f"num_blocks, block_size, heads, dim], got {tuple(kv_cache.shape)}")
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
     eight_bit = kv_cache.element_size() == 1
@@ -215,9 +221,10 @@ def ids_bytes(num_blocks: int) -> int:
 
 
 def block_bytes(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> int:
-    """Bytes of one block of one layer, K and V together (with their scales, if any)."""
-    _, _, _, bs, heads, dim = kv_cache.shape
-    return 2 * bs * heads * dim * kv_cache.element_size() + (0 if kv_scales is None else 2 * heads * 4)
+    """Bytes of one block of one layer, every part (K and V, or the latent) together, with
+    their scales if any."""
+    _, parts, _, bs, heads, dim = kv_cache.shape
+    return parts * (bs * heads * dim * kv_cache.element_size() + (0 if kv_scales is None else heads * 4))
 
 
 def layer_body_bytes(kv_cache: torch.Tensor, num_blocks: int,
@@ -227,11 +234,11 @@ def layer_body_bytes(kv_cache: torch.Tensor, num_blocks: int,
 
 def payload_views(body: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
                   n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The KV [2, n, bs, heads, dim] and scales [2, n, heads] (or None) parts of a LAYER body."""
-    _, _, _, bs, heads, dim = kv_cache.shape
+    """The KV [parts, n, bs, heads, dim] and scales [parts, n, heads] (or None) of a LAYER body."""
+    _, parts, _, bs, heads, dim = kv_cache.shape
     off = ids_bytes(n)
-    kv_end = off + n * 2 * bs * heads * dim * kv_cache.element_size()
-    kv = body[off:kv_end].view(kv_cache.dtype).view(2, n, bs, heads, dim)
+    kv_end = off + n * parts * bs * heads * dim * kv_cache.element_size()
+    kv = body[off:kv_end].view(kv_cache.dtype).view(parts, n, bs, heads, dim)
     if kv_scales is None:
         return kv, None
-    return kv, body[kv_end:kv_end + n * 2 * heads * 4].view(torch.float32).view(2, n, heads)
+    return kv, body[kv_end:kv_end + n * parts * heads * 4].view(torch.float32).view(parts, n, heads)

@@ -93,8 +93,8 @@ class KVPush(KVConnector):
 
     # -------------------------------------------------------------- engine thread
     def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str,
-                           kv_scales: torch.Tensor | None = None) -> None:
-        self.sender = KVSender(kv_cache, CompatKey.from_cache(kv_cache, model_name, kv_scales),
+                           kv_scales: torch.Tensor | None = None, layout: str = "") -> None:
+        self.sender = KVSender(kv_cache, CompatKey.from_cache(kv_cache, model_name, kv_scales, layout),
                                self.transport, connect_timeout_s=self.connect_timeout_s,
                                staging=self.staging, kv_scales=kv_scales)
 

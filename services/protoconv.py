@@ -130,10 +130,10 @@ def compat_to_proto(c: "CompatKey") -> common_pb2.KvCompat:
     return common_pb2.KvCompat(model=c.model, dtype=c.dtype, block_size=c.block_size,
                                num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                                head_dim=c.head_dim, protocol_version=c.protocol_version,
-                               kv_scales=c.kv_scales)
+                               kv_scales=c.kv_scales, layout=c.layout)
 
 
 def compat_from_proto(m: common_pb2.KvCompat) -> "CompatKey":
     from kvtransfer.wire import CompatKey    # torch: only the workers call this
     return CompatKey(m.model, m.dtype, m.block_size, m.num_layers, m.num_kv_heads, m.head_dim,
-                     m.protocol_version, m.kv_scales)
+                     m.protocol_version, m.kv_scales, m.layout)

@@ -193,7 +193,8 @@ def new_request_params(request, in_flight) -> SamplingParams:
 
 def model_compat(engine) -> CompatKey:
     """This engine's compatibility key: the model is named by its directory's name."""
-    return CompatKey.from_cache(engine.kv_cache, engine.config.model.name, engine.kv_scales)
+    return CompatKey.from_cache(engine.kv_cache, engine.config.model.name, engine.kv_scales,
+                                engine.config.model.kv_layout())
 
 
 # ----------------------------------------------------------------------------- skeleton

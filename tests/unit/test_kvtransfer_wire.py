@@ -37,7 +37,8 @@ def test_compat_check_names_both_sides():
 def test_compat_from_cache_and_sizes():
     cache = torch.zeros(3, 2, 10, 4, 2, 8, dtype=torch.bfloat16)
     key = CompatKey.from_cache(cache, "m")
-    assert key == CompatKey("m", "bfloat16", 4, 3, 2, 8, PROTOCOL_VERSION)
+    assert key == CompatKey("m", "bfloat16", 4, 3, 2, 8, PROTOCOL_VERSION,
+                            layout="gqa(kv_heads=2, head_dim=8)")
     assert ids_bytes(1) == 64 and ids_bytes(16) == 64 and ids_bytes(17) == 128
     assert layer_body_bytes(cache, 3) == 64 + 3 * 2 * 4 * 2 * 8 * 2
     with pytest.raises(ValueError, match="shape"):
