@@ -10,7 +10,7 @@ from tests.hf_models import COMMON
 
 # the real structure at toy sizes: low-rank q and kv, a rotary part, a dense first layer, 8
 # routed experts in 4 groups (top-2 of 2 groups), a shared expert, a routed scaling factor
-DEEPSEEK = dict(COMMON, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=48,
+DEEPSEEK = dict(COMMON, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=64,
                 kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
                 moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
                 topk_group=2, n_shared_experts=1, first_k_dense_replace=1,

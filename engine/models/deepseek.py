@@ -29,11 +29,14 @@ import torch
 from torch import nn
 
 import engine.kernels as K
-from engine.config import MlaConfig, ModelConfig
+from engine.config import MlaConfig, ModelConfig, MoeConfig
 
 from .base import CausalLM
-from .layers import AttentionMetadata, DecoderLayer, RMSNorm, input_dtype
+from .layers import MLP, AttentionMetadata, DecoderLayer, RMSNorm, input_dtype
+from .moe import SparseMoeBlock, expert_names, shared_experts_name
 
+_EXPERT = expert_names("mlp", {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                               "down_proj": ("down_proj", 0)})
 # projections whose rotary rows come interleaved in the checkpoint (rope_interleave)
 _ROPE_ROWS = ("q_proj", "q_b_proj", "kv_a_proj_with_mqa")
 
@@ -151,11 +154,32 @@ class DeepseekV3ForCausalLM(CausalLM):
                     extra=dict(rope_interleave=bool(c.get("rope_interleave", True))))
 
     @classmethod
-    def moe_config(cls, c: dict, path, dense: int):
-        layers = c["num_hidden_layers"]
-        if dense >= layers or not c.get("n_routed_experts"):
+    def moe_config(cls, c: dict, path, dense: int) -> MoeConfig | None:
+        """Routed experts after the first `dense` layers: sigmoid scores with the correction
+        bias, grouped top-k, the routed scaling factor, ungated shared experts."""
+        layers, experts = c["num_hidden_layers"], c.get("n_routed_experts") or 0
+        if dense >= layers or not experts:
             return None
-        raise ValueError(f"{path}: DeepSeek-V3's MoE layers are not supported yet")
+        if c.get("scoring_func", "sigmoid") != "sigmoid" or c.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"{path}: only DeepSeek-V3's routing (scoring_func sigmoid, topk_method "
+                             f"noaux_tc) is supported")
+        return MoeConfig.checked(
+            path, num_experts=experts, top_k=c["num_experts_per_tok"],
+            intermediate_size=c["moe_intermediate_size"], norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+            shared_intermediate_size=c["moe_intermediate_size"] * (c.get("n_shared_experts") or 0),
+            sparse_layers=list(range(dense, layers)), scoring="sigmoid", correction_bias=True,
+            n_group=c.get("n_group") or 1, topk_group=c.get("topk_group") or 1,
+            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)), shared_expert_gate=False,
+            hidden_act=c.get("hidden_act", "silu"))
+
+    def make_mlp(self, c: ModelConfig, layer: int) -> nn.Module:
+        if not c.is_moe_layer(layer):
+            return MLP(c, self.backend)
+        shared = c.moe.shared_intermediate_size
+        return SparseMoeBlock(c, self.backend, MLP(c, self.backend, shared) if shared else None)
+
+    def checkpoint_name(self, name: str):
+        return _EXPERT(name) or super().checkpoint_name(shared_experts_name(name))
 
     def make_layer(self, c: ModelConfig, layer: int) -> nn.Module:
         return DecoderLayer(c, self.backend, self.make_mlp(c, layer), MlaAttention(c, self.backend))
