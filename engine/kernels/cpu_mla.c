@@ -24,16 +24,18 @@ enum { MLA_TILE = 64 };
 #define MLA_FMA
 #endif
 
-typedef float v8u __attribute__((vector_size(32), aligned(4)));   /* 8 lanes, unaligned: loads go straight to memory */
+/* 8 lanes; aligned(4), so a v8u pointer may point anywhere in a float array and its loads and
+ * stores go straight to memory (no copies through the stack) */
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
-/* s[k] = q[k] . r for 4 query rows q[k] = q + k * D and one cache row: each load of the row
- * serves four heads, in 8 independent sums of 8 lanes (v8u below) */
 static inline float hsum8(v8u v) {
     float t[8];
     memcpy(t, &v, sizeof t);
     return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
 }
 
+/* s[k] = q[k] . r for 4 query rows q[k] = q + k * D and one cache row: each load of the row
+ * serves four heads, in 8 independent sums of 8 lanes */
 MLA_FMA static void dot4(const float *q, const float *r, int D, float *s) {
     const float *q1 = q + D, *q2 = q + 2L * D, *q3 = q + 3L * D;
     v8u s00 = {0}, s01 = {0}, s10 = {0}, s11 = {0}, s20 = {0}, s21 = {0}, s30 = {0}, s31 = {0};
@@ -52,9 +54,7 @@ MLA_FMA static void dot4(const float *q, const float *r, int D, float *s) {
 
 /* acc[k][0..V) += sum_i p[k][i] * rows[i][0..V) for 4 heads k (acc rows V apart, p rows
  * MLA_TILE apart), 16 columns at a time: each row's load serves four heads and the 4 x 16
- * sums stay in registers across the tile (GCC's vector extension: 8 lanes on any target;
- * v8u is unaligned, so loads and stores through it go straight to memory, no copies) */
-
+ * sums stay in registers across the tile */
 MLA_FMA static void axpy4(float *acc, const float *p, const float *const *rows, int n, int V) {
     v8u *a0 = (v8u *)acc, *a1 = (v8u *)(acc + V), *a2 = (v8u *)(acc + 2L * V), *a3 = (v8u *)(acc + 3L * V);
     const float *p0 = p, *p1 = p + MLA_TILE, *p2 = p + 2 * MLA_TILE, *p3 = p + 3 * MLA_TILE;

@@ -39,9 +39,10 @@ from .decode_attention import LOG2E, _num_sms, _paged_decode_reduce_kernel, auto
 _LAUNCH = dict(block_h=16, num_warps=4, num_stages=2)
 
 
-def _block_n(v_dim: int) -> int:
-    """Keys per tile: a [BLOCK_N, 512] bf16 tile is 32 KB of shared memory per stage."""
-    return 64 if v_dim <= 128 else 32
+def _block_n(block_v: int, dtype: torch.dtype) -> int:
+    """Keys per tile: as many as keep a latent tile [BLOCK_N, BLOCK_V] within 32 KB of shared
+    memory per stage (bf16 at 512: 32 keys; fp32: 16), between 16 (tl.dot) and 64."""
+    return max(16, min(64, 32768 // (block_v * dtype.itemsize)))
 
 
 @triton.jit
@@ -137,7 +138,7 @@ def paged_mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ta
         return out
     block_v = max(16, triton.next_power_of_2(v_dim))
     splits = max(1, triton.cdiv(max_context_len, partition_size))
-    common = dict(PARTITION=partition_size, BLOCK_N=min(partition_size, _block_n(v_dim)),
+    common = dict(PARTITION=partition_size, BLOCK_N=min(partition_size, _block_n(block_v, q.dtype)),
                   BLOCK_H=block_h, BLOCK_V=block_v,
                   BLOCK_R=max(16, triton.next_power_of_2(max(1, d - v_dim))),
                   PREC=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
