@@ -1,5 +1,5 @@
-/* pdserve's CPU kernels: the elementwise ops, decode attention and the int8 weight-only
- * matmuls of a float32 model, each one call instead of the dozen eager torch ops of its
+/* pdserve's CPU kernels: the elementwise ops, decode attention (per head and MLA's latent
+ * form) and the int8 weight-only matmuls of a float32 model, each one call instead of the dozen eager torch ops of its
  * reference (engine/kernels/reference.py). At decode on CPU a layer's torch calls cost more
  * than its arithmetic. The float32 and int4 matmuls stay torch's (MKL; its int4 kernel).
  *
@@ -327,3 +327,7 @@ int pd_int8g32_matmul(const void *x, int xdt, int M, int K, const int8_t *w, con
     free(xf);
     return 0;
 }
+
+/* MLA's latent-cache decode attention lives in its own file, compiled as part of this one:
+ * it uses dot, exp_nonpos and st above. */
+#include "cpu_mla.c"

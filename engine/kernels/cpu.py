@@ -1,8 +1,9 @@
-"""The C kernels of cpu.c: built once per machine with the host C compiler, loaded with ctypes.
+"""The C kernels of cpu.c (and cpu_mla.c, which it #includes): built once per machine with the
+host C compiler, loaded with ctypes.
 
 `library()` is None where they cannot be had (no compiler, not x86-64/aarch64 Linux); the
 model then runs the torch references (as it does with --kernel-backend torch). The shared
-object is cached under engine.config.cache_dir()/cpu-kernels, keyed by the source, the flags,
+object is cached under engine.config.cache_dir()/cpu-kernels, keyed by the sources, the flags,
 the compiler and the CPU's flags (-march=native code must not run on another CPU), and is
 written to a temporary name and renamed, so processes starting together never see half a file.
 
@@ -29,18 +30,21 @@ from engine.config import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu.c")
+INCLUDED = (SOURCE.with_name("cpu_mla.c"),)   # #included by cpu.c: part of the cache key
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 BUILD_TIMEOUT_S = 120
 _DTYPE = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
 _lib: ctypes.PyDLL | None | bool = False      # False: not tried yet
 
-_SCRATCH = ("pd_rms_norm", "pd_decode_attention", "pd_int8_matmul", "pd_int8g32_matmul")  # return 1: no memory
+_SCRATCH = ("pd_rms_norm", "pd_decode_attention", "pd_mla_decode_attention", "pd_int8_matmul",
+            "pd_int8g32_matmul")                  # return 1: no memory
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "pd_rms_norm": [_P, _I, _L, _P, _L, _P, _L, _P, _P, _I, _L, _I, _I, _F],
     "pd_rope_write_kv": [_P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "pd_decode_attention": [_P, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _F, _P, _I],
+    "pd_mla_decode_attention": [_P, _P, _L, _I, _I, _I, _I, _P, _I, _P, _I, _F, _P, _I],
     "pd_silu_and_mul": [_P, _I, _L, _P, _I, _L, _I, _I],
     "pd_int8_matmul": [_P, _I, _I, _I, _P, _P, _I, _P, _I],
     "pd_int8g32_matmul": [_P, _I, _I, _I, _P, _P, _I, _P],
@@ -62,7 +66,8 @@ def _build() -> ctypes.PyDLL | None:
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_id()]).encode()).hexdigest()[:16]
+        texts = [f.read_text() for f in (SOURCE, *INCLUDED)]
+        key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_id()]).encode()).hexdigest()[:16]
         cache = cache_dir() / "cpu-kernels"
         path = cache / f"pdserve_cpu_{key}.so"
         if not path.exists():
@@ -179,6 +184,36 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _f32(q, "q"), _f32(k_cache, "k_cache"), _f32(v_cache, "v_cache"), bs, Hq, Hkv, D,
         tables.data_ptr(), tables.shape[1], context_lens.contiguous().data_ptr(), B, scale,
         out.data_ptr(), _dt(out)), "decode_attention")
+    return out
+
+
+def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float, v_dim: int,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """mla_reference.paged_mla_decode_attention: q [B, H, D] float32, kv_cache [blocks, bs, D]
+    float32 (one latent row per token), int32 tables and lengths -> [B, H, v_dim] in
+    `out_dtype` (default float32). ValueError for a table entry outside the pool or a
+    context longer than its table row (the C code checks both before reading any row)."""
+    B, H, D = q.shape
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != D:
+        raise ValueError(f"kv_cache: [blocks, block_size, {D}] expected, got {tuple(kv_cache.shape)}")
+    if not 0 < v_dim <= D:
+        raise ValueError(f"v_dim {v_dim} must be in 1..{D} (the kv_lora_rank part of a row)")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise ValueError("block_tables and context_lens are int32")
+    if block_tables.shape[0] != B or tuple(context_lens.shape) != (B,):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens "
+                         f"{tuple(context_lens.shape)} need one row per request ({B})")
+    tables = block_tables.contiguous()
+    out = torch.empty(B, H, v_dim, dtype=out_dtype or torch.float32)
+    status = library().pd_mla_decode_attention(
+        _f32(q, "q"), _f32(kv_cache, "kv_cache"), kv_cache.shape[0], kv_cache.shape[1], H, D, v_dim,
+        tables.data_ptr(), tables.shape[1], context_lens.contiguous().data_ptr(), B, scale,
+        out.data_ptr(), _dt(out))
+    if status == 2:
+        raise ValueError(f"block_tables entry outside the pool of {kv_cache.shape[0]} blocks, or "
+                         f"context_lens past {tables.shape[1]} blocks of {kv_cache.shape[1]}")
+    _ok(status, "mla_decode_attention")
     return out
 
 
