@@ -1,5 +1,5 @@
 """MLA decode attention on CPU at one thread: cpu.c's kernel (cpu_mla.c) against the torch
-reference (mla_reference.py) it replaces, both measured in this run. One markdown table.
+reference (reference.py) it replaces, both measured in this run. One markdown table.
 
     python bench/mla_decode.py          # about 10 s
 
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # run from a checkout
 
 from engine.kernels import cpu  # noqa: E402
-from engine.kernels.mla_reference import paged_mla_decode_attention as reference  # noqa: E402
+from engine.kernels.reference import paged_mla_decode_attention as reference  # noqa: E402
 
 SHAPES = [  # (batch, heads, D, v_dim, context, block_size)
     (1, 16, 576, 512, 2048, 16),

@@ -102,9 +102,16 @@ def write_latent_cache(latent, cache, slot_mapping, *, backend: str = "auto") ->
 
 
 def paged_mla_decode_attention(q, kv_cache, block_tables, context_lens, scale, v_dim, *,
+                               max_context_len: int | None = None, out_dtype=None,
                                backend: str = "auto"):
     """MLA decode in the latent space: q [B, H, D] against every head's shared cached rows
-    kv_cache [num_blocks, block_size, D] -> [B, H, v_dim] (reference.py)."""
+    kv_cache [num_blocks, block_size, D] -> [B, H, v_dim] (reference.py; mla_decode.py on
+    Triton, cpu_mla.c on the C path)."""
+    if use_triton(q, backend):
+        return _triton_op("mla_decode", "paged_mla_decode_attention")(
+            q, kv_cache, block_tables, context_lens, scale, v_dim, max_context_len=max_context_len)
+    if use_cpu(backend):
+        return cpu.mla_decode_attention(q, kv_cache, block_tables, context_lens, scale, v_dim, out_dtype)
     return reference.paged_mla_decode_attention(q, kv_cache, block_tables, context_lens, scale, v_dim)
 
 

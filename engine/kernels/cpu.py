@@ -190,7 +190,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, scale: float, v_dim: int,
                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """mla_reference.paged_mla_decode_attention: q [B, H, D] float32, kv_cache [blocks, bs, D]
+    """reference.paged_mla_decode_attention: q [B, H, D] float32, kv_cache [blocks, bs, D]
     float32 (one latent row per token), int32 tables and lengths -> [B, H, v_dim] in
     `out_dtype` (default float32). ValueError for a table entry outside the pool or a
     context longer than its table row (the C code checks both before reading any row)."""

@@ -1,6 +1,6 @@
 """Paged MLA decode attention (DeepSeek-V3's weight-absorbed form), split-K, in Triton.
 
-The cache holds one latent row per token, shared by every head (mla_reference.py):
+The cache holds one latent row per token, shared by every head (reference.py):
 
     kv_cache[blk, off, :] = | c_kv: V = v_dim values | k_rope: D - V values |
                               key = the whole row, value = c_kv
@@ -115,7 +115,7 @@ def paged_mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ta
                                partition_size: int | None = None,
                                out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] (latent query, then rotary query, per head), kv_cache [blocks, bs, D] of
-    q's dtype -> [B, H, v_dim] in q's dtype (mla_reference.paged_mla_decode_attention).
+    q's dtype -> [B, H, v_dim] in q's dtype (reference.paged_mla_decode_attention).
 
     max_context_len: a host int >= every context_lens entry; it fixes the number of
     partitions. Default block_tables.shape[1] * block_size. A longer context is silently

@@ -110,7 +110,8 @@ class MlaAttention(nn.Module):
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)        # [T, H, rank]
         o_lat = K.paged_mla_decode_attention(torch.cat([q_lat, q_pe], -1), self.cache,
                                              meta.block_tables, meta.context_lens, self.scale,
-                                             self.m.kv_lora_rank, backend=self.backend)
+                                             self.m.kv_lora_rank, max_context_len=meta.max_context_len,
+                                             backend=self.backend)
         return torch.bmm(o_lat.transpose(0, 1), w_uv).transpose(0, 1)          # [T, H, v]
 
     def _prefill(self, q_nope, q_pe, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Paged MLA decode attention, the Triton kernel (mla_decode.py, under TRITON_INTERPRET=1 on
-CPU) and cpu.c's kernel, against the torch reference (mla_reference.py).
+CPU) and cpu.c's kernel, against the torch reference (reference.py).
 
 The cache is one latent row per token shared by every head; block tables are random
 permutations of the pool (kernel_testlib.paged_cache), context lengths mostly not multiples
@@ -9,7 +9,7 @@ import torch
 
 from engine.kernels import cpu as C
 from engine.kernels.mla_decode import paged_mla_decode_attention
-from engine.kernels.mla_reference import paged_mla_decode_attention as reference
+from engine.kernels.reference import paged_mla_decode_attention as reference
 from kernel_testlib import DEVICE, assert_close, fresh_generator, on_device, paged_cache, randn
 
 
