@@ -10,6 +10,7 @@ a family's module, which imports torch, is loaded on first use).
     mixtral.py    Mixtral
     qwen_moe.py   Qwen2-MoE, Qwen3-MoE
     deepseek.py   DeepSeek-V3 / R1, Kimi K2: multi-head latent attention, its MoE
+    gemma3.py     Gemma 3 (text): local (sliding) and global layers, Gemma's norms
 
 A new family: one file with a CausalLM subclass (kernels only where it needs a new op), and
 its architectures' lines in ARCHITECTURES below.
@@ -28,6 +29,7 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "qwen_moe:QwenMoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen_moe:QwenMoeForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "deepseek:DeepseekV3ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3_text", "gemma3:Gemma3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = {arch: kind for arch, (kind, _) in ARCHITECTURES.items()}
 
