@@ -134,8 +134,15 @@ class ModelConfig:
         """The cache layout by name, for the KV handshake (kvtransfer.wire.CompatKey): two
         workers exchange blocks only when theirs are equal."""
         if self.mla is not None:
-            return f"mla(kv_lora_rank={self.mla.kv_lora_rank}, rope_dim={self.mla.qk_rope_head_dim})"
-        return f"gqa(kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
+            layout = f"mla(kv_lora_rank={self.mla.kv_lora_rank}, rope_dim={self.mla.qk_rope_head_dim}"
+        else:
+            layout = f"gqa(kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        windowed = [i for i in range(self.num_layers) if self.layer_window(i) is not None]
+        if windowed:
+            which = "all layers" if len(windowed) == self.num_layers else \
+                "layers " + ",".join(map(str, windowed))
+            layout += f", window={self.sliding_window} on {which}"
+        return layout + (", sinks)" if self.attention_sinks else ")")
 
     def layer_window(self, i: int) -> int | None:
         """The keys layer i's queries see, themselves included (None: all): sliding_window on
