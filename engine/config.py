@@ -35,18 +35,37 @@ class MoeConfig:
     top_k: int
     intermediate_size: int            # of one expert
     norm_topk_prob: bool              # renormalise the top-k softmax weights to sum to 1
-    shared_intermediate_size: int     # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    shared_intermediate_size: int     # the shared expert's MLP (0: none)
     sparse_layers: list[int]          # the layers with an MoE block; the others are dense
+    # DeepSeek-V3's "noaux_tc" routing (also GLM-4.5, MiniMax-M2); the defaults are softmax
+    # top-k as Mixtral and Qwen route (engine/models/moe.py select_experts):
+    scoring: str = "softmax"          # "softmax" | "sigmoid": how router logits become scores
+    correction_bias: bool = False     # e_score_correction_bias [E]: added for the choice only
+    n_group: int = 1                  # experts split into groups (a group scores its top-2 sum)
+    topk_group: int = 1               # the best groups kept; top-k experts chosen among them
+    routed_scaling_factor: float = 1.0    # times the chosen experts' weights
+    shared_expert_gate: bool = True   # Qwen2-MoE's sigmoid gate on the shared expert (DeepSeek: none)
 
     @classmethod
     def checked(cls, path, hidden_act: str = "silu", **fields) -> "MoeConfig":
-        """The config, or a ValueError naming `path` for what the MoE block cannot run."""
+        """The config, or a ValueError naming `path` and the field for what the MoE block
+        cannot run."""
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r} in {path}: MoE experts are SiLU-gated")
         m = cls(**fields)
         if not 1 <= m.top_k <= m.num_experts:
             raise ValueError(f"num_experts_per_tok {m.top_k} must be in 1..{m.num_experts} "
                              f"(num_experts) in {path}")
+        if m.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported scoring_func {m.scoring!r} in {path}: softmax or sigmoid")
+        if m.n_group < 1 or m.num_experts % m.n_group or (m.n_group > 1 and m.num_experts // m.n_group < 2):
+            raise ValueError(f"n_group {m.n_group} in {path} must divide the {m.num_experts} experts "
+                             f"into groups of at least 2")
+        if not 1 <= m.topk_group <= m.n_group:
+            raise ValueError(f"topk_group {m.topk_group} must be in 1..{m.n_group} (n_group) in {path}")
+        if m.top_k > m.topk_group * (m.num_experts // m.n_group):
+            raise ValueError(f"num_experts_per_tok {m.top_k} in {path} exceeds the experts of "
+                             f"topk_group {m.topk_group} groups")
         return m
 
 
