@@ -172,6 +172,25 @@ def _rope(c: dict, path) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def rotary_dim_of(c: dict, path, default_factor: float = 1.0) -> int | None:
+    """The rotary dimension of a config.json `c` with partial rotary (GLM-4.5, MiniMax-M2):
+    its `rotary_dim`, else head_dim x partial_rotary_factor (under rope_parameters, as
+    transformers >= 5 writes it, or at the top level; `default_factor` where neither says,
+    the family's transformers default). None: the whole head rotates. ValueError naming the
+    field for a dimension the rotary kernels cannot take (odd, zero, above head_dim)."""
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    if c.get("rotary_dim") is not None:
+        field_, dim = "rotary_dim", c["rotary_dim"]
+    else:
+        rope = c.get("rope_parameters") or {}
+        factor = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", default_factor))
+        field_, dim = f"partial_rotary_factor {factor}", int(head_dim * factor)
+    if dim % 2 or not 0 < dim <= head_dim:
+        raise ValueError(f"{field_} in {path} gives rotary dimension {dim}: it must be even and "
+                         f"in 2..head_dim ({head_dim})")
+    return None if dim == head_dim else dim
+
+
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")    # what engine.kernels dispatches on
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")

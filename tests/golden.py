@@ -49,6 +49,9 @@ ARCHS = {
     "mixtral": dict(intermediate_size=128),
     "qwen2_moe": dict(moe_intermediate_size=128, shared_expert_intermediate_size=128),
     "qwen3_moe": dict(head_dim=64, moe_intermediate_size=128),
+    # tests/hf_models_moe2.py's kinds
+    "glm4_moe": dict(head_dim=32, moe_intermediate_size=128),
+    "minimax_m2": dict(head_dim=32, intermediate_size=128),
 }
 QUANTS = ("none", "int8", "int8_g32", "int4_g32", "int4_g128", "fp8", "fp8_tensor")
 PREQUANT = {  # file kind -> how it is written (tests/gguf_files.py, tests/prequant_files.py)
@@ -127,7 +130,8 @@ def make_float_model(arch: str, out: Path) -> Path:
     tokenizer (the GGUF writer reads it)."""
     from engine.tiny_model import make_tiny_model
     from tests.hf_models import make_hf_model
-    d = make_hf_model(arch, out / arch, **{**DIMS, **ARCHS[arch]})
+    from tests.hf_models_moe2 import KINDS as MOE2, make_moe2_model
+    d = (make_moe2_model if arch in MOE2 else make_hf_model)(arch, out / arch, **{**DIMS, **ARCHS[arch]})
     st = d / "model.safetensors"
     tensors = load_file(str(st))
     save_file(_weights({k: tuple(v.shape) for k, v in tensors.items()}, seed=1), str(st))

@@ -9,6 +9,8 @@ a family's module, which imports torch, is loaded on first use).
     llama.py      Llama 2/3, Mistral, Qwen2, Qwen3
     mixtral.py    Mixtral
     qwen_moe.py   Qwen2-MoE, Qwen3-MoE
+    glm4_moe.py   GLM-4.5 MoE (partial rotary, DeepSeek-style routing, shared experts)
+    minimax_m2.py MiniMax-M2 (q/k norm over the whole projection, sigmoid routing)
 
 A new family: one file with a CausalLM subclass (kernels only where it needs a new op), and
 its architectures' lines in ARCHITECTURES below.
@@ -26,6 +28,8 @@ ARCHITECTURES = {
     "MixtralForCausalLM": ("mixtral", "mixtral:MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "qwen_moe:QwenMoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen_moe:QwenMoeForCausalLM"),
+    "Glm4MoeForCausalLM": ("glm4_moe", "glm4_moe:Glm4MoeForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("minimax_m2", "minimax_m2:MiniMaxM2ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = {arch: kind for arch, (kind, _) in ARCHITECTURES.items()}
 

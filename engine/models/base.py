@@ -76,6 +76,11 @@ class CausalLM(nn.Module):
                 return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
         return name, None
 
+    def skips(self, name: str) -> bool:
+        """Whether the loader passes over checkpoint tensor `name` (without `model.`): tensors
+        the engine does not run, such as GLM's multi-token-prediction layers. None here."""
+        return False
+
     def assemble(self, name: str, shards: dict):
         """Parameter `name` from its checkpoint shards {shard: tensor or QuantWeight}: an MoE
         block's experts stacked ((expert, part) shards: moe.stack_experts); else the fused rows
