@@ -60,6 +60,22 @@ def test_greedy_identical_to_transformers(models, kind, backend):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_triton_kernels(models, kind):
+    """The Triton path (the fused partial rotary + cache write, the MoE kernel, norms over
+    q/k views): on CUDA where there is one, else under the interpreter (two prompts, a few
+    tokens: the interpreter is slow); chunked prefill too."""
+    d, ref = models(kind)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = LLMEngine.from_model_dir(d, device=device, dtype="float32", num_blocks=32,
+                                      kernel_backend="triton", max_num_batched_tokens=12)
+    prompts, n = _prompts()[1:3], 4
+    outs = run_staggered(engine, prompts, SamplingParams(temperature=0.0, max_tokens=n,
+                                                         ignore_eos=True, logprobs=0))
+    assert_matches(outs, [(toks[:n], lps[:n]) for toks, lps in ref[1:3]])
+    assert_no_blocks_held(engine)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_chunked_prefill(models, kind):
     d, ref = models(kind)
     engine = LLMEngine.from_model_dir(d, num_blocks=256, max_num_batched_tokens=10)
