@@ -164,7 +164,9 @@ def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cach
                               *, q_out=None, k_scales=None, v_scales=None, rows=None,
                               backend: str = "auto"):
     """rotary_embedding on q and k, then write_kv_cache of the rotated k and v: one kernel
-    on the Triton path. Returns the rotated q. With `k_scales`/`v_scales` the cache is 8-bit:
+    on the Triton path. The cos/sin table's width is the rotary dimension: a table narrower
+    than the head rotates its first values and passes the rest through (partial rotary), on
+    every backend. Returns the rotated q. With `k_scales`/`v_scales` the cache is 8-bit:
     on the Triton path the rotary kernel, then the quantized write (a kernel of its own, its
     tokens grouped by block on the host). `rows`: rope_rows(positions, cos_sin_cache) (the
     torch path; ignored by Triton)."""

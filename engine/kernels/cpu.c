@@ -112,11 +112,12 @@ int pd_rms_norm(const void *x, int xdt, long xs, const float *res, long rs, floa
 }
 
 /* Neox-style rotary on q and k, then k and v into their cache slots (slot < 0: skip).
- * cos_sin [max_pos, D] = cat(cos[:D/2], sin[:D/2]); q_out [T, Hq, D] float32; caches
- * [slots, Hkv, D] float32. out[i] = x[i] cos[i] - x[i + D/2] sin[i] for i < D/2, and
- * x[i] cos[i - D/2] + x[i - D/2] sin[i - D/2] above: the reference's products and sum. */
-static void rotate(const void *x, int dt, long off, const float *cs, int D, float *out) {
-    int d2 = D / 2;
+ * cos_sin [max_pos, R] = cat(cos[:R/2], sin[:R/2]), R <= D the rotary dimension: the first R
+ * values of a head rotate, the rest pass through (partial rotary); q_out [T, Hq, D] float32;
+ * caches [slots, Hkv, D] float32. out[i] = x[i] cos[i] - x[i + R/2] sin[i] for i < R/2, and
+ * x[i] cos[i - R/2] + x[i - R/2] sin[i - R/2] up to R: the reference's products and sum. */
+static void rotate(const void *x, int dt, long off, const float *cs, int R, int D, float *out) {
+    int d2 = R / 2;
     for (int i = 0; i < d2; i++) {
         float a = ld(x, dt, off + i), b = ld(x, dt, off + i + d2);
         float c = cs[i], s = cs[d2 + i];
@@ -124,18 +125,19 @@ static void rotate(const void *x, int dt, long off, const float *cs, int D, floa
         out[i] = p1 + p2;
         out[i + d2] = p3 + p4;
     }
+    for (int i = R; i < D; i++) out[i] = ld(x, dt, off + i);
 }
 
 void pd_rope_write_kv(const void *q, const void *k, const void *v, int qdt, int kdt, int vdt,
-                      long qs, long ks, long vs, int T, int Hq, int Hkv, int D, const int64_t *pos,
-                      const float *cos_sin, float *q_out, float *k_cache, float *v_cache,
-                      const int64_t *slots) {
+                      long qs, long ks, long vs, int T, int Hq, int Hkv, int D, int R,
+                      const int64_t *pos, const float *cos_sin, float *q_out, float *k_cache,
+                      float *v_cache, const int64_t *slots) {
     for (int t = 0; t < T; t++) {
-        const float *cs = cos_sin + pos[t] * D;
-        for (int h = 0; h < Hq; h++) rotate(q, qdt, t * qs + (long)h * D, cs, D, q_out + ((long)t * Hq + h) * D);
+        const float *cs = cos_sin + pos[t] * R;
+        for (int h = 0; h < Hq; h++) rotate(q, qdt, t * qs + (long)h * D, cs, R, D, q_out + ((long)t * Hq + h) * D);
         if (slots[t] < 0) continue;
         float *kr = k_cache + slots[t] * Hkv * D, *vr = v_cache + slots[t] * Hkv * D;
-        for (int h = 0; h < Hkv; h++) rotate(k, kdt, t * ks + (long)h * D, cs, D, kr + (long)h * D);
+        for (int h = 0; h < Hkv; h++) rotate(k, kdt, t * ks + (long)h * D, cs, R, D, kr + (long)h * D);
         for (long i = 0; i < (long)Hkv * D; i++) vr[i] = ld(v, vdt, t * vs + i);
     }
 }

@@ -41,7 +41,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     check_tensor("weight", weight, 1, FLOAT_DTYPES, x.device)
     if weight.shape[0] != n:
         raise ValueError(f"weight has {weight.shape[0]} elements, x rows have {n}")
-    x2 = x.reshape(-1, n)       # read only: a copy where its rows are strided (a per-head norm of q)
+    # x may be a per-head view into fused q/k/v rows ([T, H, N], Qwen3's and GLM's q/k norm),
+    # which no [M, N] view covers: read a copy (only out / residual_out must be views)
+    x2 = _rows("x", x if _viewable(x) else x.contiguous())
     m = x2.shape[0]
     out_dtype = torch.result_type(weight, x)
     if out is None:
@@ -62,6 +64,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                HAS_RESIDUAL=residual is not None, BLOCK=block,
                                num_warps=min(16, max(1, block // 256)))
     return out if residual is None else (out, residual_out)
+
+
+def _viewable(t: torch.Tensor) -> bool:
+    try:
+        t.view(-1, t.shape[-1])
+        return True
+    except RuntimeError:
+        return False
 
 
 def _rows(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -248,9 +248,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rope_rows(positions: torch.Tensor, cos_sin_cache: torch.Tensor):
-    """(cos, sin) [T, 1, D] fp32 of each position, for x * cos + roll(x, D/2) * sin: Neox-style
-    (rotate-half) rotation, sin negated in its first half. A forward pass gathers them once
-    and every layer reuses them."""
+    """(cos, sin) [T, 1, R] fp32 of each position, for x * cos + roll(x, R/2) * sin: Neox-style
+    (rotate-half) rotation, sin negated in its first half (R: the table's width, the rotary
+    dimension). A forward pass gathers them once and every layer reuses them."""
     d2 = cos_sin_cache.shape[-1] // 2
     cs = cos_sin_cache[positions.long()]
     cos, sin = cs[:, :d2], cs[:, d2:]
@@ -259,16 +259,19 @@ def rope_rows(positions: torch.Tensor, cos_sin_cache: torch.Tensor):
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor, rows=None):
-    """Neox-style (rotate-half) rotary embedding, as Llama/Qwen/Mistral use it.
-    q: [T, H_q, D], k: [T, H_kv, D], cos_sin_cache: [max_pos, D] = cat(cos[:D/2], sin[:D/2])
-    in fp32; `rows`: rope_rows(positions, cos_sin_cache) when the caller has them. Returns new
-    (q, k)."""
+    """Neox-style (rotate-half) rotary embedding, as Llama/Qwen/Mistral/GLM/MiniMax use it.
+    q: [T, H_q, D], k: [T, H_kv, D], cos_sin_cache: [max_pos, R] = cat(cos[:R/2], sin[:R/2])
+    in fp32, R <= D the rotary dimension: the first R values of each head are rotated (halves
+    R/2 apart), the other D - R passed through (partial rotary: GLM-4.5, MiniMax-M2);
+    `rows`: rope_rows(positions, cos_sin_cache) when the caller has them. Returns new (q, k)."""
     cos, sin = rows or rope_rows(positions, cos_sin_cache)
-    d2 = q.shape[-1] // 2
+    r = cos.shape[-1]
+    d2 = r // 2
 
     def rot(x):
-        xf = x.float()
-        return (xf * cos + xf.roll(d2, -1) * sin).to(x.dtype)
+        xf = x[..., :r].float()
+        out = (xf * cos + xf.roll(d2, -1) * sin).to(x.dtype)
+        return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), -1)
     return rot(q), rot(k)
 
 

@@ -60,8 +60,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(self.make_layer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.register_buffer("cos_sin", torch.empty(c.max_model_len + 1, c.head_dim) if meta else
-                             self.rotary_table(), persistent=False)
+        self.register_buffer("cos_sin", torch.empty(c.max_model_len + 1, c.rotary_dim or c.head_dim)
+                             if meta else self.rotary_table(), persistent=False)
 
     # -- what a family overrides ----------------------------------------------------------
     @classmethod
@@ -87,6 +87,11 @@ class CausalLM(nn.Module):
                 return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
         return name, None
 
+    def skips(self, name: str) -> bool:
+        """Whether the loader passes over checkpoint tensor `name` (without `model.`): tensors
+        the engine does not run, such as GLM's multi-token-prediction layers. None here."""
+        return False
+
     def assemble(self, name: str, shards: dict):
         """Parameter `name` from its checkpoint shards {shard: tensor or QuantWeight}: an MoE
         block's experts stacked ((expert, part) shards: moe.stack_experts); else the fused rows
@@ -103,8 +108,12 @@ class CausalLM(nn.Module):
         return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else type(parts[0]).cat(parts)
 
     def rotary_table(self, device=None) -> torch.Tensor:
+        """[max_model_len + 1, R] cos/sin of the rotary dimension R (ModelConfig.rotary_dim,
+        default head_dim): the rotary ops rotate the first R values of each head, as wide as
+        this table, and pass the rest through (partial rotary)."""
         c = self.config
-        return build_cos_sin_cache(c.head_dim, c.max_model_len + 1, c.rope_theta, c.rope_scaling, device)
+        return build_cos_sin_cache(c.rotary_dim or c.head_dim, c.max_model_len + 1, c.rope_theta,
+                                   c.rope_scaling, device)
 
     # -- what the engine asks --------------------------------------------------------------
     def quantizable_linears(self) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:

@@ -79,7 +79,10 @@ class Attention(nn.Module):
     def bind_kv_cache(self, k_cache, v_cache, k_scales=None, v_scales=None) -> None:
         self.k_cache, self.v_cache, self.k_scales, self.v_scales = k_cache, v_cache, k_scales, v_scales
 
-    def forward(self, positions, x, meta: AttentionMetadata, cos_sin, rope_rows=None):
+    def project(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, nh, hd], k and v [T, nkv, hd]: the fused projection, then
+        the per-head q/k norm where the model has one (a family with another norm overrides
+        this: minimax_m2.py)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.nh, self.hd)
@@ -87,6 +90,11 @@ class Attention(nn.Module):
         v = v.view(T, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, positions, x, meta: AttentionMetadata, cos_sin, rope_rows=None):
+        T = x.shape[0]
+        q, k, v = self.project(x)
         scales = dict(k_scales=self.k_scales, v_scales=self.v_scales, backend=self.backend)
         q = K.rotary_embedding_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
                                         meta.slot_mapping, rows=rope_rows, **scales)
