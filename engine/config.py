@@ -139,18 +139,36 @@ class ModelConfig:
 
 
 def _rope(c: dict, path) -> tuple[float, dict | None]:
-    """rope theta and scaling (None, or llama3's); transformers >= 5 writes them under
-    rope_parameters."""
+    """rope theta and scaling (None, llama3's or yarn's); transformers >= 5 writes them under
+    rope_parameters. A yarn dict comes back with its `original_max_position_embeddings` and
+    `factor` filled as transformers fills them (a top-level original_max_position_embeddings
+    wins, else max_position_embeddings; no factor: their ratio)."""
     rope = dict(c.get("rope_parameters") or {})
     theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
     scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling is not None:
         rtype = scaling.get("rope_type", scaling.get("type"))
-        if rtype not in ("default", "llama3"):
+        if rtype not in ("default", "llama3", "yarn"):
             raise ValueError(f"unsupported rope scaling {rtype!r} in {path}")
         if rtype == "default":
             scaling = None
+        elif rtype == "yarn":
+            scaling = _yarn(dict(scaling), c, path)
     return float(theta), scaling
+
+
+def _yarn(scaling: dict, c: dict, path) -> dict:
+    max_pos = c.get("max_position_embeddings", 2048)
+    if "original_max_position_embeddings" in c:
+        scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]
+    scaling.setdefault("original_max_position_embeddings", max_pos)
+    for key in ("original_max_position_embeddings", "factor"):
+        if key == "factor" and scaling.get("factor") is None:
+            scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
+        value = scaling[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"yarn rope scaling needs a positive {key} in {path}, got {value!r}")
+    return scaling
 
 
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")    # what engine.kernels dispatches on
