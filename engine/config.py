@@ -86,6 +86,30 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and i in self.moe.sparse_layers
 
+    def layer_window(self, i: int) -> int | None:
+        """The keys layer i's queries see, themselves included (None: all): sliding_window on
+        a "sliding_attention" layer, or on every layer when layer_types is None."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[i] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def check_layer_types(self, path) -> None:
+        """ValueError naming `path` unless sliding_window is None or positive and layer_types
+        None or one known type per layer."""
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window in {path} must be >= 1, got {self.sliding_window}")
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types in {path} has {len(self.layer_types)} entries for "
+                             f"{self.num_layers} layers (num_hidden_layers)")
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer_types {sorted(unknown)} in {path}: expected "
+                             f"full_attention or sliding_attention")
+
     @classmethod
     def from_dir(cls, model_dir: str | Path, max_model_len: int | None = None) -> "ModelConfig":
         """`model_dir`: a Hugging Face directory (config.json), or a GGUF file or a directory
@@ -116,8 +140,6 @@ class ModelConfig:
             raise ValueError(f"{path}: a {kind} config needs {e.args[0]!r}") from None
         heads = c["num_attention_heads"]
         max_pos = c.get("max_position_embeddings", 2048)
-        window = family.get("sliding_window")
-        limit = min(max_pos, window) if window else max_pos   # within the window, attention is full
         eos = c.get("eos_token_id")
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         theta, scaling = _rope(c, path)
@@ -130,25 +152,26 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=theta,
             rope_scaling=scaling, max_position_embeddings=max_pos,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            max_model_len=min(max_model_len or limit, limit),
+            max_model_len=min(max_model_len or max_pos, max_pos),
             bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, name=model_name(d),
             **family)
         if cfg.num_heads % cfg.num_kv_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads")
+        cfg.check_layer_types(path)
         return cfg
 
 
 def _rope(c: dict, path) -> tuple[float, dict | None]:
-    """rope theta and scaling (None, llama3's or yarn's); transformers >= 5 writes them under
-    rope_parameters. A yarn dict comes back with its `original_max_position_embeddings` and
-    `factor` filled as transformers fills them (a top-level original_max_position_embeddings
+    """rope theta and scaling (None, llama3's, linear or yarn's); transformers >= 5 writes them
+    under rope_parameters. A yarn dict comes back with its `original_max_position_embeddings`
+    and `factor` filled as transformers fills them (a top-level original_max_position_embeddings
     wins, else max_position_embeddings; no factor: their ratio)."""
     rope = dict(c.get("rope_parameters") or {})
     theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
     scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling is not None:
         rtype = scaling.get("rope_type", scaling.get("type"))
-        if rtype not in ("default", "llama3", "yarn"):
+        if rtype not in ("default", "llama3", "linear", "yarn"):
             raise ValueError(f"unsupported rope scaling {rtype!r} in {path}")
         if rtype == "default":
             scaling = None

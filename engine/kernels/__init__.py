@@ -71,29 +71,38 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scales=None, v_sca
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
                             *, max_q_len: int | None = None, out=None, k_scales=None,
-                            v_scales=None, backend: str = "auto"):
+                            v_scales=None, window: int | None = None, sinks=None,
+                            backend: str = "auto"):
+    """`window`: each query sees its last `window` positions, itself included (None: all);
+    `sinks`: [H_q] fp32 logits that join every softmax's denominator (reference.py)."""
     if use_triton(q, backend):
         return _triton_op("prefill_attention", "paged_prefill_attention")(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-            max_q_len=max_q_len, out=out, k_scales=k_scales, v_scales=v_scales)
+            max_q_len=max_q_len, out=out, k_scales=k_scales, v_scales=v_scales, window=window,
+            sinks=sinks)
     return _into(out, reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                         cu_seqlens_q, context_lens, scale,
-                                                        k_scales, v_scales))
+                                                        k_scales, v_scales, window, sinks))
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                            *, max_context_len: int | None = None, out=None, k_scales=None,
-                           v_scales=None, out_dtype=None, backend: str = "auto"):
+                           v_scales=None, window: int | None = None, sinks=None, out_dtype=None,
+                           backend: str = "auto"):
     """`out_dtype`: the dtype the caller's next op takes (the C kernels write it directly;
-    elsewhere a hint, ignored)."""
+    elsewhere a hint, ignored). `window`, `sinks`: as in paged_prefill_attention (the C
+    kernel takes both)."""
     if use_triton(q, backend):
         return _triton_op("decode_attention", "paged_decode_attention")(
             q, k_cache, v_cache, block_tables, context_lens, scale,
-            max_context_len=max_context_len, out=out, k_scales=k_scales, v_scales=v_scales)
+            max_context_len=max_context_len, out=out, k_scales=k_scales, v_scales=v_scales,
+            window=window, sinks=sinks)
     if out is None and k_scales is None and use_cpu(backend):
-        return cpu.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out_dtype)
+        return cpu.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                    out_dtype, window=window, sinks=sinks)
     return _into(out, reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                       context_lens, scale, k_scales, v_scales))
+                                                       context_lens, scale, k_scales, v_scales,
+                                                       window, sinks))
 
 
 def rms_norm(x, weight, eps, residual=None, *, out=None, residual_out=None, out_dtype=None,
@@ -162,7 +171,14 @@ def silu_and_mul(x, *, out=None, out_dtype=None, backend: str = "auto"):
     return _into(out, reference.silu_and_mul(x))
 
 
-__all__ += ["fused_moe", "gpt_oss_swiglu"]
+def gelu_tanh_and_mul(x, *, out=None, backend: str = "auto"):
+    """Gemma's GeGLU gate: x [T, 2I] = cat(gate, up) -> gelu_tanh(gate) * up [T, I]."""
+    if use_triton(x, backend):
+        return _triton_op("activation", "gelu_tanh_and_mul")(x, out=out)
+    return _into(out, reference.gelu_tanh_and_mul(x))
+
+
+__all__ += ["gelu_tanh_and_mul", "fused_moe", "gpt_oss_swiglu"]
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, w13_bias=None, w2_bias=None, swiglu=None,

@@ -1,4 +1,5 @@
-"""silu_and_mul: the SwiGLU gate of a Llama MLP; gpt_oss_swiglu: GPT-OSS's clamped one."""
+"""silu_and_mul: the SwiGLU gate of a Llama MLP; gelu_tanh_and_mul: Gemma's GeGLU gate;
+gpt_oss_swiglu: GPT-OSS's clamped SwiGLU."""
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,32 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
+    # as _silu_and_mul_kernel, with gelu_tanh(g) = g/2 * (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+    # and tanh(z) = 2 sigmoid(2z) - 1 = 1 - 2 / (1 + e^(2z))
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * z))
+    s = (0.5 * g * (1.0 + t)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., 2I] = cat(gate, up) -> silu(gate) * up: [..., I]."""
+    return _gated(_silu_and_mul_kernel, x, out)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., 2I] = cat(gate, up) -> gelu_tanh(gate) * up: [..., I]."""
+    return _gated(_gelu_tanh_and_mul_kernel, x, out)
+
+
+def _gated(kernel, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     check_tensor("x", x, None, FLOAT_DTYPES)
     if x.shape[-1] % 2:
         raise ValueError(f"x's last dim must be even (gate | up), got {x.shape[-1]}")
@@ -37,7 +62,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
         raise ValueError("x and out must be viewable as rows (contiguous leading dims)") from None
     block = min(1024, triton.next_power_of_2(max(i, 1)))
     if x2.shape[0] > 0 and i > 0:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](
+        kernel[(x2.shape[0], triton.cdiv(i, block))](
             x2, o2, x2.stride(0), o2.stride(0), i, BLOCK=block)
     return out
 

@@ -40,7 +40,7 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "pd_rms_norm": [_P, _I, _L, _P, _L, _P, _L, _P, _P, _I, _L, _I, _I, _F],
     "pd_rope_write_kv": [_P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
-    "pd_decode_attention": [_P, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _F, _P, _I],
+    "pd_decode_attention": [_P, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _F, _I, _P, _P, _I],
     "pd_silu_and_mul": [_P, _I, _L, _P, _I, _L, _I, _I],
     "pd_int8_matmul": [_P, _I, _I, _I, _P, _P, _I, _P, _I],
     "pd_int8g32_matmul": [_P, _I, _I, _I, _P, _P, _I, _P],
@@ -166,19 +166,24 @@ def rope_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, *, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """reference.paged_decode_attention over float32 caches (int32 tables and lengths); the
-    output in `out_dtype` (default float32)."""
+    output in `out_dtype` (default float32). `window` (None: all keys) and `sinks` ([Hq]
+    float32 or None) as there."""
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise ValueError("block_tables and context_lens are int32")
+    if sinks is not None and tuple(sinks.shape) != (Hq,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}, expected ({Hq},)")
     tables = block_tables.contiguous()
     out = torch.empty(B, Hq, D, dtype=out_dtype or torch.float32)
     _ok(library().pd_decode_attention(
         _f32(q, "q"), _f32(k_cache, "k_cache"), _f32(v_cache, "v_cache"), bs, Hq, Hkv, D,
         tables.data_ptr(), tables.shape[1], context_lens.contiguous().data_ptr(), B, scale,
-        out.data_ptr(), _dt(out)), "decode_attention")
+        window or 0, None if sinks is None else _f32(sinks, "sinks"), out.data_ptr(), _dt(out)),
+        "decode_attention")
     return out
 
 

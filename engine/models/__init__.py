@@ -9,6 +9,7 @@ a family's module, which imports torch, is loaded on first use).
     llama.py      Llama 2/3, Mistral, Qwen2, Qwen3
     mixtral.py    Mixtral
     qwen_moe.py   Qwen2-MoE, Qwen3-MoE
+    gemma3.py     Gemma 3 (text): local (sliding) and global layers, Gemma's norms
 
 A new family: one file with a CausalLM subclass (kernels only where it needs a new op), and
 its architectures' lines in ARCHITECTURES below.
@@ -26,6 +27,7 @@ ARCHITECTURES = {
     "MixtralForCausalLM": ("mixtral", "mixtral:MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "qwen_moe:QwenMoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen_moe:QwenMoeForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3_text", "gemma3:Gemma3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = {arch: kind for arch, (kind, _) in ARCHITECTURES.items()}
 

@@ -30,6 +30,17 @@ from .moe import SparseMoeBlock, stack_experts
 log = logging.getLogger(__name__)
 
 
+def layer_types(c: dict, window: int | None, sliding) -> list[str] | None:
+    """ModelConfig.layer_types of a family whose transformers model windows only some layers:
+    config.json's `layer_types` where written (transformers 5 writes it), else
+    transformers' rule `sliding(i)` (True: layer i is windowed); None when no window is on."""
+    if window is None:
+        return None
+    n = c["num_hidden_layers"]
+    return c.get("layer_types") or ["sliding_attention" if sliding(i) else "full_attention"
+                                    for i in range(n)]
+
+
 class CausalLM(nn.Module):
     # checkpoint module name -> (our fused module, its index among the fused parts)
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -56,7 +67,7 @@ class CausalLM(nn.Module):
     @classmethod
     def config_fields(cls, kind: str, c: dict, path) -> dict:
         """ModelConfig fields this family reads its own way from config.json `c` (`kind`: its
-        model_type): qkv_bias, qk_norm, sliding_window, moe."""
+        model_type): qkv_bias, qk_norm, sliding_window, layer_types, moe, ... (ModelConfig)."""
         return dict(qkv_bias=bool(c.get("attention_bias", False)), qk_norm=False,
                     sliding_window=c.get("sliding_window") if c.get("use_sliding_window") else None)
 
@@ -64,7 +75,7 @@ class CausalLM(nn.Module):
         return MLP(c, self.backend)
 
     def make_layer(self, c: ModelConfig, layer: int) -> nn.Module:
-        return DecoderLayer(c, self.backend, self.make_mlp(c, layer))
+        return DecoderLayer(c, self.backend, self.make_mlp(c, layer), layer=layer)
 
     def checkpoint_name(self, name: str) -> tuple[str, object]:
         """A checkpoint tensor's name (without `model.`) -> (our parameter, its shard within a
