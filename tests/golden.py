@@ -49,6 +49,8 @@ ARCHS = {
     "mixtral": dict(intermediate_size=128),
     "qwen2_moe": dict(moe_intermediate_size=128, shared_expert_intermediate_size=128),
     "qwen3_moe": dict(head_dim=64, moe_intermediate_size=128),
+    # tests/hf_models_gptoss.py's builder: a window of 4 on layer 0, 4 experts top-2
+    "gpt_oss": dict(head_dim=32, intermediate_size=128, sliding_window=4, num_local_experts=4),
 }
 QUANTS = ("none", "int8", "int8_g32", "int4_g32", "int4_g128", "fp8", "fp8_tensor")
 PREQUANT = {  # file kind -> how it is written (tests/gguf_files.py, tests/prequant_files.py)
@@ -127,7 +129,9 @@ def make_float_model(arch: str, out: Path) -> Path:
     tokenizer (the GGUF writer reads it)."""
     from engine.tiny_model import make_tiny_model
     from tests.hf_models import make_hf_model
-    d = make_hf_model(arch, out / arch, **{**DIMS, **ARCHS[arch]})
+    from tests.hf_models_gptoss import make_gpt_oss
+    make = (lambda _, d, **kw: make_gpt_oss(d, **kw)) if arch == "gpt_oss" else make_hf_model
+    d = make(arch, out / arch, **{**DIMS, **ARCHS[arch]})
     st = d / "model.safetensors"
     tensors = load_file(str(st))
     save_file(_weights({k: tuple(v.shape) for k, v in tensors.items()}, seed=1), str(st))

@@ -10,6 +10,7 @@ a family's module, which imports torch, is loaded on first use).
     mixtral.py    Mixtral
     qwen_moe.py   Qwen2-MoE, Qwen3-MoE
     gemma3.py     Gemma 3 (text): local (sliding) and global layers, Gemma's norms
+    gpt_oss.py    GPT-OSS (sinks, alternating sliding windows, biased experts, clamped SwiGLU)
 
 A new family: one file with a CausalLM subclass (kernels only where it needs a new op), and
 its architectures' lines in ARCHITECTURES below.
@@ -28,6 +29,7 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "qwen_moe:QwenMoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen_moe:QwenMoeForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3_text", "gemma3:Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "gpt_oss:GptOssForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = {arch: kind for arch, (kind, _) in ARCHITECTURES.items()}
 
