@@ -49,9 +49,15 @@ ARCHS = {
     "mixtral": dict(intermediate_size=128),
     "qwen2_moe": dict(moe_intermediate_size=128, shared_expert_intermediate_size=128),
     "qwen3_moe": dict(head_dim=64, moe_intermediate_size=128),
+    "gemma3_text": dict(head_dim=32, layer_types=["sliding_attention", "full_attention"],
+                   tie_word_embeddings=False),
     # tests/hf_models_gptoss.py's builder: a window of 4 on layer 0, 4 experts top-2
     "gpt_oss": dict(head_dim=32, intermediate_size=128, sliding_window=4, num_local_experts=4),
 }
+WINDOW_ARCHS = ("gemma3_text",)      # built by tests/hf_models_window.py
+# Gemma multiplies its embedding by sqrt(hidden): its table drawn N(0, 1/hidden), so that the
+# embedding does not outweigh the layers' (normed) outputs and every prompt repeat its token
+EMBED_SCALE = {"gemma3_text": DIMS["hidden_size"] ** -0.5}
 QUANTS = ("none", "int8", "int8_g32", "int4_g32", "int4_g128", "fp8", "fp8_tensor")
 PREQUANT = {  # file kind -> how it is written (tests/gguf_files.py, tests/prequant_files.py)
     "gguf-Q8_0": ("gguf", "Q8_0"), "gguf-Q4_0": ("gguf", "Q4_0"), "gguf-Q4_1": ("gguf", "Q4_1"),
@@ -102,11 +108,11 @@ def engine_options(opts: dict) -> dict:
     return dict(dict(num_blocks=64, block_size=8, max_num_batched_tokens=16, max_num_seqs=8), **opts)
 
 
-def _weights(names_shapes: dict[str, tuple], seed: int) -> dict[str, torch.Tensor]:
+def _weights(names_shapes: dict[str, tuple], seed: int, embed: float = 1.0) -> dict[str, torch.Tensor]:
     """Every tensor from one generator in name order: norms 1 + N(0, 0.1^2), biases N(0, 0.1^2),
     embeddings N(0, 1), projections and experts N(0, 1/fan_in), the head N(0, 25/hidden)
     (logits with a standard deviation of ~5: few near-ties; a tied table is scaled as the
-    head, else every tied model repeats its input token)."""
+    head, else every tied model repeats its input token); embeddings then times `embed`."""
     g = np.random.default_rng(seed)       # numpy's streams are the same on every CPU; torch's
     out = {}                               # vectorized normal_ is not (AVX2 vs portable)
     for name, shape in sorted(names_shapes.items()):
@@ -116,7 +122,7 @@ def _weights(names_shapes: dict[str, tuple], seed: int) -> dict[str, torch.Tenso
         elif name.endswith("bias"):
             out[name] = 0.1 * r
         elif "embed_tokens" in name:      # tied: the head too, so scaled as one
-            out[name] = r if "lm_head.weight" in names_shapes else r * 5 / math.sqrt(shape[-1])
+            out[name] = embed * (r if "lm_head.weight" in names_shapes else r * 5 / math.sqrt(shape[-1]))
         elif name.startswith("lm_head"):
             out[name] = r * 5 / math.sqrt(shape[-1])
         else:
@@ -130,11 +136,15 @@ def make_float_model(arch: str, out: Path) -> Path:
     from engine.tiny_model import make_tiny_model
     from tests.hf_models import make_hf_model
     from tests.hf_models_gptoss import make_gpt_oss
-    make = (lambda _, d, **kw: make_gpt_oss(d, **kw)) if arch == "gpt_oss" else make_hf_model
+    from tests.hf_models_window import make_window_model
+    make = make_window_model if arch in WINDOW_ARCHS else make_hf_model
+    if arch == "gpt_oss":
+        make = lambda _, d, **kw: make_gpt_oss(d, **kw)  # noqa: E731
     d = make(arch, out / arch, **{**DIMS, **ARCHS[arch]})
     st = d / "model.safetensors"
     tensors = load_file(str(st))
-    save_file(_weights({k: tuple(v.shape) for k, v in tensors.items()}, seed=1), str(st))
+    save_file(_weights({k: tuple(v.shape) for k, v in tensors.items()}, seed=1,
+                                          embed=EMBED_SCALE.get(arch, 1.0)), str(st))
     tiny = make_tiny_model(out / "tiny")
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny / f, d / f)

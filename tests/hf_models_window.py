@@ -21,7 +21,7 @@ GEMMA3 = dict(COMMON, num_hidden_layers=5, head_dim=16, query_pre_attn_scalar=24
 
 def make_window_model(kind: str, out: Path, **overrides) -> Path:
     """kind: mistral-window (every layer windowed, WINDOW tokens) | qwen2-window (layers from
-    max_window_layers=1 on windowed, as Qwen2's layer_types says) | gemma3 (local and global
+    max_window_layers=1 on windowed, as Qwen2's layer_types says) | gemma3_text (local and global
     layers, linear rope scaling on the global ones)."""
     import transformers as T
     if kind == "mistral-window":
@@ -30,7 +30,7 @@ def make_window_model(kind: str, out: Path, **overrides) -> Path:
         cfg = T.Qwen2Config(**dict(COMMON, use_sliding_window=True, sliding_window=WINDOW,
                                    max_window_layers=1, **overrides))
         cls = T.Qwen2ForCausalLM
-    elif kind == "gemma3":
+    elif kind == "gemma3_text":
         cfg, cls = T.Gemma3TextConfig(**dict(GEMMA3, **overrides)), T.Gemma3ForCausalLM
     else:
         raise ValueError(kind)

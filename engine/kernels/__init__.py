@@ -12,6 +12,10 @@ The Triton kernels live in their own modules (imported on first use, so the CPU 
 imports triton, and TRITON_INTERPRET set before that first use still takes effect);
 `reference.py` holds the torch oracle for each.
 
+Both paged attention ops take `window=` (a layer's sliding window: each query sees its last
+`window` positions, itself included) and `sinks=` ([H_q] fp32 logits joining every softmax's
+denominator, GPT-OSS) on every path: Triton, the torch reference and the C decode kernel.
+
 The public ops keep reference.py's signatures. Keyword-only extras the Triton wrappers take
 (`out=`, `max_context_len=`, ...) are accepted on both paths: the torch path writes its result
 into `out` when given and ignores the launch hints.

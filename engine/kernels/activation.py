@@ -25,14 +25,16 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.conste
 @triton.jit
 def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
     # as _silu_and_mul_kernel, with gelu_tanh(g) = g/2 * (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
-    # and tanh(z) = 2 sigmoid(2z) - 1 = 1 - 2 / (1 + e^(2z))
+    # and tanh(z) = sign(z) (1 - e^(-2|z|)) / (1 + e^(-2|z|)) (no overflow)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
     z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-    t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * z))
+    e = tl.exp(-2.0 * tl.abs(z))
+    t = (1.0 - e) / (1.0 + e)
+    t = tl.where(z < 0, -t, t)
     s = (0.5 * g * (1.0 + t)).to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 

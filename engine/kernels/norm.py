@@ -41,7 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     check_tensor("weight", weight, 1, FLOAT_DTYPES, x.device)
     if weight.shape[0] != n:
         raise ValueError(f"weight has {weight.shape[0]} elements, x rows have {n}")
-    x2 = _rows("x", x)
+    x2 = x.reshape(-1, n)       # read only: a copy where its rows are strided (a per-head norm of q)
     m = x2.shape[0]
     out_dtype = torch.result_type(weight, x)
     if out is None:
@@ -54,7 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if residual_out is None:
             residual_out = torch.empty_like(x)
         check_out("residual_out", residual_out, tuple(x.shape), x.dtype, x.device)
-        r2, ro2 = _rows("residual", residual), _rows("residual_out", residual_out)
+        r2, ro2 = residual.reshape(-1, n), _rows("residual_out", residual_out)
     block = triton.next_power_of_2(n)
     if m > 0:
         _rms_norm_kernel[(m,)](x2, r2, weight.contiguous(), o2, ro2,

@@ -88,7 +88,7 @@ def _caches(gen, context_lens, bs, hkv, d, dtype, kv_dtype):
 DECODE_CTX = [33, 1, 70, 7, 45, 0]
 
 
-@pytest.mark.parametrize("window", [1, 6, 16, 40, 1000])
+@pytest.mark.parametrize("window", [1, 6, 40, 1000])
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8])
 def test_triton_decode(window, with_sinks, kv_dtype):
@@ -109,7 +109,7 @@ def test_triton_decode(window, with_sinks, kv_dtype):
                                            f"kv={kv_dtype} partition={partition}")
 
 
-@pytest.mark.parametrize("window", [1, 7, 20, 64, 1000])
+@pytest.mark.parametrize("window", [1, 20, 70, 1000])
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8])
 def test_triton_prefill_with_prefix(window, with_sinks, kv_dtype):
