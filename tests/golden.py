@@ -56,12 +56,15 @@ ARCHS = {
     # tests/hf_models_moe2.py's kinds
     "glm4_moe": dict(head_dim=32, moe_intermediate_size=128),
     "minimax_m2": dict(head_dim=32, intermediate_size=128),
+    # tests/hf_models_gptoss.py's builder: a window of 4 on layer 0, 4 experts top-2
+    "gpt_oss": dict(head_dim=32, intermediate_size=128, sliding_window=4, num_local_experts=4),
 }
 # the kinds tests/hf_models.make_hf_model does not build: kind -> "module:function(kind, out, **config)"
 BUILDERS = {"gemma3_text": "tests.hf_models_window:make_window_model",
             "deepseek_v3": "tests.hf_models_mla:make_mla_model",
             "glm4_moe": "tests.hf_models_moe2:make_moe2_model",
-            "minimax_m2": "tests.hf_models_moe2:make_moe2_model"}
+            "minimax_m2": "tests.hf_models_moe2:make_moe2_model",
+            "gpt_oss": "tests.hf_models_gptoss:make_gpt_oss_model"}
 # Gemma multiplies its embedding by sqrt(hidden): its table drawn N(0, 1/hidden), so that the
 # embedding does not outweigh the layers' (normed) outputs and every prompt repeat its token
 EMBED_SCALE = {"gemma3_text": DIMS["hidden_size"] ** -0.5}

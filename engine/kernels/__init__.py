@@ -203,15 +203,26 @@ def gelu_tanh_and_mul(x, *, out=None, backend: str = "auto"):
     return _into(out, reference.gelu_tanh_and_mul(x))
 
 
-__all__ += ["gelu_tanh_and_mul", "fused_moe"]
+__all__ += ["gelu_tanh_and_mul", "fused_moe", "gpt_oss_swiglu"]
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, *, tiles=None, backend: str = "auto"):
+def fused_moe(x, w13, w2, topk_weights, topk_ids, *, w13_bias=None, w2_bias=None, swiglu=None,
+              tiles=None, backend: str = "auto"):
     """The experts of an MoE block (moe.py; the reference loops over the experts). `tiles`:
-    launch-config overrides for the Triton path."""
+    launch-config overrides for the Triton path. GPT-OSS's experts: `w13_bias` [E, 2I],
+    `w2_bias` [E, H], `swiglu` (alpha, limit) for its clamped SwiGLU (reference.fused_moe)."""
     if use_triton(x, backend):
-        return _triton_op("moe", "fused_moe")(x, w13, w2, topk_weights, topk_ids, tiles=tiles)
-    return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return _triton_op("moe", "fused_moe")(x, w13, w2, topk_weights, topk_ids, w13_bias=w13_bias,
+                                              w2_bias=w2_bias, swiglu=swiglu, tiles=tiles)
+    return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, swiglu)
+
+
+def gpt_oss_swiglu(x, alpha: float, limit: float, *, backend: str = "auto"):
+    """x [T, 2I] = cat(gate, up) -> GPT-OSS's clamped SwiGLU [T, I] (reference.gpt_oss_swiglu):
+    the quantized experts' activation (the float ones fuse it into fused_moe)."""
+    if use_triton(x, backend):
+        return _triton_op("activation", "gpt_oss_swiglu")(x, alpha, limit)
+    return reference.gpt_oss_swiglu(x, alpha, limit)
 
 
 # -- quantized matmuls: x [M, K] @ W.T for each stored layout (engine/quant picks the layout) --

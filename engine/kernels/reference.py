@@ -288,6 +288,15 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x[..., :i], approximate="tanh") * x[..., i:]
 
 
+def gpt_oss_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """x: [T, 2I] = cat(gate, up) -> GPT-OSS's clamped SwiGLU [T, I]: the gate clamped above
+    at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate), in the
+    order transformers' GptOssExperts computes it."""
+    i = x.shape[-1] // 2
+    gate, up = x[..., :i].clamp(max=limit), x[..., i:].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def moe_by_expert(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   num_experts: int, expert) -> torch.Tensor:
     """Mixture-of-experts MLP one expert at a time (as transformers computes it): expert e's
@@ -304,11 +313,20 @@ def moe_by_expert(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """moe_by_expert over stacked weights: w13 [E, 2I, H] = cat(gate, up); w2 [E, H, I]."""
+              topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None
+              ) -> torch.Tensor:
+    """moe_by_expert over stacked weights: w13 [E, 2I, H] = cat(gate, up); w2 [E, H, I];
+    optional biases w13_bias [E, 2I], w2_bias [E, H] (GPT-OSS), added before the activation
+    and before the routing weight; `swiglu` (alpha, limit): gpt_oss_swiglu instead of
+    silu_and_mul."""
     linear = torch.nn.functional.linear
-    return moe_by_expert(x, topk_weights, topk_ids, w13.shape[0],
-                         lambda e, xs: linear(silu_and_mul(linear(xs, w13[e])), w2[e]))
+
+    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+        h = linear(xs, w13[e], None if w13_bias is None else w13_bias[e])
+        h = silu_and_mul(h) if swiglu is None else gpt_oss_swiglu(h, *swiglu)
+        return linear(h, w2[e], None if w2_bias is None else w2_bias[e])
+    return moe_by_expert(x, topk_weights, topk_ids, w13.shape[0], expert)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, group: int = 0) -> torch.Tensor:

@@ -107,7 +107,8 @@ def build_cos_sin_cache(head_dim: int, max_pos: int, base: float, rope_scaling: 
     elif kind == "yarn":
         inv_freq, attention_factor = yarn_parameters(head_dim, base, rope_scaling)
     elif kind != "default":
-        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (default, llama3, linear, yarn)")
+        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (default, llama3, "
+                                  "linear, yarn)")
     # HF: freqs = inv_freq[:, None] @ position_ids[None, :] in fp32; one product per element,
     # so an outer product rounds identically.
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.int64).float(), inv_freq)   # [P, D/2]
