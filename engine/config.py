@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from .quant import QUANTIZATIONS
+from .rope_config import rope, rotary_dim_of  # noqa: F401  (rotary_dim_of: the families' import)
 from .spec_decode import SpeculativeConfig
 
 def cache_dir() -> Path:
@@ -134,8 +135,39 @@ class ModelConfig:
         """The cache layout by name, for the KV handshake (kvtransfer.wire.CompatKey): two
         workers exchange blocks only when theirs are equal."""
         if self.mla is not None:
-            return f"mla(kv_lora_rank={self.mla.kv_lora_rank}, rope_dim={self.mla.qk_rope_head_dim})"
-        return f"gqa(kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
+            layout = f"mla(kv_lora_rank={self.mla.kv_lora_rank}, rope_dim={self.mla.qk_rope_head_dim}"
+        else:
+            layout = f"gqa(kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        windowed = [i for i in range(self.num_layers) if self.layer_window(i) is not None]
+        if windowed:
+            which = "all layers" if len(windowed) == self.num_layers else \
+                "layers " + ",".join(map(str, windowed))
+            layout += f", window={self.sliding_window} on {which}"
+        return layout + (", sinks)" if self.attention_sinks else ")")
+
+    def layer_window(self, i: int) -> int | None:
+        """The keys layer i's queries see, themselves included (None: all): sliding_window on
+        a "sliding_attention" layer, or on every layer when layer_types is None."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[i] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def check_layer_types(self, path) -> None:
+        """ValueError naming `path` unless sliding_window is None or positive and layer_types
+        None or one known type per layer."""
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window in {path} must be >= 1, got {self.sliding_window}")
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types in {path} has {len(self.layer_types)} entries for "
+                             f"{self.num_layers} layers (num_hidden_layers)")
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer_types {sorted(unknown)} in {path}: expected "
+                             f"full_attention or sliding_attention")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, max_model_len: int | None = None) -> "ModelConfig":
@@ -167,11 +199,9 @@ class ModelConfig:
             raise ValueError(f"{path}: a {kind} config needs {e.args[0]!r}") from None
         heads = c["num_attention_heads"]
         max_pos = c.get("max_position_embeddings", 2048)
-        window = family.get("sliding_window")
-        limit = min(max_pos, window) if window else max_pos   # within the window, attention is full
         eos = c.get("eos_token_id")
         eos = [eos] if isinstance(eos, int) else list(eos or [])
-        theta, scaling = _rope(c, path)
+        theta, scaling = rope(c, path)
         cfg = cls(
             model_dir=str(d), architecture=arch, vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
@@ -181,45 +211,13 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=theta,
             rope_scaling=scaling, max_position_embeddings=max_pos,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            max_model_len=min(max_model_len or limit, limit),
+            max_model_len=min(max_model_len or max_pos, max_pos),
             bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, name=model_name(d),
             **family)
         if cfg.num_heads % cfg.num_kv_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads")
+        cfg.check_layer_types(path)
         return cfg
-
-
-def _rope(c: dict, path) -> tuple[float, dict | None]:
-    """rope theta and scaling (None, llama3's or yarn's); transformers >= 5 writes them under
-    rope_parameters. A yarn dict comes back with its `original_max_position_embeddings` and
-    `factor` filled as transformers fills them (a top-level original_max_position_embeddings
-    wins, else max_position_embeddings; no factor: their ratio)."""
-    rope = dict(c.get("rope_parameters") or {})
-    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling is not None:
-        rtype = scaling.get("rope_type", scaling.get("type"))
-        if rtype not in ("default", "llama3", "yarn"):
-            raise ValueError(f"unsupported rope scaling {rtype!r} in {path}")
-        if rtype == "default":
-            scaling = None
-        elif rtype == "yarn":
-            scaling = _yarn(dict(scaling), c, path)
-    return float(theta), scaling
-
-
-def _yarn(scaling: dict, c: dict, path) -> dict:
-    max_pos = c.get("max_position_embeddings", 2048)
-    if "original_max_position_embeddings" in c:
-        scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]
-    scaling.setdefault("original_max_position_embeddings", max_pos)
-    for key in ("original_max_position_embeddings", "factor"):
-        if key == "factor" and scaling.get("factor") is None:
-            scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
-        value = scaling[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"yarn rope scaling needs a positive {key} in {path}, got {value!r}")
-    return scaling
 
 
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")    # what engine.kernels dispatches on

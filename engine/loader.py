@@ -97,6 +97,8 @@ def _read(model: CausalLM, quantization: str) -> tuple[dict[str, Weight], dict[s
     keep = _keep_quantized(model, quantization)
     tensors, shards = {}, {}
     for source, key, get in checkpoint_tensors(config.model_dir):
+        if model.skips(key.removeprefix("model.")):
+            continue
         name, shard = model.checkpoint_name(key.removeprefix("model."))
         if name not in params:
             if name == "lm_head.weight" and config.tie_word_embeddings:

@@ -49,7 +49,25 @@ ARCHS = {
     "mixtral": dict(intermediate_size=128),
     "qwen2_moe": dict(moe_intermediate_size=128, shared_expert_intermediate_size=128),
     "qwen3_moe": dict(head_dim=64, moe_intermediate_size=128),
+    "gemma3_text": dict(head_dim=32, layer_types=["sliding_attention", "full_attention"],
+                   tie_word_embeddings=False),
+    "deepseek_v3": dict(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                        v_head_dim=32, moe_intermediate_size=128),
+    # tests/hf_models_moe2.py's kinds
+    "glm4_moe": dict(head_dim=32, moe_intermediate_size=128),
+    "minimax_m2": dict(head_dim=32, intermediate_size=128),
+    # tests/hf_models_gptoss.py's builder: a window of 4 on layer 0, 4 experts top-2
+    "gpt_oss": dict(head_dim=32, intermediate_size=128, sliding_window=4, num_local_experts=4),
 }
+# the kinds tests/hf_models.make_hf_model does not build: kind -> "module:function(kind, out, **config)"
+BUILDERS = {"gemma3_text": "tests.hf_models_window:make_window_model",
+            "deepseek_v3": "tests.hf_models_mla:make_mla_model",
+            "glm4_moe": "tests.hf_models_moe2:make_moe2_model",
+            "minimax_m2": "tests.hf_models_moe2:make_moe2_model",
+            "gpt_oss": "tests.hf_models_gptoss:make_gpt_oss_model"}
+# Gemma multiplies its embedding by sqrt(hidden): its table drawn N(0, 1/hidden), so that the
+# embedding does not outweigh the layers' (normed) outputs and every prompt repeat its token
+EMBED_SCALE = {"gemma3_text": DIMS["hidden_size"] ** -0.5}
 QUANTS = ("none", "int8", "int8_g32", "int4_g32", "int4_g128", "fp8", "fp8_tensor")
 PREQUANT = {  # file kind -> how it is written (tests/gguf_files.py, tests/prequant_files.py)
     "gguf-Q8_0": ("gguf", "Q8_0"), "gguf-Q4_0": ("gguf", "Q4_0"), "gguf-Q4_1": ("gguf", "Q4_1"),
@@ -100,11 +118,11 @@ def engine_options(opts: dict) -> dict:
     return dict(dict(num_blocks=64, block_size=8, max_num_batched_tokens=16, max_num_seqs=8), **opts)
 
 
-def _weights(names_shapes: dict[str, tuple], seed: int) -> dict[str, torch.Tensor]:
+def _weights(names_shapes: dict[str, tuple], seed: int, embed: float = 1.0) -> dict[str, torch.Tensor]:
     """Every tensor from one generator in name order: norms 1 + N(0, 0.1^2), biases N(0, 0.1^2),
     embeddings N(0, 1), projections and experts N(0, 1/fan_in), the head N(0, 25/hidden)
     (logits with a standard deviation of ~5: few near-ties; a tied table is scaled as the
-    head, else every tied model repeats its input token)."""
+    head, else every tied model repeats its input token); embeddings then times `embed`."""
     g = np.random.default_rng(seed)       # numpy's streams are the same on every CPU; torch's
     out = {}                               # vectorized normal_ is not (AVX2 vs portable)
     for name, shape in sorted(names_shapes.items()):
@@ -114,7 +132,7 @@ def _weights(names_shapes: dict[str, tuple], seed: int) -> dict[str, torch.Tenso
         elif name.endswith("bias"):
             out[name] = 0.1 * r
         elif "embed_tokens" in name:      # tied: the head too, so scaled as one
-            out[name] = r if "lm_head.weight" in names_shapes else r * 5 / math.sqrt(shape[-1])
+            out[name] = embed * (r if "lm_head.weight" in names_shapes else r * 5 / math.sqrt(shape[-1]))
         elif name.startswith("lm_head"):
             out[name] = r * 5 / math.sqrt(shape[-1])
         else:
@@ -126,11 +144,18 @@ def make_float_model(arch: str, out: Path) -> Path:
     """A Hugging Face directory of `arch` with this file's weights and the tiny model's
     tokenizer (the GGUF writer reads it)."""
     from engine.tiny_model import make_tiny_model
+    import importlib
+
     from tests.hf_models import make_hf_model
-    d = make_hf_model(arch, out / arch, **{**DIMS, **ARCHS[arch]})
+    make = make_hf_model
+    if arch in BUILDERS:
+        module, _, name = BUILDERS[arch].partition(":")
+        make = getattr(importlib.import_module(module), name)
+    d = make(arch, out / arch, **{**DIMS, **ARCHS[arch]})
     st = d / "model.safetensors"
     tensors = load_file(str(st))
-    save_file(_weights({k: tuple(v.shape) for k, v in tensors.items()}, seed=1), str(st))
+    save_file(_weights({k: tuple(v.shape) for k, v in tensors.items()}, seed=1,
+                                          embed=EMBED_SCALE.get(arch, 1.0)), str(st))
     tiny = make_tiny_model(out / "tiny")
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny / f, d / f)
@@ -222,9 +247,10 @@ def recorded() -> dict[str, dict]:
     return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
 
 
-def run_all(root: Path) -> dict[str, dict]:
+def run_all(root: Path, archs: list[str] | None = None) -> dict[str, dict]:
+    """Every case (or those of `archs`) run here: name -> its record."""
     made, record = {}, {}
-    all_cases = cases()
+    all_cases = {k: c for k, c in cases().items() if archs is None or c["arch"] in archs}
     for n, (name, case) in enumerate(all_cases.items(), 1):
         path = model_path(case["arch"], case["file"], root, made)
         record[name] = dict(fingerprint=fingerprint(path), **run_case(case, path))
@@ -254,10 +280,13 @@ if __name__ == "__main__":
     import tempfile
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    if sys.argv[1:] not in (["--write"], ["--spread"]):
-        sys.exit("usage: python3 -m tests.golden --write | --spread (this machine against the recording)")
+    archs = sys.argv[3:] if sys.argv[2:3] == ["--arch"] else None
+    if sys.argv[1:2] not in (["--write"], ["--spread"]) or (len(sys.argv) > 2 and not archs):
+        sys.exit("usage: python3 -m tests.golden --write | --spread [--arch ARCH ...] (this "
+                 "machine against the recording; --arch: only those architectures' cases, "
+                 "merged into the recording)")
     with tempfile.TemporaryDirectory() as tmp:
-        got = run_all(Path(tmp))
+        got = run_all(Path(tmp), archs)
     rec = recorded()
     if sys.argv[1] == "--spread":
         for cap, want in rec.items():
@@ -265,7 +294,7 @@ if __name__ == "__main__":
             print(f"{capability()} against {cap}: largest logprob difference {worst:.2e}, "
                   f"{flips} prompts with a token changed before a near-tie")
         sys.exit(0)
-    rec[capability()] = got
+    rec[capability()] = {**rec.get(capability(), {}), **got} if archs else got
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(dumps(rec))
     print(f"wrote {GOLDEN} ({capability()})")

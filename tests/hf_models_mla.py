@@ -37,3 +37,10 @@ def make_deepseek(out: Path, **overrides) -> Path:
                 b.copy_(torch.randn_like(b) * 0.05)
     model.save_pretrained(out)
     return out
+
+
+def make_mla_model(kind: str, out: Path, **overrides) -> Path:
+    """tests/golden.py's builder signature: `kind` is "deepseek_v3"; `overrides` as
+    make_deepseek's (its num_key_value_heads is ignored: MLA has none)."""
+    assert kind == "deepseek_v3", kind
+    return make_deepseek(out, **overrides)

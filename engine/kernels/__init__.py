@@ -12,6 +12,10 @@ The Triton kernels live in their own modules (imported on first use, so the CPU 
 imports triton, and TRITON_INTERPRET set before that first use still takes effect);
 `reference.py` holds the torch oracle for each.
 
+Both paged attention ops take `window=` (a layer's sliding window: each query sees its last
+`window` positions, itself included) and `sinks=` ([H_q] fp32 logits joining every softmax's
+denominator, GPT-OSS) on every path: Triton, the torch reference and the C decode kernel.
+
 The public ops keep reference.py's signatures. Keyword-only extras the Triton wrappers take
 (`out=`, `max_context_len=`, ...) are accepted on both paths: the torch path writes its result
 into `out` when given and ignores the launch hints.
@@ -71,29 +75,38 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scales=None, v_sca
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
                             *, max_q_len: int | None = None, out=None, k_scales=None,
-                            v_scales=None, backend: str = "auto"):
+                            v_scales=None, window: int | None = None, sinks=None,
+                            backend: str = "auto"):
+    """`window`: each query sees its last `window` positions, itself included (None: all);
+    `sinks`: [H_q] fp32 logits that join every softmax's denominator (reference.py)."""
     if use_triton(q, backend):
         return _triton_op("prefill_attention", "paged_prefill_attention")(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-            max_q_len=max_q_len, out=out, k_scales=k_scales, v_scales=v_scales)
+            max_q_len=max_q_len, out=out, k_scales=k_scales, v_scales=v_scales, window=window,
+            sinks=sinks)
     return _into(out, reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                         cu_seqlens_q, context_lens, scale,
-                                                        k_scales, v_scales))
+                                                        k_scales, v_scales, window, sinks))
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                            *, max_context_len: int | None = None, out=None, k_scales=None,
-                           v_scales=None, out_dtype=None, backend: str = "auto"):
+                           v_scales=None, window: int | None = None, sinks=None, out_dtype=None,
+                           backend: str = "auto"):
     """`out_dtype`: the dtype the caller's next op takes (the C kernels write it directly;
-    elsewhere a hint, ignored)."""
+    elsewhere a hint, ignored). `window`, `sinks`: as in paged_prefill_attention (the C
+    kernel takes both)."""
     if use_triton(q, backend):
         return _triton_op("decode_attention", "paged_decode_attention")(
             q, k_cache, v_cache, block_tables, context_lens, scale,
-            max_context_len=max_context_len, out=out, k_scales=k_scales, v_scales=v_scales)
+            max_context_len=max_context_len, out=out, k_scales=k_scales, v_scales=v_scales,
+            window=window, sinks=sinks)
     if out is None and k_scales is None and use_cpu(backend):
-        return cpu.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out_dtype)
+        return cpu.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                    out_dtype, window=window, sinks=sinks)
     return _into(out, reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                       context_lens, scale, k_scales, v_scales))
+                                                       context_lens, scale, k_scales, v_scales,
+                                                       window, sinks))
 
 
 def write_latent_cache(latent, cache, slot_mapping, *, backend: str = "auto") -> None:
@@ -151,7 +164,9 @@ def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cach
                               *, q_out=None, k_scales=None, v_scales=None, rows=None,
                               backend: str = "auto"):
     """rotary_embedding on q and k, then write_kv_cache of the rotated k and v: one kernel
-    on the Triton path. Returns the rotated q. With `k_scales`/`v_scales` the cache is 8-bit:
+    on the Triton path. The cos/sin table's width is the rotary dimension: a table narrower
+    than the head rotates its first values and passes the rest through (partial rotary), on
+    every backend. Returns the rotated q. With `k_scales`/`v_scales` the cache is 8-bit:
     on the Triton path the rotary kernel, then the quantized write (a kernel of its own, its
     tokens grouped by block on the host). `rows`: rope_rows(positions, cos_sin_cache) (the
     torch path; ignored by Triton)."""
@@ -181,15 +196,33 @@ def silu_and_mul(x, *, out=None, out_dtype=None, backend: str = "auto"):
     return _into(out, reference.silu_and_mul(x))
 
 
-__all__ += ["fused_moe"]
-
-
-def fused_moe(x, w13, w2, topk_weights, topk_ids, *, tiles=None, backend: str = "auto"):
-    """The experts of an MoE block (moe.py; the reference loops over the experts). `tiles`:
-    launch-config overrides for the Triton path."""
+def gelu_tanh_and_mul(x, *, out=None, backend: str = "auto"):
+    """Gemma's GeGLU gate: x [T, 2I] = cat(gate, up) -> gelu_tanh(gate) * up [T, I]."""
     if use_triton(x, backend):
-        return _triton_op("moe", "fused_moe")(x, w13, w2, topk_weights, topk_ids, tiles=tiles)
-    return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return _triton_op("activation", "gelu_tanh_and_mul")(x, out=out)
+    return _into(out, reference.gelu_tanh_and_mul(x))
+
+
+__all__ += ["gelu_tanh_and_mul", "fused_moe", "gpt_oss_swiglu"]
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, *, w13_bias=None, w2_bias=None, swiglu=None,
+              tiles=None, backend: str = "auto"):
+    """The experts of an MoE block (moe.py; the reference loops over the experts). `tiles`:
+    launch-config overrides for the Triton path. GPT-OSS's experts: `w13_bias` [E, 2I],
+    `w2_bias` [E, H], `swiglu` (alpha, limit) for its clamped SwiGLU (reference.fused_moe)."""
+    if use_triton(x, backend):
+        return _triton_op("moe", "fused_moe")(x, w13, w2, topk_weights, topk_ids, w13_bias=w13_bias,
+                                              w2_bias=w2_bias, swiglu=swiglu, tiles=tiles)
+    return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, swiglu)
+
+
+def gpt_oss_swiglu(x, alpha: float, limit: float, *, backend: str = "auto"):
+    """x [T, 2I] = cat(gate, up) -> GPT-OSS's clamped SwiGLU [T, I] (reference.gpt_oss_swiglu):
+    the quantized experts' activation (the float ones fuse it into fused_moe)."""
+    if use_triton(x, backend):
+        return _triton_op("activation", "gpt_oss_swiglu")(x, alpha, limit)
+    return reference.gpt_oss_swiglu(x, alpha, limit)
 
 
 # -- quantized matmuls: x [M, K] @ W.T for each stored layout (engine/quant picks the layout) --

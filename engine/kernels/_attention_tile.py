@@ -12,6 +12,12 @@ through the block table, folded into a running (max, sum, acc) online softmax.
     code * scale[blk, kv_head]. The codes are converted exactly to q's dtype for the dots and
     each key's scale is applied in fp32 to what the dots produce: its scores (K) and its
     probabilities (V), one scalar per (block, KV head) read alongside the block table.
+
+    A sliding window (WINDOWED, prefill): key j is visible to the row at position p iff
+    p - window < j <= p. A tile may then hold no key some row sees; its max stays -inf and
+    the update uses 0 in its place, so that row's state is unchanged rather than NaN.
+    Attention sinks need nothing here: the kernels start each row's state at (m = sink,
+    l = 1, acc = 0), the sink a key of logit `sink` and value zero.
 """
 import triton
 import triton.language as tl
@@ -20,8 +26,8 @@ import triton.language as tl
 @triton.jit
 def _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, key_end, qpos,
                  scale_log2, block_size, stride_cb, stride_co, head_off, d, dmask,
-                 ks_ptr, vs_ptr, stride_sb,
-                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                 ks_ptr, vs_ptr, stride_sb, window,
+                 CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
                  UPCAST: tl.constexpr, KV_SCALED: tl.constexpr):
     # ks_ptr, vs_ptr: the scales of this KV head (scales + kv_head), read when KV_SCALED
     tok = n0 + tl.arange(0, BLOCK_N)                                     # [N] key positions
@@ -43,10 +49,16 @@ def _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, key_end, qpos,
     visible = tmask[None, :]
     if CAUSAL:
         visible = visible & (tok[None, :] <= qpos[:, None])
+    if WINDOWED:
+        visible = visible & (tok[None, :] > qpos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if WINDOWED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     if KV_SCALED:
         pv = p * tl.load(vs_ptr + blk * stride_sb, mask=tmask, other=0.0)[None, :]

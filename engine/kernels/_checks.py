@@ -96,3 +96,19 @@ def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"query heads {q.shape[1]} not a multiple of KV heads {hkv}")
     check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
     return bs, hkv
+
+
+NO_WINDOW = 1 << 30         # the kernels' window argument when every key is visible
+
+
+def check_window_sinks(window, sinks, num_heads: int, q: torch.Tensor) -> tuple:
+    """(window, sinks) as the attention kernels take them: window a positive int (None:
+    NO_WINDOW), sinks [H_q] fp32 on q's device (None: q stands in, never read: HAS_SINKS is
+    False)."""
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, 1, (torch.float32,), q.device)
+        check_shape("sinks", sinks, (num_heads,))
+    return (NO_WINDOW if window is None else min(window, NO_WINDOW),
+            q if sinks is None else sinks)

@@ -112,11 +112,12 @@ int pd_rms_norm(const void *x, int xdt, long xs, const float *res, long rs, floa
 }
 
 /* Neox-style rotary on q and k, then k and v into their cache slots (slot < 0: skip).
- * cos_sin [max_pos, D] = cat(cos[:D/2], sin[:D/2]); q_out [T, Hq, D] float32; caches
- * [slots, Hkv, D] float32. out[i] = x[i] cos[i] - x[i + D/2] sin[i] for i < D/2, and
- * x[i] cos[i - D/2] + x[i - D/2] sin[i - D/2] above: the reference's products and sum. */
-static void rotate(const void *x, int dt, long off, const float *cs, int D, float *out) {
-    int d2 = D / 2;
+ * cos_sin [max_pos, R] = cat(cos[:R/2], sin[:R/2]), R <= D the rotary dimension: the first R
+ * values of a head rotate, the rest pass through (partial rotary); q_out [T, Hq, D] float32;
+ * caches [slots, Hkv, D] float32. out[i] = x[i] cos[i] - x[i + R/2] sin[i] for i < R/2, and
+ * x[i] cos[i - R/2] + x[i - R/2] sin[i - R/2] up to R: the reference's products and sum. */
+static void rotate(const void *x, int dt, long off, const float *cs, int R, int D, float *out) {
+    int d2 = R / 2;
     for (int i = 0; i < d2; i++) {
         float a = ld(x, dt, off + i), b = ld(x, dt, off + i + d2);
         float c = cs[i], s = cs[d2 + i];
@@ -124,65 +125,72 @@ static void rotate(const void *x, int dt, long off, const float *cs, int D, floa
         out[i] = p1 + p2;
         out[i + d2] = p3 + p4;
     }
+    for (int i = R; i < D; i++) out[i] = ld(x, dt, off + i);
 }
 
 void pd_rope_write_kv(const void *q, const void *k, const void *v, int qdt, int kdt, int vdt,
-                      long qs, long ks, long vs, int T, int Hq, int Hkv, int D, const int64_t *pos,
-                      const float *cos_sin, float *q_out, float *k_cache, float *v_cache,
-                      const int64_t *slots) {
+                      long qs, long ks, long vs, int T, int Hq, int Hkv, int D, int R,
+                      const int64_t *pos, const float *cos_sin, float *q_out, float *k_cache,
+                      float *v_cache, const int64_t *slots) {
     for (int t = 0; t < T; t++) {
-        const float *cs = cos_sin + pos[t] * D;
-        for (int h = 0; h < Hq; h++) rotate(q, qdt, t * qs + (long)h * D, cs, D, q_out + ((long)t * Hq + h) * D);
+        const float *cs = cos_sin + pos[t] * R;
+        for (int h = 0; h < Hq; h++) rotate(q, qdt, t * qs + (long)h * D, cs, R, D, q_out + ((long)t * Hq + h) * D);
         if (slots[t] < 0) continue;
         float *kr = k_cache + slots[t] * Hkv * D, *vr = v_cache + slots[t] * Hkv * D;
-        for (int h = 0; h < Hkv; h++) rotate(k, kdt, t * ks + (long)h * D, cs, D, kr + (long)h * D);
+        for (int h = 0; h < Hkv; h++) rotate(k, kdt, t * ks + (long)h * D, cs, R, D, kr + (long)h * D);
         for (long i = 0; i < (long)Hkv * D; i++) vr[i] = ld(v, vdt, t * vs + i);
     }
 }
 
-/* x[0..n) <- softmax(x), n >= 1. Reassociation allowed here alone (GCC), so the max, exp
- * and sum loops vectorize; scores are finite. */
+/* x[0..n) <- softmax(x), n >= 1; with `sink` (one more logit, not written back: an
+ * attention sink) the denominator has its term too. Reassociation allowed here alone (GCC),
+ * so the max, exp and sum loops vectorize; scores are finite. */
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fast-math")))
 #endif
-static void softmax(float *x, int n) {
+static void softmax(float *x, int n, const float *sink) {
     float m = x[0], sum = 0.0f;
     for (int i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+    if (sink) m = *sink > m ? *sink : m;
     for (int i = 0; i < n; i++) sum += (x[i] = exp_nonpos(x[i] - m));
+    if (sink) sum += exp_nonpos(*sink - m);
     float inv = 1.0f / sum;
     for (int i = 0; i < n; i++) x[i] *= inv;
 }
 
 /* One query per sequence over its paged context: q [B, Hq, D] float32; caches [blocks, bs,
  * Hkv, D] float32; block_tables [B, W] int32; ctx [B] int32 (0: a padding row, zeros out).
+ * window > 0: the query (position ctx - 1) sees the last `window` positions only; sinks
+ * [Hq] float32 or NULL: a logit per head in each softmax's denominator (reference.py).
  * Positions are read in cache order, every head of a position at once: a block's K (then V)
  * rows are one contiguous run of memory, which is what decode's time goes to here. */
 int pd_decode_attention(const float *q, const float *k_cache, const float *v_cache, int bs,
                         int Hq, int Hkv, int D, const int32_t *block_tables, int W,
-                        const int32_t *ctx, int B, float scale, void *out, int odt) {
+                        const int32_t *ctx, int B, float scale, int window, const float *sinks,
+                        void *out, int odt) {
     int G = Hq / Hkv, Lmax = 1;
     long row = (long)Hkv * D;                       /* floats per cache position */
     for (int b = 0; b < B; b++) Lmax = ctx[b] > Lmax ? ctx[b] : Lmax;
-    float *p = malloc(sizeof(float) * ((long)Hq * Lmax + (long)Hq * D));   /* scores [Hq, L] */
+    float *p = malloc(sizeof(float) * ((long)Hq * Lmax + (long)Hq * D));   /* scores [Hq, n] */
     if (!p) return 1;
     float *acc = p + (long)Hq * Lmax;                                          /* [Hq, D] */
     for (int b = 0; b < B; b++) {
-        int L = ctx[b];
+        int L = ctx[b], lo = window > 0 && L > window ? L - window : 0, n = L - lo;
         const int32_t *table = block_tables + (long)b * W;
         const float *qb = q + (long)b * Hq * D;
-        for (int j0 = 0; j0 < L; j0 += bs) {
+        for (int j0 = lo - lo % bs; j0 < L; j0 += bs) {
             const float *kb = k_cache + (long)table[j0 / bs] * bs * row;
             for (int j = j0; j < L && j < j0 + bs; j++, kb += row)
-                for (int h = 0; h < Hq; h++)
-                    p[(long)h * L + j] = dot(qb + (long)h * D, kb + (long)(h / G) * D, D) * scale;
+                for (int h = 0; h < Hq && j >= lo; h++)
+                    p[(long)h * n + j - lo] = dot(qb + (long)h * D, kb + (long)(h / G) * D, D) * scale;
         }
-        for (int h = 0; h < Hq && L > 0; h++) softmax(p + (long)h * L, L);
+        for (int h = 0; h < Hq && n > 0; h++) softmax(p + (long)h * n, n, sinks ? sinks + h : NULL);
         memset(acc, 0, sizeof(float) * Hq * D);
-        for (int j0 = 0; j0 < L; j0 += bs) {
+        for (int j0 = lo - lo % bs; j0 < L; j0 += bs) {
             const float *vb = v_cache + (long)table[j0 / bs] * bs * row;
             for (int j = j0; j < L && j < j0 + bs; j++, vb += row)
-                for (int h = 0; h < Hq; h++) {
-                    float pj = p[(long)h * L + j], *a = acc + (long)h * D;
+                for (int h = 0; h < Hq && j >= lo; h++) {
+                    float pj = p[(long)h * n + j - lo], *a = acc + (long)h * D;
                     const float *vr = vb + (long)(h / G) * D;
                     for (int d = 0; d < D; d++) a[d] += pj * vr[d];
                 }

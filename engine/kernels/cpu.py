@@ -42,8 +42,8 @@ _SCRATCH = ("pd_rms_norm", "pd_decode_attention", "pd_mla_decode_attention", "pd
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "pd_rms_norm": [_P, _I, _L, _P, _L, _P, _L, _P, _P, _I, _L, _I, _I, _F],
-    "pd_rope_write_kv": [_P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
-    "pd_decode_attention": [_P, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _F, _P, _I],
+    "pd_rope_write_kv": [_P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
+    "pd_decode_attention": [_P, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _F, _I, _P, _P, _I],
     "pd_mla_decode_attention": [_P, _P, _L, _I, _I, _I, _I, _P, _I, _P, _I, _F, _P, _I],
     "pd_silu_and_mul": [_P, _I, _L, _P, _I, _L, _I, _I],
     "pd_int8_matmul": [_P, _I, _I, _I, _P, _P, _I, _P, _I],
@@ -154,16 +154,21 @@ def rope_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                   slot_mapping: torch.Tensor) -> torch.Tensor:
     """reference.rotary_embedding then reference.write_kv_cache (rotated k, v): q [T, Hq, D],
     k / v [T, Hkv, D], each float32 or bfloat16 (row-strided views of one qkv row are fine);
-    float32 caches [blocks, bs, Hkv, D]; int64 positions and slots. Returns the rotated q,
-    float32 [T, Hq, D]."""
+    float32 caches [blocks, bs, Hkv, D]; int64 positions and slots; cos_sin_cache
+    [max_pos, R], R <= D even: the rotary dimension (partial rotary passes the rest through).
+    Returns the rotated q, float32 [T, Hq, D]."""
     T, Hq, D = q.shape
+    R = cos_sin_cache.shape[1]
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
         raise ValueError("positions and slots are int64")
+    if R % 2 or not 0 < R <= D:
+        raise ValueError(f"cos_sin_cache rows have {R} values: the rotary dimension must be even "
+                         f"and at most head_dim {D}")
     q_out = torch.empty(T, Hq, D)
     library().pd_rope_write_kv(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), _dt(q), _dt(k), _dt(v),
         _rows(q, "q"), _rows(k, "k"), _rows(v, "v"),
-        T, Hq, k.shape[1], D, positions.contiguous().data_ptr(), _f32(cos_sin_cache, "cos_sin_cache"),
+        T, Hq, k.shape[1], D, R, positions.contiguous().data_ptr(), _f32(cos_sin_cache, "cos_sin_cache"),
         q_out.data_ptr(), _f32(k_cache, "k_cache"), _f32(v_cache, "v_cache"),
         slot_mapping.contiguous().data_ptr())
     return q_out
@@ -171,19 +176,24 @@ def rope_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, *, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """reference.paged_decode_attention over float32 caches (int32 tables and lengths); the
-    output in `out_dtype` (default float32)."""
+    output in `out_dtype` (default float32). `window` (None: all keys) and `sinks` ([Hq]
+    float32 or None) as there."""
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise ValueError("block_tables and context_lens are int32")
+    if sinks is not None and tuple(sinks.shape) != (Hq,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}, expected ({Hq},)")
     tables = block_tables.contiguous()
     out = torch.empty(B, Hq, D, dtype=out_dtype or torch.float32)
     _ok(library().pd_decode_attention(
         _f32(q, "q"), _f32(k_cache, "k_cache"), _f32(v_cache, "v_cache"), bs, Hq, Hkv, D,
         tables.data_ptr(), tables.shape[1], context_lens.contiguous().data_ptr(), B, scale,
-        out.data_ptr(), _dt(out)), "decode_attention")
+        window or 0, None if sinks is None else _f32(sinks, "sinks"), out.data_ptr(), _dt(out)),
+        "decode_attention")
     return out
 
 

@@ -22,6 +22,13 @@ of that width can hold, which is also static. Sequences with ctx_len 0 (padding)
 
 An 8-bit cache (k_scales/v_scales given) is read by the same kernel, compiled with KV_SCALED
 (_attention_tile applies the per-(block, KV head) scales).
+
+A sliding window: the query (position ctx - 1) sees keys ctx - window .. ctx - 1, so each
+program's key range is its partition cut to [ctx - window, ctx); partitions wholly below
+it run no tile and write (m, l) = (-inf, 0), which the reduction weighs 0. Attention sinks
+(one logit per query head, HAS_SINKS): partition 0's state starts at (m = sink, l = 1),
+the sink a key of value zero, so it joins the denominator exactly once, in the reduction
+as in the single-partition case.
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ import triton.language as tl
 
 from ._attention_tile import _attend_tile
 from ._checks import (check_out, check_paged_attention, check_shape, check_tensor,
-                      dot_precision, scale_args, upcast_dot)
+                      check_window_sinks, dot_precision, scale_args, upcast_dot)
 
 MAX_PARTITION, MIN_PARTITION = 512, 64
 PROGRAMS_PER_SM = 4
@@ -48,9 +55,9 @@ def _paged_decode_attention_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, scale_log2,
         stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
         stride_ob, stride_oh, stride_os, block_size, G, D, ks_ptr, vs_ptr, stride_sb,
-        PARTITION: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+        window, sinks_ptr, PARTITION: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-        KV_SCALED: tl.constexpr):
+        KV_SCALED: tl.constexpr, HAS_SINKS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -59,6 +66,7 @@ def _paged_decode_attention_kernel(
     if SPLIT and start >= ctx:
         return                                   # the reduction ignores partitions past ctx
     end = tl.minimum(start + PARTITION, ctx)
+    lo = tl.maximum(start, ctx - window)         # window: a host int, 2^30 for none
 
     g = tl.arange(0, BLOCK_G)                    # rows: query heads kvh*G .. kvh*G+G-1
     gmask = g < G
@@ -72,13 +80,18 @@ def _paged_decode_attention_kernel(
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_SINKS:                                # the sink: a key of logit sink, value 0
+        sink = tl.load(sinks_ptr + heads, mask=gmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m = tl.where(s == 0, sink, m)
+        l = tl.where(s == 0, 1.0, l)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     head_off = kvh.to(tl.int64) * stride_ch
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(lo, end, BLOCK_N):
         m, l, acc = _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_ptr + b * stride_bt, n0, end, m,
                                  scale_log2, block_size, stride_cb, stride_co, head_off, d, dmask,
-                                 ks_ptr + kvh, vs_ptr + kvh, stride_sb, CAUSAL=False,
-                                 BLOCK_N=BLOCK_N, PREC=PREC, UPCAST=UPCAST, KV_SCALED=KV_SCALED)
+                                 ks_ptr + kvh, vs_ptr + kvh, stride_sb, 0, CAUSAL=False,
+                                 WINDOWED=False, BLOCK_N=BLOCK_N, PREC=PREC, UPCAST=UPCAST,
+                                 KV_SCALED=KV_SCALED)
     o = tl.where(l[:, None] > 0, acc / tl.maximum(l, 1e-30)[:, None], 0.0)
     o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -136,9 +149,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            *, max_context_len: int | None = None, partition_size: int | None = None,
                            out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
-                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scales: torch.Tensor | None = None, window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H_q, D] (the last position of each sequence) -> [B, H_q, D].
     k_scales, v_scales: [num_blocks, H_kv] fp32 when the cache is 8-bit (reference.py).
+    window: keys each query sees (itself included; None: all); sinks: [H_q] fp32 logits
+    that join every softmax's denominator (reference.py).
 
     max_context_len: a host int >= every context_lens entry (e.g. the model's max length);
     it fixes the number of partitions. Default block_tables.shape[1] * block_size. A context
@@ -146,6 +162,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partition_size: keys per split-K program, a power of two >= 16 (None: auto_partition).
     """
     b, hq, d, hkv, bs = _check(q, k_cache, v_cache, block_tables, context_lens, k_scales, v_scales)
+    extra = check_window_sinks(window, sinks, hq, q)
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * bs
     if partition_size is None:
@@ -163,7 +180,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     splits = max(1, triton.cdiv(max_context_len, partition_size))
     common = dict(PARTITION=partition_size, BLOCK_N=block_n, BLOCK_G=max(16, triton.next_power_of_2(g)),
                   BLOCK_D=block_d, PREC=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype),
-                  KV_SCALED=k_scales is not None,
+                  KV_SCALED=k_scales is not None, HAS_SINKS=sinks is not None,
                   num_warps=_LAUNCH["num_warps"], num_stages=_LAUNCH["num_stages"])
     scale_log2 = float(scale) * LOG2E
     cs = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
@@ -172,7 +189,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _paged_decode_attention_kernel[(b, hkv, 1)](
             q, k_cache, v_cache, block_tables, context_lens, out, out, scale_log2,
             q.stride(0), q.stride(1), *cs, out.stride(0), out.stride(1), 0, bs, g, d, *kv_scales,
-            SPLIT=False, **common)
+            *extra, SPLIT=False, **common)
         return out
     # partial outputs, padded to BLOCK_D so that (m, l) share their index arithmetic
     part = torch.empty((b, hq, splits, block_d), dtype=torch.float32, device=q.device)
@@ -180,7 +197,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _paged_decode_attention_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part, ml, scale_log2,
         q.stride(0), q.stride(1), *cs, part.stride(0), part.stride(1), part.stride(2), bs, g, d,
-        *kv_scales, SPLIT=True, **common)
+        *kv_scales, *extra, SPLIT=True, **common)
     _paged_decode_reduce_kernel[(b, hq)](
         part, ml, context_lens, out, out.stride(0), out.stride(1), d, hq, splits,
         PARTITION=partition_size, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)

@@ -9,6 +9,11 @@
     GEMM 2         y[row]     = w[row] * (inter[row] @ down[e].T)               [M, H]
     sum            out[t]     = sum_j y[t*k + j]                                [T, H]
 
+GPT-OSS's experts add biases (w13_bias [E, 2I] to gate and up before the activation, w2_bias
+[E, H] before the routing weight) and gate with its clamped SwiGLU (`swiglu` = (alpha,
+limit): g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha g));
+both live in the same epilogues, selected at compile time.
+
 Each program of a GEMM takes BLOCK_M sorted rows (all of one expert) and BLOCK_N output
 columns, so every expert's weights are read once per column tile however many tokens chose
 it, and experts no token chose cost nothing. The SiLU-and-mul is fused into GEMM 1's
@@ -33,12 +38,16 @@ from ._checks import FLOAT_DTYPES, check_shape, check_tensor, dot_precision, upc
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topw_ptr,
                      num_rows, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                     bias_ptr, stride_be, alpha, limit,
                      A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, WEIGHTED: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
                      ROW_PER_BLOCK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # grid (row blocks, column blocks); row blocks vary fastest, so the programs that share
     # one expert's weight tile run together and the tile is read from DRAM about once.
     # ROW_PER_BLOCK (one token): block m is row m alone and block_expert is topk_ids itself.
+    # HAS_BIAS: bias [E, N] (GEMM 1: [E, 2N], gate then up) added before the epilogue;
+    # CLAMPED (with SILU_MUL): GPT-OSS's clamped SwiGLU instead of silu(gate) * up.
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e < 0:
@@ -70,8 +79,18 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, to
             if UPCAST:
                 wu = wu.to(tl.float32)
             acc_up += tl.dot(a, wu, input_precision=PREC)
+    if HAS_BIAS:
+        b_row = bias_ptr + e * stride_be
+        acc += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(b_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if CLAMPED:
+            g = tl.minimum(acc, limit)
+            u = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if WEIGHTED:
         acc = acc * tl.load(topw_ptr + rows, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
@@ -120,10 +139,18 @@ def _config(rows_per_expert: float, n: int, k: int) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
 
+def _bias_args(bias: torch.Tensor | None, weight: torch.Tensor) -> tuple:
+    """(pointer, row stride) of an optional bias; without one the weight stands in, unread."""
+    return (weight, 0) if bias is None else (bias, bias.stride(0))
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, tiles: dict | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None,
+              tiles: dict | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] = cat(gate, up) per expert; w2 [E, H, I]; topk_weights [T, k]
     (any float dtype, applied in fp32); topk_ids [T, k] int -> [T, H] in x.dtype.
+    w13_bias [E, 2I], w2_bias [E, H] (x's dtype) and swiglu (alpha, limit): GPT-OSS (above).
     `tiles` overrides entries of the launch config chosen from the load (BLOCK_M / BLOCK_N /
     BLOCK_K / num_warps / num_stages, for both GEMMs): tests and the benchmark's sweep."""
     check_tensor("x", x, 2, FLOAT_DTYPES)
@@ -138,6 +165,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     check_shape("topk_ids", topk_ids, (t, k))
     check_tensor("topk_weights", topk_weights, 2, FLOAT_DTYPES, x.device)
     check_shape("topk_weights", topk_weights, (t, k))
+    for name, b, shape in (("w13_bias", w13_bias, (e, i2)), ("w2_bias", w2_bias, (e, h))):
+        if b is not None:
+            check_tensor(name, b, 2, (x.dtype,), x.device)
+            check_shape(name, b, shape)
+    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
     x = x.contiguous()
     i, m = i2 // 2, t * k
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
@@ -159,11 +191,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _moe_gemm_kernel[(nblk, triton.cdiv(i, cfg1["BLOCK_N"]))](
         x, w13, inter, sorted_ids, block_expert, weights, m, i, h,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
-        A_ROW_DIV=k, SILU_MUL=True, WEIGHTED=False, ROW_PER_BLOCK=one_token, PREC=prec,
-        UPCAST=upcast, **cfg1)
+        *_bias_args(w13_bias, w13), float(alpha), float(limit),
+        A_ROW_DIV=k, SILU_MUL=True, WEIGHTED=False, HAS_BIAS=w13_bias is not None,
+        CLAMPED=swiglu is not None, ROW_PER_BLOCK=one_token, PREC=prec, UPCAST=upcast, **cfg1)
     _moe_gemm_kernel[(nblk, triton.cdiv(h, cfg2["BLOCK_N"]))](
         inter, w2, y, sorted_ids, block_expert, weights, m, h, i,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
-        A_ROW_DIV=1, SILU_MUL=False, WEIGHTED=True, ROW_PER_BLOCK=one_token, PREC=prec,
-        UPCAST=upcast, **cfg2)
+        *_bias_args(w2_bias, w2), 1.0, 0.0,
+        A_ROW_DIV=1, SILU_MUL=False, WEIGHTED=True, HAS_BIAS=w2_bias is not None,
+        CLAMPED=False, ROW_PER_BLOCK=one_token, PREC=prec, UPCAST=upcast, **cfg2)
     return torch.sum(y.view(t, k, h), dim=1, out=out)

@@ -41,7 +41,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     check_tensor("weight", weight, 1, FLOAT_DTYPES, x.device)
     if weight.shape[0] != n:
         raise ValueError(f"weight has {weight.shape[0]} elements, x rows have {n}")
-    x2 = _rows("x", x)
+    # x may be a per-head view into fused q/k/v rows ([T, H, N], Qwen3's and GLM's q/k norm),
+    # which no [M, N] view covers: read a copy (only out / residual_out must be views)
+    x2 = _rows("x", x if _viewable(x) else x.contiguous())
     m = x2.shape[0]
     out_dtype = torch.result_type(weight, x)
     if out is None:
@@ -54,7 +56,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if residual_out is None:
             residual_out = torch.empty_like(x)
         check_out("residual_out", residual_out, tuple(x.shape), x.dtype, x.device)
-        r2, ro2 = _rows("residual", residual), _rows("residual_out", residual_out)
+        r2, ro2 = residual.reshape(-1, n), _rows("residual_out", residual_out)
     block = triton.next_power_of_2(n)
     if m > 0:
         _rms_norm_kernel[(m,)](x2, r2, weight.contiguous(), o2, ro2,
@@ -62,6 +64,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                HAS_RESIDUAL=residual is not None, BLOCK=block,
                                num_warps=min(16, max(1, block // 256)))
     return out if residual is None else (out, residual_out)
+
+
+def _viewable(t: torch.Tensor) -> bool:
+    try:
+        t.view(-1, t.shape[-1])
+        return True
+    except RuntimeError:
+        return False
 
 
 def _rows(name: str, t: torch.Tensor) -> torch.Tensor:

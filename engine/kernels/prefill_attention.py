@@ -26,6 +26,12 @@ call); shorter chunks, and the interpreter, use _LAUNCH.
 
 An 8-bit cache (k_scales/v_scales given) is read by the same kernel, compiled with KV_SCALED
 (_attention_tile applies the per-(block, KV head) scales).
+
+A sliding window (WINDOWED): key j is visible to a row at position p iff p - window < j <= p.
+A tile's keys then start at its first row's window, first_pos - window + 1 (rounded down to
+a key tile), and every key tile is masked (no tile is visible to all rows for certain).
+Attention sinks (HAS_SINKS): each row's state starts at (m = sink of its head, l = 1), the
+sink a key of value zero.
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ import triton.language as tl
 
 from ._attention_tile import _attend_tile
 from ._checks import (check_out, check_paged_attention, check_shape, check_tensor,
-                      dot_precision, interpreting, scale_args, upcast_dot)
+                      check_window_sinks, dot_precision, interpreting, scale_args, upcast_dot)
 from .decode_attention import LOG2E
 
 # untuned launch: short chunks (launch-bound) and the interpreter
@@ -53,9 +59,10 @@ _CONFIGS = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
 def _paged_prefill_attention_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, scale_log2,
         stride_qt, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
-        stride_ot, stride_oh, block_size, D, ks_ptr, vs_ptr, stride_sb,
+        stride_ot, stride_oh, block_size, D, ks_ptr, vs_ptr, stride_sb, window, sinks_ptr,
         G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        PREC: tl.constexpr, UPCAST: tl.constexpr, KV_SCALED: tl.constexpr):
+        PREC: tl.constexpr, UPCAST: tl.constexpr, KV_SCALED: tl.constexpr,
+        WINDOWED: tl.constexpr, HAS_SINKS: tl.constexpr):
     TOK = BLOCK_M // G                               # tokens per tile
     kvh = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -83,23 +90,32 @@ def _paged_prefill_attention_kernel(
 
     first_pos = L - q_len + tile * TOK
     last_pos = tl.minimum(first_pos + TOK - 1, L - 1)
-    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N          # keys [0, full_end) visible to all
+    if WINDOWED:                                             # keys from the first row's window
+        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_end = lo
+    else:
+        lo = 0
+        full_end = (first_pos + 1) // BLOCK_N * BLOCK_N      # keys [0, full_end) visible to all
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:                                            # the sink: logit sink, value 0
+        m = tl.load(sinks_ptr + heads).to(tl.float32) * 1.4426950408889634
+        l = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b * stride_bt
     head_off = kvh.to(tl.int64) * stride_ch
     ks_row, vs_row = ks_ptr + kvh, vs_ptr + kvh
-    for n0 in range(0, full_end, BLOCK_N):
+    for n0 in range(lo, full_end, BLOCK_N):
         m, l, acc = _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_row, n0, full_end, qpos,
                                  scale_log2, block_size, stride_cb, stride_co, head_off, d, dmask,
-                                 ks_row, vs_row, stride_sb, CAUSAL=False, BLOCK_N=BLOCK_N,
-                                 PREC=PREC, UPCAST=UPCAST, KV_SCALED=KV_SCALED)
+                                 ks_row, vs_row, stride_sb, window, CAUSAL=False, WINDOWED=False,
+                                 BLOCK_N=BLOCK_N, PREC=PREC, UPCAST=UPCAST, KV_SCALED=KV_SCALED)
     for n0 in range(full_end, last_pos + 1, BLOCK_N):
         m, l, acc = _attend_tile(q, m, l, acc, kc_ptr, vc_ptr, bt_row, n0, last_pos + 1, qpos,
                                  scale_log2, block_size, stride_cb, stride_co, head_off, d, dmask,
-                                 ks_row, vs_row, stride_sb, CAUSAL=True, BLOCK_N=BLOCK_N,
-                                 PREC=PREC, UPCAST=UPCAST, KV_SCALED=KV_SCALED)
+                                 ks_row, vs_row, stride_sb, window, CAUSAL=True,
+                                 WINDOWED=WINDOWED, BLOCK_N=BLOCK_N, PREC=PREC, UPCAST=UPCAST,
+                                 KV_SCALED=KV_SCALED)
     o = acc / l[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -112,9 +128,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             context_lens: torch.Tensor, scale: float, *, max_q_len: int | None = None,
                             out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
-                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scales: torch.Tensor | None = None, window: int | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H_q, D] -> [T, H_q, D]. The chunk's own K/V must already be in the cache.
     k_scales, v_scales: [num_blocks, H_kv] fp32 when the cache is 8-bit (reference.py).
+    window: keys each query sees (itself included; None: all); sinks: [H_q] fp32 logits
+    that join every softmax's denominator (reference.py).
 
     max_q_len: a host int >= every chunk length (the scheduler knows it); when omitted it is
     read from cu_seqlens_q, which syncs with the device. Requires context_lens[b] >= q_len[b].
@@ -127,6 +146,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     check_shape("cu_seqlens_q", cu_seqlens_q, (nseq + 1,))
     check_tensor("context_lens", context_lens, 1, (torch.int32,), dev)
     check_shape("context_lens", context_lens, (nseq,))
+    extra = check_window_sinks(window, sinks, hq, q)
     g = hq // hkv
     if g > MAX_GQA_GROUP:
         raise ValueError(f"{hq} query heads per {hkv} KV heads: at most {MAX_GQA_GROUP} per KV head")
@@ -140,9 +160,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, float(scale) * LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1), bs, d,
-            *scale_args(k_cache, k_scales, v_scales))
+            *scale_args(k_cache, k_scales, v_scales), *extra)
     consts = dict(G=g, BLOCK_D=triton.next_power_of_2(d), PREC=dot_precision(q.dtype),
-                  UPCAST=upcast_dot(q.dtype), KV_SCALED=k_scales is not None)
+                  UPCAST=upcast_dot(q.dtype), KV_SCALED=k_scales is not None,
+                  WINDOWED=window is not None, HAS_SINKS=sinks is not None)
 
     def grid(meta):
         return hkv, nseq, triton.cdiv(max_q_len, meta["BLOCK_M"] // g)

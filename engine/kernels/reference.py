@@ -10,7 +10,9 @@ They favour clarity over speed. Layouts (shared with the Triton kernels):
     cu_seqlens_q     : [num_seqs + 1] int32, query rows of seq b are cu[b]:cu[b+1]
 
 Query row i of seq b (q_len = cu[b+1]-cu[b]) sits at position context_len - q_len + i and
-attends causally to cache positions 0..that position.
+attends causally to cache positions 0..that position; with a sliding window W only to the
+last W of them (p - W < k <= p). Attention sinks add one logit per query head to every
+softmax's denominator.
 
 An 8-bit cache (float8_e4m3fn or int8) comes with scales [num_blocks, num_kv_heads] fp32 for
 K and for V: element (block, offset, head, :) stands for q * scale[block, head]. The scale of
@@ -100,12 +102,37 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     return blocks.flatten(0, 1)[:length]
 
 
+def _visible(qpos: torch.Tensor, L: int, window: int | None) -> torch.Tensor:
+    """[q, L] bool: key k is visible to the query at position p iff p - window < k <= p
+    (transformers' sliding_window_overlay: the query and the window - 1 keys before it)."""
+    k = torch.arange(L, device=qpos.device).unsqueeze(0)
+    mask = k <= qpos
+    return mask if window is None else mask & (k > qpos - window)
+
+
+def _softmax_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                    scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, `sinks` [H_q] (GPT-OSS): softmax
+    over [scores, sink], the sink's column then dropped, so each row's weights sum to < 1.
+    q [H_q, M, D], k/v [H_kv, L, D] fp32, visible [.., M, L] -> [H_q, M, D]."""
+    hq, hkv = q.shape[0], k.shape[0]
+    k, v = k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale                  # [H_q, M, L]
+    s = s.masked_fill(~visible, float("-inf"))
+    sink = sinks.float().view(hq, 1, 1).expand(hq, s.shape[1], 1)
+    p = torch.cat((s, sink), -1).softmax(-1)[..., :-1]
+    return torch.matmul(p, v)
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             context_lens: torch.Tensor, scale: float,
                             k_scales: torch.Tensor | None = None,
-                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of a ragged batch of query chunks over paged KV. q: [T, H_q, D]."""
+                            v_scales: torch.Tensor | None = None, window: int | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a ragged batch of query chunks over paged KV. q: [T, H_q, D].
+    `window`: each query sees only its last `window` positions (itself included; None: all);
+    `sinks`: [H_q] fp32 logits joining every softmax's denominator (_softmax_attend)."""
     out = torch.empty_like(q)
     hq, hkv = q.shape[1], k_cache.shape[2]
     cu = cu_seqlens_q.tolist()
@@ -118,9 +145,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         kb = _gather(k_cache, block_tables[b], L, k_scales).float().transpose(0, 1)  # [H_kv, L, D]
         vb = _gather(v_cache, block_tables[b], L, v_scales).float().transpose(0, 1)
         qpos = torch.arange(L - (e - s), L, device=q.device).unsqueeze(1)  # [q_len, 1]
-        mask = torch.arange(L, device=q.device).unsqueeze(0) <= qpos      # [q_len, L]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+        mask = _visible(qpos, L, window)                                  # [q_len, L]
+        if sinks is not None:
+            o = _softmax_attend(qb, kb, vb, mask, scale, sinks)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
         out[s:e] = o.transpose(0, 1).to(q.dtype)
     return out
 
@@ -128,8 +158,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, k_scales: torch.Tensor | None = None,
-                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scales: torch.Tensor | None = None, window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence (the last position). q: [B, H_q, D] -> [B, H_q, D].
+    `window`, `sinks`: as in paged_prefill_attention.
 
     Batched: every sequence's blocks are gathered into a padded [B, M*bs] context and the
     positions past each context length are masked (no mask when every sequence fills it: one
@@ -151,10 +183,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     v = v.flatten(1, 2)[:, :L].float().transpose(1, 2)            # [B, H_kv, L, D]
     # query heads grouped by their KV head: [B, H_kv, H_q/H_kv, D]
     s = torch.matmul(q.view(B, hkv, hq // hkv, D).float(), k).mul_(scale)   # [B, H_kv, G, L]
-    if min(lens) < L:
-        valid = torch.arange(L, device=q.device) < context_lens.unsqueeze(1)  # [B, L]
+    if min(lens) < L or (window is not None and L > window):
+        pos, ctx = torch.arange(L, device=q.device), context_lens.unsqueeze(1)
+        valid = pos < ctx                                                      # [B, L]
+        if window is not None:
+            valid &= pos >= ctx - window
         s.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    out = torch.matmul(s.softmax(-1), v).reshape(B, hq, D)
+    if sinks is not None:
+        sink = sinks.float().view(1, hkv, hq // hkv, 1).expand(B, -1, -1, 1)
+        p = torch.cat((s, sink), -1).softmax(-1)[..., :-1]
+    else:
+        p = s.softmax(-1)
+    out = torch.matmul(p, v).reshape(B, hq, D)
     if min(lens) == 0:
         out[context_lens == 0] = 0.0                              # padding rows (CUDA graphs)
     return out.to(q.dtype)
@@ -208,9 +248,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rope_rows(positions: torch.Tensor, cos_sin_cache: torch.Tensor):
-    """(cos, sin) [T, 1, D] fp32 of each position, for x * cos + roll(x, D/2) * sin: Neox-style
-    (rotate-half) rotation, sin negated in its first half. A forward pass gathers them once
-    and every layer reuses them."""
+    """(cos, sin) [T, 1, R] fp32 of each position, for x * cos + roll(x, R/2) * sin: Neox-style
+    (rotate-half) rotation, sin negated in its first half (R: the table's width, the rotary
+    dimension). A forward pass gathers them once and every layer reuses them."""
     d2 = cos_sin_cache.shape[-1] // 2
     cs = cos_sin_cache[positions.long()]
     cos, sin = cs[:, :d2], cs[:, d2:]
@@ -219,16 +259,19 @@ def rope_rows(positions: torch.Tensor, cos_sin_cache: torch.Tensor):
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor, rows=None):
-    """Neox-style (rotate-half) rotary embedding, as Llama/Qwen/Mistral use it.
-    q: [T, H_q, D], k: [T, H_kv, D], cos_sin_cache: [max_pos, D] = cat(cos[:D/2], sin[:D/2])
-    in fp32; `rows`: rope_rows(positions, cos_sin_cache) when the caller has them. Returns new
-    (q, k)."""
+    """Neox-style (rotate-half) rotary embedding, as Llama/Qwen/Mistral/GLM/MiniMax use it.
+    q: [T, H_q, D], k: [T, H_kv, D], cos_sin_cache: [max_pos, R] = cat(cos[:R/2], sin[:R/2])
+    in fp32, R <= D the rotary dimension: the first R values of each head are rotated (halves
+    R/2 apart), the other D - R passed through (partial rotary: GLM-4.5, MiniMax-M2);
+    `rows`: rope_rows(positions, cos_sin_cache) when the caller has them. Returns new (q, k)."""
     cos, sin = rows or rope_rows(positions, cos_sin_cache)
-    d2 = q.shape[-1] // 2
+    r = cos.shape[-1]
+    d2 = r // 2
 
     def rot(x):
-        xf = x.float()
-        return (xf * cos + xf.roll(d2, -1) * sin).to(x.dtype)
+        xf = x[..., :r].float()
+        out = (xf * cos + xf.roll(d2, -1) * sin).to(x.dtype)
+        return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), -1)
     return rot(q), rot(k)
 
 
@@ -236,6 +279,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] = cat(gate, up) -> silu(gate) * up: [T, I]."""
     i = x.shape[-1] // 2
     return torch.nn.functional.silu(x[..., :i]) * x[..., i:]
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] = cat(gate, up) -> gelu_tanh(gate) * up: [T, I] (GeGLU, Gemma's MLP; the
+    tanh approximation, transformers' gelu_pytorch_tanh)."""
+    i = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :i], approximate="tanh") * x[..., i:]
+
+
+def gpt_oss_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """x: [T, 2I] = cat(gate, up) -> GPT-OSS's clamped SwiGLU [T, I]: the gate clamped above
+    at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate), in the
+    order transformers' GptOssExperts computes it."""
+    i = x.shape[-1] // 2
+    gate, up = x[..., :i].clamp(max=limit), x[..., i:].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def moe_by_expert(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -254,11 +313,20 @@ def moe_by_expert(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """moe_by_expert over stacked weights: w13 [E, 2I, H] = cat(gate, up); w2 [E, H, I]."""
+              topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None
+              ) -> torch.Tensor:
+    """moe_by_expert over stacked weights: w13 [E, 2I, H] = cat(gate, up); w2 [E, H, I];
+    optional biases w13_bias [E, 2I], w2_bias [E, H] (GPT-OSS), added before the activation
+    and before the routing weight; `swiglu` (alpha, limit): gpt_oss_swiglu instead of
+    silu_and_mul."""
     linear = torch.nn.functional.linear
-    return moe_by_expert(x, topk_weights, topk_ids, w13.shape[0],
-                         lambda e, xs: linear(silu_and_mul(linear(xs, w13[e])), w2[e]))
+
+    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+        h = linear(xs, w13[e], None if w13_bias is None else w13_bias[e])
+        h = silu_and_mul(h) if swiglu is None else gpt_oss_swiglu(h, *swiglu)
+        return linear(h, w2[e], None if w2_bias is None else w2_bias[e])
+    return moe_by_expert(x, topk_weights, topk_ids, w13.shape[0], expert)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, group: int = 0) -> torch.Tensor:

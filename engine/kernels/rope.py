@@ -1,9 +1,9 @@
 """The rotary cos/sin cache, computed in fp32 exactly as Hugging Face computes inv_freq.
 
 Used by both the CPU path and the Triton rotary kernel (which only reads the cache), so the
-llama3 and YaRN frequency rescalings live here and nowhere else. YaRN also scales attention:
-transformers multiplies cos and sin by its attention factor (so q.k by its square), and so
-does this table; the kernels see nothing new.
+llama3, linear and YaRN frequency rescalings live here and nowhere else. YaRN also scales
+attention: transformers multiplies cos and sin by its attention factor (so q.k by its square),
+and so does this table; the kernels see nothing new.
 """
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ def build_cos_sin_cache(head_dim: int, max_pos: int, base: float, rope_scaling: 
     """[max_pos, head_dim] fp32 = cat(cos(p * inv_freq), sin(p * inv_freq)) per position p.
 
     `rope_scaling` is the HF config dict: None or rope_type "default" -> plain frequencies;
-    "llama3" -> Llama 3.1 scaling (its attention factor is 1.0); "yarn" -> YaRN's frequencies,
+    "llama3" -> Llama 3.1 scaling (its attention factor is 1.0); "linear" -> every frequency
+    divided by `factor` (position interpolation, Gemma 3 4B+); "yarn" -> YaRN's frequencies,
     cos and sin times its attention factor (yarn_parameters). Anything else raises.
     """
     if head_dim % 2:
@@ -101,10 +102,13 @@ def build_cos_sin_cache(head_dim: int, max_pos: int, base: float, rope_scaling: 
     inv_freq, attention_factor = default_inv_freq(head_dim, base), 1.0
     if kind == "llama3":
         inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
+    elif kind == "linear":
+        inv_freq = inv_freq / rope_scaling["factor"]          # HF: inv_freq /= factor, fp32
     elif kind == "yarn":
         inv_freq, attention_factor = yarn_parameters(head_dim, base, rope_scaling)
     elif kind != "default":
-        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (default, llama3, yarn)")
+        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (default, llama3, "
+                                  "linear, yarn)")
     # HF: freqs = inv_freq[:, None] @ position_ids[None, :] in fp32; one product per element,
     # so an outer product rounds identically.
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.int64).float(), inv_freq)   # [P, D/2]

@@ -1,4 +1,10 @@
-"""Neox-style (rotate-half) rotary embedding applied to q and k from a cos/sin cache."""
+"""Neox-style (rotate-half) rotary embedding applied to q and k from a cos/sin cache.
+
+The cache's width R is the rotary dimension: the first R values of each head rotate (halves
+R/2 apart), the last D - R pass through unchanged (partial rotary, GLM-4.5 / MiniMax-M2):
+
+    head  [ x1 (R/2) | x2 (R/2) | pass (D - R) ]  ->  [ x1 cos - x2 sin | x2 cos + x1 sin | pass ]
+"""
 from __future__ import annotations
 
 import torch
@@ -33,6 +39,16 @@ def _store_rotated(x_ptr, o_ptr, mask, cos, sin, HALF):
 
 
 @triton.jit
+def _copy_pass(x_ptr, o_ptr, mask_h, ROT, PASS, BLOCK_PASS: tl.constexpr):
+    """o[ROT + j] = x[ROT + j] for j < PASS (the heads of mask_h): partial rotary's
+    pass-through columns. x_ptr / o_ptr point at each head's first value."""
+    j = tl.arange(0, BLOCK_PASS)[None, :]
+    m = mask_h & (j < PASS)
+    x = tl.load(x_ptr + ROT + j, mask=m, other=0.0)
+    tl.store(o_ptr + ROT + j, x.to(o_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rotate_q(pos_ptr, q_ptr, cs_ptr, qo_ptr, stride_qt, stride_qh, stride_qot, stride_qoh,
               stride_cs, HQ, HALF, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """This program's token t and heads h (columns i): q_out[t, h] = rot(q[t, h]); returns
@@ -50,30 +66,45 @@ def _rotate_q(pos_ptr, q_ptr, cs_ptr, qo_ptr, stride_qt, stride_qh, stride_qot, 
 def _rotary_embedding_kernel(pos_ptr, q_ptr, k_ptr, cs_ptr, qo_ptr, ko_ptr,
                              stride_qt, stride_qh, stride_kt, stride_kh,
                              stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
-                             HQ, HK, HALF,
-                             BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                             HQ, HK, HALF, PASS,
+                             BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                             BLOCK_PASS: tl.constexpr, HAS_PASS: tl.constexpr):
     # grid (T, cdiv(max(HQ, HK), BLOCK_H)). For token t at position p and every head:
-    #   x = [x1 | x2]  ->  [x1*cos - x2*sin | x2*cos + x1*sin]      (fp32, rounded once)
+    #   x = [x1 | x2 | pass]  ->  [x1*cos - x2*sin | x2*cos + x1*sin | pass]   (fp32, rounded once)
     t, h, i, cos, sin = _rotate_q(pos_ptr, q_ptr, cs_ptr, qo_ptr, stride_qt, stride_qh, stride_qot,
                                   stride_qoh, stride_cs, HQ, HALF, BLOCK_H, BLOCK_HALF)
     _store_rotated(k_ptr + t * stride_kt + h * stride_kh + i, ko_ptr + t * stride_kot + h * stride_koh + i,
                    (h < HK) & (i < HALF), cos, sin, HALF)
+    if HAS_PASS:
+        _copy_pass(q_ptr + t * stride_qt + h * stride_qh, qo_ptr + t * stride_qot + h * stride_qoh,
+                   h < HQ, 2 * HALF, PASS, BLOCK_PASS)
+        _copy_pass(k_ptr + t * stride_kt + h * stride_kh, ko_ptr + t * stride_kot + h * stride_koh,
+                   h < HK, 2 * HALF, PASS, BLOCK_PASS)
 
 
-def check_positions(positions: torch.Tensor, cos_sin_cache: torch.Tensor, t: int, d: int, dev) -> None:
-    """positions [t] int32/int64 and a float32 [max_pos, d] cos/sin cache on `dev`."""
+def check_positions(positions: torch.Tensor, cos_sin_cache: torch.Tensor, t: int, d: int, dev) -> int:
+    """positions [t] int32/int64 and a float32 [max_pos, R] cos/sin cache on `dev`, R even
+    and at most head_dim `d`; returns R, the rotary dimension."""
     check_tensor("positions", positions, 1, (torch.int32, torch.int64), dev)
     check_shape("positions", positions, (t,))
     check_tensor("cos_sin_cache", cos_sin_cache, 2, (torch.float32,), dev)
-    if cos_sin_cache.shape[1] != d:
-        raise ValueError(f"cos_sin_cache rows have {cos_sin_cache.shape[1]} values, head_dim is {d}")
+    r = cos_sin_cache.shape[1]
+    if r % 2 or not 0 < r <= d:
+        raise ValueError(f"cos_sin_cache rows have {r} values: the rotary dimension must be even "
+                         f"and at most head_dim {d}")
+    return r
+
+
+def pass_args(d: int, r: int) -> dict:
+    """The launch arguments of the pass-through columns D - R (partial rotary)."""
+    return dict(PASS=d - r, BLOCK_PASS=triton.next_power_of_2(max(d - r, 1)), HAS_PASS=d > r)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor, *, q_out: torch.Tensor | None = None,
                      k_out: torch.Tensor | None = None):
-    """positions [T] int; q [T, H_q, D]; k [T, H_kv, D]; cos_sin_cache [max_pos, D] fp32.
-    Returns (q_out, k_out); passing q_out=q, k_out=k rotates in place. Positions must be
+    """positions [T] int; q [T, H_q, D]; k [T, H_kv, D]; cos_sin_cache [max_pos, R] fp32
+    (R <= D: the rotary dimension, the rest passed through). Returns (q_out, k_out); passing q_out=q, k_out=k rotates in place. Positions must be
     < max_pos (not checked on device: no host sync)."""
     check_tensor("q", q, 3, FLOAT_DTYPES)
     dev = q.device
@@ -82,9 +113,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if k.shape[0] != t or k.shape[2] != d:
         raise ValueError(f"k has shape {tuple(k.shape)}; expected ({t}, H_kv, {d}) to match q")
     hk = k.shape[1]
-    if d % 2:
-        raise ValueError(f"head_dim must be even for rotate-half, got {d}")
-    check_positions(positions, cos_sin_cache, t, d, dev)
+    r = check_positions(positions, cos_sin_cache, t, d, dev)
     if q_out is None:
         q_out = torch.empty_like(q)
     if k_out is None:
@@ -99,5 +128,5 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         positions, q, k, cos_sin_cache, q_out, k_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
-        hq, hk, d // 2, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(d // 2))
+        hq, hk, r // 2, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(r // 2), **pass_args(d, r))
     return q_out, k_out

@@ -10,6 +10,10 @@ a family's module, which imports torch, is loaded on first use).
     mixtral.py    Mixtral
     qwen_moe.py   Qwen2-MoE, Qwen3-MoE
     deepseek.py   DeepSeek-V3 / R1, Kimi K2: multi-head latent attention, its MoE
+    gemma3.py     Gemma 3 (text): local (sliding) and global layers, Gemma's norms
+    glm4_moe.py   GLM-4.5 MoE (partial rotary, DeepSeek-style routing, shared experts)
+    minimax_m2.py MiniMax-M2 (q/k norm over the whole projection, sigmoid routing)
+    gpt_oss.py    GPT-OSS (sinks, alternating sliding windows, biased experts, clamped SwiGLU)
 
 A new family: one file with a CausalLM subclass (kernels only where it needs a new op), and
 its architectures' lines in ARCHITECTURES below.
@@ -28,6 +32,10 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "qwen_moe:QwenMoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen_moe:QwenMoeForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "deepseek:DeepseekV3ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3_text", "gemma3:Gemma3ForCausalLM"),
+    "Glm4MoeForCausalLM": ("glm4_moe", "glm4_moe:Glm4MoeForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("minimax_m2", "minimax_m2:MiniMaxM2ForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "gpt_oss:GptOssForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = {arch: kind for arch, (kind, _) in ARCHITECTURES.items()}
 

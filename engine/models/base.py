@@ -30,6 +30,17 @@ from .moe import SparseMoeBlock, stack_experts
 log = logging.getLogger(__name__)
 
 
+def layer_types(c: dict, window: int | None, sliding) -> list[str] | None:
+    """ModelConfig.layer_types of a family whose transformers model windows only some layers:
+    config.json's `layer_types` where written (transformers 5 writes it), else
+    transformers' rule `sliding(i)` (True: layer i is windowed); None when no window is on."""
+    if window is None:
+        return None
+    n = c["num_hidden_layers"]
+    return c.get("layer_types") or ["sliding_attention" if sliding(i) else "full_attention"
+                                    for i in range(n)]
+
+
 class CausalLM(nn.Module):
     # checkpoint module name -> (our fused module, its index among the fused parts)
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -49,14 +60,14 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(self.make_layer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.register_buffer("cos_sin", torch.empty(c.max_model_len + 1, c.head_dim) if meta else
-                             self.rotary_table(), persistent=False)
+        self.register_buffer("cos_sin", torch.empty(c.max_model_len + 1, c.rotary_dim or c.head_dim)
+                             if meta else self.rotary_table(), persistent=False)
 
     # -- what a family overrides ----------------------------------------------------------
     @classmethod
     def config_fields(cls, kind: str, c: dict, path) -> dict:
         """ModelConfig fields this family reads its own way from config.json `c` (`kind`: its
-        model_type): qkv_bias, qk_norm, sliding_window, moe."""
+        model_type): qkv_bias, qk_norm, sliding_window, layer_types, moe, ... (ModelConfig)."""
         return dict(qkv_bias=bool(c.get("attention_bias", False)), qk_norm=False,
                     sliding_window=c.get("sliding_window") if c.get("use_sliding_window") else None)
 
@@ -64,7 +75,7 @@ class CausalLM(nn.Module):
         return MLP(c, self.backend)
 
     def make_layer(self, c: ModelConfig, layer: int) -> nn.Module:
-        return DecoderLayer(c, self.backend, self.make_mlp(c, layer))
+        return DecoderLayer(c, self.backend, self.make_mlp(c, layer), layer=layer)
 
     def checkpoint_name(self, name: str) -> tuple[str, object]:
         """A checkpoint tensor's name (without `model.`) -> (our parameter, its shard within a
@@ -75,6 +86,11 @@ class CausalLM(nn.Module):
                 fused, shard = self.packed_modules[p]
                 return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
         return name, None
+
+    def skips(self, name: str) -> bool:
+        """Whether the loader passes over checkpoint tensor `name` (without `model.`): tensors
+        the engine does not run, such as GLM's multi-token-prediction layers. None here."""
+        return False
 
     def assemble(self, name: str, shards: dict):
         """Parameter `name` from its checkpoint shards {shard: tensor or QuantWeight}: an MoE
@@ -92,8 +108,12 @@ class CausalLM(nn.Module):
         return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else type(parts[0]).cat(parts)
 
     def rotary_table(self, device=None) -> torch.Tensor:
+        """[max_model_len + 1, R] cos/sin of the rotary dimension R (ModelConfig.rotary_dim,
+        default head_dim): the rotary ops rotate the first R values of each head, as wide as
+        this table, and pass the rest through (partial rotary)."""
         c = self.config
-        return build_cos_sin_cache(c.head_dim, c.max_model_len + 1, c.rope_theta, c.rope_scaling, device)
+        return build_cos_sin_cache(c.rotary_dim or c.head_dim, c.max_model_len + 1, c.rope_theta,
+                                   c.rope_scaling, device)
 
     # -- what the engine asks --------------------------------------------------------------
     def quantizable_linears(self) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:

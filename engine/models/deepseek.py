@@ -24,6 +24,7 @@ every score is unchanged.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -181,6 +182,12 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def checkpoint_name(self, name: str):
         return _EXPERT(name) or super().checkpoint_name(shared_experts_name(name))
+
+    def skips(self, name: str) -> bool:
+        """The multi-token-prediction layer(s) DeepSeek-V3's checkpoints carry after the last
+        (model.layers.61 of 61): transformers does not run them, nor does this."""
+        m = re.match(r"layers\.(\d+)\.", name)
+        return m is not None and int(m.group(1)) >= self.config.num_layers
 
     def make_layer(self, c: ModelConfig, layer: int) -> nn.Module:
         return DecoderLayer(c, self.backend, self.make_mlp(c, layer), MlaAttention(c, self.backend))

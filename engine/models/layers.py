@@ -51,11 +51,17 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query attention with fused q/k/v rows (`qkv_proj`), an optional bias and
     optional per-head RMSNorm of q and k (Qwen3), rotary on q and k, K/V written to the paged
-    cache; decode and prefill kernels by the batch's shape."""
+    cache; decode and prefill kernels by the batch's shape. `layer`'s sliding window
+    (ModelConfig.layer_window) and, with ModelConfig.attention_sinks, a learned logit per
+    head in every softmax (`sinks`, GPT-OSS) go to both kernels."""
 
-    def __init__(self, c: ModelConfig, backend: str):
+    def __init__(self, c: ModelConfig, backend: str, layer: int | None = None):
         super().__init__()
+        if layer is None and c.layer_types is not None:
+            raise ValueError("Attention of a model with layer_types needs its layer index")
         self.backend = backend
+        self.window = c.layer_window(layer or 0)
+        self.sinks = nn.Parameter(torch.zeros(c.num_heads)) if c.attention_sinks else None
         self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
@@ -73,7 +79,10 @@ class Attention(nn.Module):
     def bind_kv_cache(self, k_cache, v_cache, k_scales=None, v_scales=None) -> None:
         self.k_cache, self.v_cache, self.k_scales, self.v_scales = k_cache, v_cache, k_scales, v_scales
 
-    def forward(self, positions, x, meta: AttentionMetadata, cos_sin, rope_rows=None):
+    def project(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, nh, hd], k and v [T, nkv, hd]: the fused projection, then
+        the per-head q/k norm where the model has one (a family with another norm overrides
+        this: minimax_m2.py)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.nh, self.hd)
@@ -81,18 +90,25 @@ class Attention(nn.Module):
         v = v.view(T, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, positions, x, meta: AttentionMetadata, cos_sin, rope_rows=None):
+        T = x.shape[0]
+        q, k, v = self.project(x)
         scales = dict(k_scales=self.k_scales, v_scales=self.v_scales, backend=self.backend)
         q = K.rotary_embedding_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
                                         meta.slot_mapping, rows=rope_rows, **scales)
+        sinks = None if self.sinks is None else self.sinks.float()
         if meta.decode_only:
             o = K.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                          meta.context_lens, self.scale,
-                                         max_context_len=meta.max_context_len,
-                                         out_dtype=input_dtype(self.o_proj), **scales)
+                                         max_context_len=meta.max_context_len, window=self.window,
+                                         sinks=sinks, out_dtype=input_dtype(self.o_proj), **scales)
         else:
             o = K.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                           meta.cu_seqlens_q, meta.context_lens, self.scale,
-                                          max_q_len=meta.max_q_len, **scales)
+                                          max_q_len=meta.max_q_len, window=self.window,
+                                          sinks=sinks, **scales)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -118,9 +134,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm: h += attn(norm(h)); h += mlp(norm(h)), the residual add fused into the norms."""
 
-    def __init__(self, c: ModelConfig, backend: str, mlp: nn.Module, attention: nn.Module | None = None):
+    def __init__(self, c: ModelConfig, backend: str, mlp: nn.Module, attention: nn.Module | None = None,
+                 layer: int | None = None):
         super().__init__()
-        self.self_attn = attention or Attention(c, backend)
+        self.self_attn = attention or Attention(c, backend, layer)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)

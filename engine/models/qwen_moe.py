@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from engine.config import ModelConfig, MoeConfig
 
-from .base import CausalLM
+from .base import CausalLM, layer_types
 from .layers import MLP
 from .moe import SparseMoeBlock, expert_names
 
@@ -26,9 +26,14 @@ class QwenMoeForCausalLM(CausalLM):
             sparse_layers=[i for i in range(c["num_hidden_layers"])
                            if i not in dense and e > 0 and (i + 1) % step == 0],
             hidden_act=c.get("hidden_act", "silu"))
+        # the window (when on): Qwen3-MoE's on every layer; Qwen2-MoE's on those layer_types
+        # names (transformers: every other one below max_window_layers)
+        window = (c.get("sliding_window") or None) if c.get("use_sliding_window") else None
+        first = c.get("max_window_layers", 28)
+        types = layer_types(c, window, lambda i: (i + 1) % 2 == 1 and i < first) \
+            if kind == "qwen2_moe" else None
         return dict(qkv_bias=(kind == "qwen2_moe" and c.get("qkv_bias", True)) or bool(c.get("attention_bias", False)),
-                    qk_norm=kind == "qwen3_moe", moe=moe,
-                    sliding_window=c.get("sliding_window") if c.get("use_sliding_window") else None)
+                    qk_norm=kind == "qwen3_moe", moe=moe, sliding_window=window, layer_types=types)
 
     def make_mlp(self, c: ModelConfig, layer: int):
         if layer not in c.moe.sparse_layers:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels import silu_and_mul
+from engine.kernels import gpt_oss_swiglu, silu_and_mul
 from engine.kernels.reference import moe_by_expert
 
 from . import get_scheme
@@ -113,17 +113,38 @@ class QuantExperts(nn.Module):
     loop engine/kernels/reference.py's `fused_moe` runs for the float ones (`moe_by_expert`:
     one expert at a time, its tokens gathered, scaled by the routing weight, summed in fp32).
     On CUDA that is the same loop, no fused kernel over the experts yet, and its `nonzero`
-    waits on the device (no decode graphs: runner.py)."""
+    waits on the device (no decode graphs: runner.py). GPT-OSS's experts: the biases
+    (`gate_up_bias` [E, 2I], `down_bias` [E, H]) ride on the QuantLinears, `swiglu` (alpha,
+    limit) picks its clamped SwiGLU over silu_and_mul."""
 
-    def __init__(self, method: str, gate_up: torch.Tensor, down: torch.Tensor, backend: str = "auto"):
+    def __init__(self, method: str, gate_up: torch.Tensor, down: torch.Tensor, backend: str = "auto",
+                 *, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                 swiglu: tuple[float, float] | None = None):
         super().__init__()
-        self.backend = backend
-        self.gate_up = nn.ModuleList(QuantLinear.quantize(method, w, backend=backend) for w in gate_up)
-        self.down = nn.ModuleList(QuantLinear.quantize(method, w, backend=backend) for w in down)
+        self.backend, self.swiglu = backend, swiglu
+
+        def layers(ws, bs):
+            return nn.ModuleList(QuantLinear.quantize(method, w, None if bs is None else bs[e],
+                                                      backend=backend) for e, w in enumerate(ws))
+        self.gate_up = layers(gate_up, gate_up_bias)
+        self.down = layers(down, down_bias)
+
+    @classmethod
+    def of(cls, method: str, experts: nn.Module, backend: str = "auto",
+           swiglu: tuple[float, float] | None = None) -> "QuantExperts":
+        """From a float Experts module, with its `gate_up_proj_bias` / `down_proj_bias` where
+        it has them (GPT-OSS)."""
+        bias = {k: getattr(experts, f"{p}_bias", None) for k, p in
+                (("gate_up_bias", "gate_up_proj"), ("down_bias", "down_proj"))}
+        return cls(method, experts.gate_up_proj.data, experts.down_proj.data, backend, swiglu=swiglu,
+                   **{k: None if b is None else b.data for k, b in bias.items()})
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-            return self.down[e](silu_and_mul(self.gate_up[e](xs), backend=self.backend))
+            h = self.gate_up[e](xs)
+            if self.swiglu is None:
+                return self.down[e](silu_and_mul(h, backend=self.backend))
+            return self.down[e](gpt_oss_swiglu(h, *self.swiglu, backend=self.backend))
         return moe_by_expert(x, topk_weights, topk_ids, len(self.gate_up), expert)
 
 

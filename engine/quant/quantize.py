@@ -39,9 +39,8 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
             setattr(parent, name, QuantLinear.quantize(
                 method, lin.weight.data, None if lin.bias is None else lin.bias.data, backend=backend))
     for block in model.moe_blocks():
-        if not isinstance(block.experts, QuantExperts):
-            e = block.experts
-            block.experts = QuantExperts(method, e.gate_up_proj.data, e.down_proj.data, backend)
+        if not isinstance(block.experts, QuantExperts):     # swiglu: GPT-OSS's activation
+            block.experts = QuantExperts.of(method, block.experts, backend, getattr(block, "swiglu", None))
     return model
 
 

@@ -48,6 +48,18 @@ def test_rms_norm_in_place_and_fp32_weight():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_a_qkv_view(dtype):
+    """Qwen3's / GLM's per-head q norm: x [T, H, D] a view into fused qkv rows, which no
+    [T*H, D] view covers (it was refused: the Triton backend could not run those models)."""
+    gen, seed = fresh_generator()
+    qkv = randn(gen, 5, 3 * 4 * 24, dtype=dtype)
+    q = qkv[:, :4 * 24].view(5, 4, 24)
+    w = randn(gen, 24, dtype=dtype)
+    got = rms_norm(on_device(qkv)[0][:, :4 * 24].view(5, 4, 24), *on_device(w), 1e-6)
+    assert_close(got, reference.rms_norm(q, w, 1e-6), dtype, seed, "per-head rms_norm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_embedding_on_qkv_views(dtype):
     gen, seed = fresh_generator()
     t, hq, hk, d = 9, 8, 2, 64

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from engine.config import ModelConfig, _rope
+from engine.config import ModelConfig
+from engine.rope_config import rope as _rope
 from engine.kernels.rope import build_cos_sin_cache, yarn_parameters
 
 # (transformers config class, its rotary module, config.json fields, rotary dim)

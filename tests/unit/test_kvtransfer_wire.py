@@ -43,3 +43,28 @@ def test_compat_from_cache_and_sizes():
     assert layer_body_bytes(cache, 3) == 64 + 3 * 2 * 4 * 2 * 8 * 2
     with pytest.raises(ValueError, match="shape"):
         CompatKey.from_cache(torch.zeros(3, 10, 4), "m")
+
+
+def test_layout_names_latent_windows_and_sinks(tmp_path):
+    """The handshake's layout string (ModelConfig.kv_layout) names what two caches must share
+    beyond their shapes: MLA's ranks, each layer's window, sinks; a one-part latent cache
+    sizes its blocks as one part."""
+    from engine.config import MlaConfig, ModelConfig
+    base = dict(model_dir="m", architecture="x", vocab_size=8, hidden_size=8, intermediate_size=8,
+                num_layers=3, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6,
+                rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
+                tie_word_embeddings=False, qkv_bias=False, qk_norm=False, max_model_len=64)
+    assert ModelConfig(**base).kv_layout() == "gqa(kv_heads=1, head_dim=4)"
+    hybrid = ModelConfig(**base, sliding_window=8, attention_sinks=True,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    assert hybrid.kv_layout() == "gqa(kv_heads=1, head_dim=4, window=8 on layers 0,2, sinks)"
+    assert ModelConfig(**base, sliding_window=8).kv_layout() == "gqa(kv_heads=1, head_dim=4, window=8 on all layers)"
+    mla = ModelConfig(**base, mla=MlaConfig(None, 32, 16, 8, 16))
+    assert mla.kv_layout() == "mla(kv_lora_rank=32, rope_dim=8)" and mla.kv_block_shape() == (1, 1, 40)
+    cache = torch.zeros(3, 1, 10, 4, 1, 40)
+    key = CompatKey.from_cache(cache, "m", layout=mla.kv_layout())
+    assert layer_body_bytes(cache, 3) == 64 + 3 * 4 * 40 * 4
+    other = CompatKey.from_cache(torch.zeros(3, 2, 10, 4, 1, 20), "m", layout="gqa(kv_heads=1, head_dim=20)")
+    with pytest.raises(IncompatibleKV) as e:
+        key.check(other, "prefill", "decode")
+    assert "layout: prefill='mla(kv_lora_rank=32, rope_dim=8)' decode='gqa(kv_heads=1, head_dim=20)'" in str(e.value)

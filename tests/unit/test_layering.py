@@ -33,8 +33,8 @@ ENGINE_LAYERS = {
     "engine.models": {"engine.kernels", "engine.quant", "engine.models", "engine.config"},
 }
 # torch-free, so the CLI, the config and the gateway can import them: the registries too
-TORCH_FREE = GATEWAY_ENGINE | {"engine.config", "engine.models", "engine.quant", "engine.spec_decode",
-                               "engine.gguf_arch", "engine.gguf_moe"}
+TORCH_FREE = GATEWAY_ENGINE | {"engine.config", "engine.rope_config", "engine.models", "engine.quant",
+                               "engine.spec_decode", "engine.gguf_arch", "engine.gguf_moe"}
 
 
 def _module_name(path: Path) -> str:

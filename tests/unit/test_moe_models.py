@@ -43,7 +43,8 @@ def models(tmp_path_factory):
 def test_configs_parse_as_transformers_builds_them(models):
     mix = ModelConfig.from_dir(models("mixtral")[0])
     assert (mix.moe.num_experts, mix.moe.top_k, mix.moe.norm_topk_prob) == (8, 2, True)
-    assert mix.moe.sparse_layers == [0, 1] and mix.max_model_len == 256     # sliding window 256
+    # the window (256) is attended as a window now, so the context is the model's own
+    assert mix.moe.sparse_layers == [0, 1] and mix.max_model_len == 512 and mix.layer_window(0) == 256
     q2 = ModelConfig.from_dir(models("qwen2_moe")[0])
     assert (q2.moe.top_k, q2.moe.norm_topk_prob, q2.moe.shared_intermediate_size) == (4, False, 96)
     assert q2.moe.sparse_layers == [1] and q2.qkv_bias                     # layer 0 dense
