@@ -37,7 +37,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .gguf_arch import TENSOR_TYPES, GGUFArch, Llama, RawTensor  # noqa: F401 (RawTensor: re-exported)
+from .gguf_arch import TENSOR_TYPES, Gemma3, GGUFArch, Llama, RawTensor  # noqa: F401 (RawTensor: re-exported)
 from .gguf_moe import Deepseek2, QwenMoe
 
 # GGUF general.architecture -> its map (engine/gguf_arch.py, engine/gguf_moe.py): the Hugging
@@ -46,7 +46,7 @@ from .gguf_moe import Deepseek2, QwenMoe
 ARCHITECTURES: dict[str, GGUFArch] = {
     "llama": Llama("LlamaForCausalLM"), "qwen2": Llama("Qwen2ForCausalLM"),
     "qwen3": Llama("Qwen3ForCausalLM"), "qwen2moe": QwenMoe("Qwen2MoeForCausalLM"),
-    "qwen3moe": QwenMoe("Qwen3MoeForCausalLM"), "deepseek2": Deepseek2()}
+    "qwen3moe": QwenMoe("Qwen3MoeForCausalLM"), "deepseek2": Deepseek2(), "gemma3": Gemma3()}
 # tokenizer.ggml.pre -> the text split before byte-level BPE (llama.cpp's pre-tokenizer
 # types). None: GPT-2's own split (the ByteLevel pre-tokenizer's regex).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"

@@ -10,6 +10,7 @@ architecture's `GGUFArch` here.
     qwen2moe    Qwen2MoeForCausalLM              (stacked experts; the shared expert's gate
                                                  may be stored 1-D)
     qwen3moe    Qwen3MoeForCausalLM              (stacked experts)
+    gemma3      Gemma3ForCausalLM (text)         every RMSNorm weight stored + 1
     deepseek2   DeepseekV3ForCausalLM (DeepSeek  kv_b_proj split into attn_k_b (per head,
                 V3 / R1, Kimi K2)                transposed) and attn_v_b; head_count_kv
                                                  written as 1 (MLA read as MQA)
@@ -186,3 +187,37 @@ def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     half = n // heads // 2
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
+
+
+class Gemma3(GGUFArch):
+    """Gemma 3 (text): llama.cpp's converter stores every RMSNorm weight plus one (Gemma's
+    norms scale by 1 + w; subtracted back here) and keeps no layer pattern or query scale in
+    the file: llama.cpp's gemma3 has every 6th layer global and scales queries by
+    head_dim^-1/2, by (hidden / heads)^-1/2 for the 27B (62 layers), so that is what the
+    config says. Linear rope scaling applies to the global layers, freq_base_swa to the local."""
+    hf_architecture = "Gemma3ForCausalLM"
+    layer = {**_LAYER, "post_attention_norm": "post_attention_layernorm",
+             "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+    def config(self, g) -> dict:
+        c = base_config(g, self.hf_architecture)
+        scaling = g.arch_get("rope.scaling.type", "none")
+        if scaling not in ("none", "linear"):
+            raise ValueError(f"{g.path.name}: unsupported rope scaling {scaling!r} for {g.arch}")
+        full = {"rope_type": "default", "rope_theta": c["rope_theta"]}
+        if scaling == "linear":
+            full.update(rope_type="linear", factor=float(g.arch_get("rope.scaling.factor")))
+        big = c["num_hidden_layers"] == 62
+        c.update(model_type="gemma3_text", sliding_window=g.arch_get("attention.sliding_window"),
+                 sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh",
+                 query_pre_attn_scalar=c["hidden_size"] // c["num_attention_heads"] if big else c["head_dim"],
+                 final_logit_softcapping=g.arch_get("final_logit_softcapping"),
+                 rope_parameters={"full_attention": full, "sliding_attention": {
+                     "rope_type": "default", "rope_theta": float(g.arch_get("rope.freq_base_swa", 10000.0))}})
+        return c
+
+    def tensors(self, g, c: dict) -> Iterator[RawTensor]:
+        for t in super().tensors(g, c):
+            if t.name.endswith("norm.weight"):
+                t.type_name, t.data = "F32", t.dequantize() - np.float32(1.0)
+            yield t

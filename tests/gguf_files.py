@@ -97,18 +97,23 @@ def add_tokenizer(w, hf_dir: Path, pre: str = "gpt2", tokenizer_model: str = "gp
 
 
 def tiny_hf_dir(kind: str, out: Path, **overrides) -> Path:
-    """A random transformers model of `kind` (tests/hf_models.py, or "deepseek_v3":
-    tests/hf_models_mla.py; `overrides` for its config)
+    """A random transformers model of `kind` (tests/hf_models.py, "deepseek_v3":
+    tests/hf_models_mla.py, "gemma3_text": tests/hf_models_window.py; `overrides` for its config)
     beside the tiny model's byte-level BPE tokenizer and chat template."""
     import shutil
 
     from engine.tiny_model import make_tiny_model
     from tests.hf_models import make_hf_model
     from tests.hf_models_mla import make_deepseek
+    from tests.hf_models_window import make_window_model
     tiny = make_tiny_model(out / "tiny")
     overrides = dict(dict(vocab_size=1024), **overrides)
-    d = make_deepseek(out / kind, **overrides) if kind == "deepseek_v3" else \
-        make_hf_model(kind, out / kind, **overrides)
+    if kind == "deepseek_v3":
+        d = make_deepseek(out / kind, **overrides)
+    elif kind == "gemma3_text":
+        d = make_window_model(kind, out / kind, **overrides)
+    else:
+        d = make_hf_model(kind, out / kind, **overrides)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny / f, d / f)
     return d

@@ -1,5 +1,5 @@
 """GGUF files of the mixture-of-experts and MLA models (Mixtral, Qwen2-MoE, Qwen3-MoE,
-DeepSeek-V3) written by the tests from Hugging Face directories the way llama.cpp's
+DeepSeek-V3) and Gemma 3, written by the tests from Hugging Face directories the way llama.cpp's
 convert_hf_to_gguf.py writes them (read from its source: conversion/deepseek.py
 DeepseekV2Model, qwen.py Qwen2MoeModel, llama.py; tensor names from the `gguf` package's own
 TensorNameMap):
@@ -10,6 +10,8 @@ TensorNameMap):
                  attn_v_b; e_score_correction_bias -> exp_probs_b.bias; yarn's mscale_all_dim as
                  yarn_log_multiplier = 0.1 x it
     llama        (Mixtral) q/k rows permuted as for Llama
+    gemma3       every *norm.weight stored + 1; sliding_window, freq_base (global layers, with
+                 their linear scaling), freq_base_swa (local); no layer pattern
     types        1-D tensors, norms, routers and biases F32; other weights `qtype`, F16 where a
                  row does not split into whole blocks (the converter's QuantError fallback)
 
@@ -30,7 +32,7 @@ from safetensors.numpy import load_file, save_file
 from tests.gguf_files import add_tokenizer, permute
 
 GGUF_ARCH = {"deepseek_v3": "deepseek2", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-             "mixtral": "llama"}
+             "mixtral": "llama", "gemma3_text": "gemma3"}
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
@@ -98,6 +100,8 @@ def _units(c: dict, arch: str, sd: dict, split_kv_b: bool):
                     (name.replace("kv_b", "v_b"), kv[:, nope:].copy())],
                    lambda s, name=name: {name: np.concatenate([s[0].transpose(0, 2, 1), s[1]], 1)
                                          .reshape(-1, s[1].shape[-1])})
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            yield [(name, t + np.float32(1.0))], lambda s, name=name: {name: s[0] - np.float32(1.0)}
         elif arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             n = heads if ".q_proj." in name else c["num_key_value_heads"]
             yield [(name, permute(t, n))], lambda s, name=name, n=n: {name: _unpermute(s[0], n)}
@@ -124,10 +128,13 @@ def _metadata(w, c: dict, arch: str, gating: int | None) -> None:
     w.add_head_count_kv(1 if arch == "deepseek2" else c["num_key_value_heads"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     rope = c.get("rope_parameters") or {}
-    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     w.add_vocab_size(c["vocab_size"])
-    w.add_expert_count(c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts"))
-    w.add_expert_used_count(c["num_experts_per_tok"])
+    if arch == "gemma3":
+        _gemma3_metadata(w, c, rope)
+    else:
+        w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+        w.add_expert_count(c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts"))
+        w.add_expert_used_count(c["num_experts_per_tok"])
     if arch == "deepseek2":
         _deepseek_metadata(w, c, rope, gating)
         return
@@ -138,6 +145,16 @@ def _metadata(w, c: dict, arch: str, gating: int | None) -> None:
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     if c.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+
+
+def _gemma3_metadata(w, c: dict, rope: dict) -> None:
+    full, local = rope["full_attention"], rope["sliding_attention"]
+    w.add_rope_freq_base(full["rope_theta"])
+    w.add_rope_freq_base_swa(local["rope_theta"])
+    if full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    w.add_sliding_window(c["sliding_window"])
 
 
 def _deepseek_metadata(w, c: dict, rope: dict, gating: int | None) -> None:

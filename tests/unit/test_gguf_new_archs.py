@@ -18,7 +18,7 @@ from torch import nn
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.gguf import open_gguf
-from engine.quant.linear import QuantLinear
+from engine.quant.linear import QuantEmbedding, QuantLinear
 from tests.gguf_files import tiny_hf_dir
 from tests.gguf_moe_files import reference_dir, write_moe_gguf
 from tests.hf_models import hf_greedy
@@ -28,7 +28,10 @@ PROMPTS = ["The quick brown fox", "Prefill computes the prompt; decode", "a b c 
 NEW = 16
 # llama.cpp's qwen2moe has no dense FFN tensors: every layer routed
 MODELS = {"deepseek_v3": {}, "deepseek-yarn": dict(rope_parameters=YARN),
-          "qwen2_moe": dict(mlp_only_layers=[]), "qwen3_moe": {}, "mixtral": {}}
+          "qwen2_moe": dict(mlp_only_layers=[]), "qwen3_moe": {}, "mixtral": {},
+          # what a Gemma 3 file can say: llama.cpp's layer pattern (every 6th global) and
+          # query scale (head_dim)
+          "gemma3_text": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16)}
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +67,18 @@ def _greedy_matches(path, ref_dir, **llm):
 
 @pytest.mark.parametrize("model,qtype", [
     ("deepseek_v3", "F32"), ("deepseek_v3", "F16"), ("deepseek_v3", "Q8_0"),
-    ("deepseek-yarn", "F32"), ("qwen2_moe", "F32"), ("qwen3_moe", "Q8_0"), ("mixtral", "Q8_0")])
+    ("deepseek-yarn", "F32"), ("qwen2_moe", "F32"), ("qwen3_moe", "Q8_0"), ("mixtral", "Q8_0"),
+    ("gemma3_text", "F32"), ("gemma3_text", "Q8_0")])
 def test_greedy_from_gguf_equals_transformers(files, model, qtype):
     path, ref = files(model, qtype)
     m = _greedy_matches(path, ref)
     if qtype == "Q8_0":        # the file's Q8_0 linears stay quantized (experts: float)
         held = [p for p, *_ in m.quantizable_linears() if isinstance(m.get_submodule(p), QuantLinear)]
         assert "layers.1.self_attn.o_proj" in held and "lm_head" not in held
-        assert isinstance(m.lm_head, QuantLinear)
+        if m.config.tie_word_embeddings:   # Gemma: the Q8_0 table, the head reading its codes
+            assert isinstance(m.embed_tokens, QuantEmbedding)
+        else:
+            assert isinstance(m.lm_head, QuantLinear)
         if model == "deepseek_v3":
             assert {"layers.0.mlp.gate_up_proj", "layers.1.self_attn.q_a_proj",
                     "layers.1.mlp.shared_expert.down_proj"} <= set(held)
@@ -138,3 +145,17 @@ def test_quantized_file_dequantized_on_request(files):
     m = _greedy_matches(path, ref, quantization="none")
     assert not any(isinstance(x, QuantLinear) for x in m.modules())
     assert isinstance(m.layers[0].self_attn.qkv_proj.weight, torch.Tensor)
+
+
+def test_gemma3_file_reads_as_transformers_reads_it(files):
+    """transformers' own GGUF reader (which knows gemma3) takes the test's file to the
+    original weights too (norms stored + 1), as the engine's reader does: the converter's
+    conventions are llama.cpp's, not only this reader's."""
+    import transformers as T
+    path, _ = files("gemma3_text")
+    theirs = T.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                    dtype=torch.float32).state_dict()
+    ours = dict(open_gguf(path).tensors())
+    assert set(ours) == set(theirs) - {"lm_head.weight"}          # tied
+    for name, w in ours.items():
+        torch.testing.assert_close(torch.from_numpy(w), theirs[name], atol=1e-6, rtol=0)
