@@ -10,9 +10,11 @@ A GGUF file holds, in one file, what a Hugging Face directory spreads over sever
                data still in the file's type (the seam for keeping tensors quantized)
                -> `GGUFModel.tensors()`: the same, dequantized to float32
 
-llama.cpp's converter permutes the rows of Llama's q/k projections (rotary pairs (i, i+d/2)
-become neighbours (2i, 2i+1)); `raw_tensors` undoes it. Rows are whole quantization blocks
-apart, so the un-permutation applies to quantized rows unchanged.
+What differs per architecture (names, metadata, what llama.cpp's converter did to tensors:
+Llama's q/k rows permuted per head, experts stacked into 3-D tensors, DeepSeek's kv_b_proj
+split) lives in its map: engine/gguf_arch.py (the dense ones, the shared machinery) and
+engine/gguf_moe.py (Qwen-MoE, DeepSeek-V3), registered in ARCHITECTURES below. Rows are whole
+quantization blocks apart, so row permutations and per-expert slices keep quantized rows.
 
 The header (metadata and tensor table) is parsed here with `struct`: the `gguf` package's
 reader builds a numpy view per metadata item and took 7.5 s on SmolLM2's 49k-token
@@ -35,11 +37,16 @@ from typing import Iterator
 
 import numpy as np
 
-# GGUF general.architecture -> the Hugging Face architecture the engine implements.
-# Mistral files are written as "llama" by llama.cpp's converter.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+from .gguf_arch import TENSOR_TYPES, Gemma3, GGUFArch, Llama, RawTensor  # noqa: F401 (RawTensor: re-exported)
+from .gguf_moe import Deepseek2, QwenMoe
+
+# GGUF general.architecture -> its map (engine/gguf_arch.py, engine/gguf_moe.py): the Hugging
+# Face architecture, config.json and tensors. Mistral files are written as "llama" by
+# llama.cpp's converter; a "llama" file with experts is Mixtral.
+ARCHITECTURES: dict[str, GGUFArch] = {
+    "llama": Llama("LlamaForCausalLM"), "qwen2": Llama("Qwen2ForCausalLM"),
+    "qwen3": Llama("Qwen3ForCausalLM"), "qwen2moe": QwenMoe("Qwen2MoeForCausalLM"),
+    "qwen3moe": QwenMoe("Qwen3MoeForCausalLM"), "deepseek2": Deepseek2(), "gemma3": Gemma3()}
 # tokenizer.ggml.pre -> the text split before byte-level BPE (llama.cpp's pre-tokenizer
 # types). None: GPT-2's own split (the ByteLevel pre-tokenizer's regex).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -50,18 +57,6 @@ PRE_TOKENIZERS = {"default": None, "gpt2": None, "smollm": "digits", "llama-bpe"
                   "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
                   "deepseek-r1-qwen": _QWEN2_SPLIT}
 _CONTROL, _USER_DEFINED = 3, 4     # tokenizer.ggml.token_type values
-
-# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                   "output": "lm_head"}
-
 
 def find_gguf(path: str | Path) -> Path | None:
     """The GGUF file `path` names: a *.gguf file, or a directory with no *.safetensors that
@@ -77,21 +72,6 @@ def find_gguf(path: str | Path) -> Path | None:
         raise ValueError(f"{p} holds several GGUF files ({', '.join(f.name for f in found)}): "
                          "pass the file itself")
     return found[0] if found else None
-
-
-@dataclass
-class RawTensor:
-    """One tensor as stored, under its Hugging Face name, rows in Hugging Face order."""
-    name: str                 # e.g. model.layers.0.self_attn.q_proj.weight
-    type_name: str            # the GGML type: F32, Q8_0, Q4_1, ...
-    shape: tuple[int, ...]    # the logical (Hugging Face) shape, e.g. (out, in)
-    data: np.ndarray          # as stored: float rows, or uint8 rows of quantized blocks
-
-    def dequantize(self) -> np.ndarray:
-        from gguf import GGMLQuantizationType, quants
-        out = quants.dequantize(self.data, GGMLQuantizationType[self.type_name]) \
-            .astype(np.float32, copy=False).reshape(self.shape)
-        return out if out.flags.writeable else out.copy()     # F32 is a view of the file
 
 
 @dataclass
@@ -186,7 +166,7 @@ class GGUFModel:
             self.meta, self.tensor_table = read_gguf(self.path)
         except (ValueError, OSError, struct.error) as e:
             raise ValueError(f"{self.path}: not a readable GGUF file ({e})") from None
-        self.arch = self.get("general.architecture")
+        self.arch, self._config = self.get("general.architecture"), None
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"{self.path.name}: unsupported GGUF architecture {self.arch!r}: "
                              f"supported are {sorted(ARCHITECTURES)}")
@@ -194,56 +174,21 @@ class GGUFModel:
     def get(self, key: str, default=None):
         return self.meta.get(key, default)
 
-    def _arch(self, key: str, default=None):
+    def arch_get(self, key: str, default=None):
+        """Metadata `{general.architecture}.{key}`."""
         return self.get(f"{self.arch}.{key}", default)
 
     def hf_config(self) -> dict:
         """The config.json transformers would write for this model."""
-        names = {t.name for t in self.tensor_table}
-        if "rope_freqs.weight" in names:
-            raise ValueError(f"{self.path.name}: rope frequency factors (Llama 3.1 rope "
-                             "scaling) are not supported")
-        scaling = self._arch("rope.scaling.type", "none")
-        if scaling != "none":
-            raise ValueError(f"{self.path.name}: unsupported rope scaling {scaling!r}")
-        heads = self._arch("attention.head_count")
-        hidden = self._arch("embedding_length")
-        tokens = self.get("tokenizer.ggml.tokens", [])
-        embd = next(t for t in self.tensor_table if t.name == "token_embd.weight")
-        return {
-            "architectures": [ARCHITECTURES[self.arch]], "model_type": self.arch,
-            "vocab_size": int(self._arch("vocab_size") or int(embd.shape[1])
-                              or len(tokens)),
-            "hidden_size": hidden, "intermediate_size": self._arch("feed_forward_length"),
-            "num_hidden_layers": self._arch("block_count"), "num_attention_heads": heads,
-            "num_key_value_heads": self._arch("attention.head_count_kv", heads),
-            "head_dim": self._arch("attention.key_length", hidden // heads),
-            "rms_norm_eps": float(self._arch("attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(self._arch("rope.freq_base", 10000.0)),
-            "max_position_embeddings": self._arch("context_length", 2048),
-            "tie_word_embeddings": "output.weight" not in names,
-            "bos_token_id": self.get("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": self.get("tokenizer.ggml.eos_token_id"),
-        }
+        if self._config is None:
+            self._config = ARCHITECTURES[self.arch].config(self)
+        return dict(self._config)
 
     def raw_tensors(self) -> Iterator[RawTensor]:
-        """Every tensor, still in its stored type; q/k rows back in Hugging Face order.
-        An unsupported type or an unknown tensor name is a ValueError."""
-        c = self.hf_config()
-        for t in self.tensor_table:
-            kind = t.type_name
-            if kind not in TENSOR_TYPES:
-                raise ValueError(f"{self.path.name}: tensor {t.name} has unsupported type "
-                                 f"{kind}: supported are {', '.join(TENSOR_TYPES)}")
-            name = _hf_name(t.name)
-            if name is None:
-                raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for {self.arch}")
-            shape = tuple(int(n) for n in reversed(t.shape))   # GGUF lists the fastest dim first
-            data = t.data
-            if self.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-                heads = c["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
-                data = _unpermute_rows(data, heads)
-            yield RawTensor(name, kind, shape, data)
+        """Every tensor under its Hugging Face name, still in its stored type, rows in Hugging
+        Face order (the architecture's map undoes what llama.cpp's converter did). An
+        unsupported type or an unknown tensor name is a ValueError."""
+        return ARCHITECTURES[self.arch].tensors(self, self.hf_config())
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(Hugging Face name, float32 array) for every tensor."""
@@ -273,7 +218,7 @@ class GGUFModel:
         config = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
                   "pad_token": token("padding_token_id"), "unk_token": token("unknown_token_id"),
                   "add_bos_token": bool(self.get("tokenizer.ggml.add_bos_token", False)),
-                  "model_max_length": self._arch("context_length")}
+                  "model_max_length": self.arch_get("context_length")}
         templates = {}
         for key in self.meta:
             if key == "tokenizer.chat_template":
@@ -302,23 +247,6 @@ def open_gguf(path: str | Path) -> GGUFModel:
 @lru_cache(maxsize=4)
 def _open(f: Path) -> GGUFModel:
     return GGUFModel(f)
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    base, _, suffix = gguf_name.rpartition(".")          # suffix: weight | bias
-    if base in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
-    return None
-
-
-def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's per-head row order (0, d/2, 1, d/2+1, ...) -> (0, 1, ..., d-1)."""
-    n = rows.shape[0]
-    half = n // heads // 2
-    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], split):

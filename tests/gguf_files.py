@@ -56,6 +56,26 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2"
         w.add_value_length(c["head_dim"])
     w.add_vocab_size(c["vocab_size"])
 
+    add_tokenizer(w, hf_dir, pre, tokenizer_model, chat_template)
+    for name, t in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
+        t = t.astype(np.float32)
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            t = permute(t, heads if ".q_proj." in name else kv)
+        q = gguf.GGMLQuantizationType[(types or {}).get(gguf_name(name), qtype)]
+        if t.ndim == 2 and q != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(t, q), raw_dtype=q)
+        else:
+            w.add_tensor(gguf_name(name), t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def add_tokenizer(w, hf_dir: Path, pre: str = "gpt2", tokenizer_model: str = "gpt2",
+                  chat_template: str | None = None) -> None:
+    """tokenizer.json's byte-level BPE as tokenizer.ggml.* metadata, as the converter writes it."""
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = dict(tok["model"]["vocab"])
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}
@@ -75,31 +95,25 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2"
     if chat_template:
         w.add_chat_template(chat_template)
 
-    for name, t in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
-        t = t.astype(np.float32)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            t = permute(t, heads if ".q_proj." in name else kv)
-        q = gguf.GGMLQuantizationType[(types or {}).get(gguf_name(name), qtype)]
-        if t.ndim == 2 and q != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(t, q), raw_dtype=q)
-        else:
-            w.add_tensor(gguf_name(name), t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
-
 
 def tiny_hf_dir(kind: str, out: Path, **overrides) -> Path:
-    """A random transformers model of `kind` (tests/hf_models.py; `overrides` for its config)
+    """A random transformers model of `kind` (tests/hf_models.py, "deepseek_v3":
+    tests/hf_models_mla.py, "gemma3_text": tests/hf_models_window.py; `overrides` for its config)
     beside the tiny model's byte-level BPE tokenizer and chat template."""
     import shutil
 
     from engine.tiny_model import make_tiny_model
     from tests.hf_models import make_hf_model
+    from tests.hf_models_mla import make_deepseek
+    from tests.hf_models_window import make_window_model
     tiny = make_tiny_model(out / "tiny")
-    d = make_hf_model(kind, out / kind, **dict(dict(vocab_size=1024), **overrides))
+    overrides = dict(dict(vocab_size=1024), **overrides)
+    if kind == "deepseek_v3":
+        d = make_deepseek(out / kind, **overrides)
+    elif kind == "gemma3_text":
+        d = make_window_model(kind, out / kind, **overrides)
+    else:
+        d = make_hf_model(kind, out / kind, **overrides)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny / f, d / f)
     return d

@@ -34,7 +34,7 @@ ENGINE_LAYERS = {
 }
 # torch-free, so the CLI, the config and the gateway can import them: the registries too
 TORCH_FREE = GATEWAY_ENGINE | {"engine.config", "engine.rope_config", "engine.models", "engine.quant",
-                               "engine.spec_decode"}
+                               "engine.spec_decode", "engine.gguf_arch", "engine.gguf_moe"}
 
 
 def _module_name(path: Path) -> str:
