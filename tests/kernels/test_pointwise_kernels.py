@@ -156,5 +156,5 @@ def test_cos_sin_cache_matches_hugging_face(scaling):
 
 
 def test_cos_sin_cache_unknown_scaling():
-    with pytest.raises(NotImplementedError, match="yarn"):
-        build_cos_sin_cache(64, 8, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(NotImplementedError, match="dynamic"):     # yarn and linear are known now
+        build_cos_sin_cache(64, 8, 10000.0, {"rope_type": "dynamic", "factor": 4.0})
