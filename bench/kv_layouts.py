@@ -137,17 +137,17 @@ def handover_table(res: dict, tokens: int) -> None:
 
 # ----------------------------------------------------------------------------- decode
 def _builders():
-    """Tiny random models of each new architecture: (name, builder(out) -> dir)."""
+    """Tiny random models of each new architecture: (name, builder(out) -> dir), the tests'
+    builders (tests/golden.py's BUILDERS names them)."""
+    import importlib
+
+    from tests.golden import BUILDERS
     from tests.hf_models_mla import make_deepseek
     found = [("DeepSeek-V3 (MLA, MoE)", make_deepseek)]
-    for module, names in (("tests.hf_models_moe2", ("make_glm4_moe", "make_minimax_m2")),
-                          ("tests.hf_models_gptoss", ("make_gpt_oss",)),
-                          ("tests.hf_models_window", ("make_gemma3",))):
-        try:
-            mod = __import__(module, fromlist=list(names))
-        except ImportError:
-            continue
-        found += [(n.removeprefix("make_"), getattr(mod, n)) for n in names if hasattr(mod, n)]
+    for kind in ("glm4_moe", "minimax_m2", "gpt_oss", "gemma3_text"):
+        module, _, name = BUILDERS[kind].partition(":")
+        make = getattr(importlib.import_module(module), name)
+        found.append((kind, lambda out, make=make, kind=kind: make(kind, out)))
     return found
 
 
