@@ -142,12 +142,13 @@ def rms_norm(x, weight, eps, residual=None, *, out=None, residual_out=None, out_
     return _into(out, res[0]), _into(residual_out, res[1])
 
 
-def rotary_embedding(positions, q, k, cos_sin_cache, *, q_out=None, k_out=None,
+def rotary_embedding(positions, q, k, cos_sin_cache, *, q_out=None, k_out=None, rows=None,
                      backend: str = "auto"):
+    """`rows`: rope_rows(positions, cos_sin_cache) when the caller has them (the torch path)."""
     if use_triton(q, backend):
         return _triton_op("rotary", "rotary_embedding")(positions, q, k, cos_sin_cache,
                                                         q_out=q_out, k_out=k_out)
-    qr, kr = reference.rotary_embedding(positions, q, k, cos_sin_cache)
+    qr, kr = reference.rotary_embedding(positions, q, k, cos_sin_cache, rows)
     return _into(q_out, qr), _into(k_out, kr)
 
 

@@ -72,7 +72,12 @@ class CausalLM(nn.Module):
                     sliding_window=c.get("sliding_window") if c.get("use_sliding_window") else None)
 
     def make_mlp(self, c: ModelConfig, layer: int) -> nn.Module:
-        return MLP(c, self.backend)
+        """The dense MLP, or on an MoE layer (ModelConfig.is_moe_layer) the MoE block with
+        its shared expert when the config has one."""
+        if not c.is_moe_layer(layer):
+            return MLP(c, self.backend)
+        shared = c.moe.shared_intermediate_size
+        return SparseMoeBlock(c, self.backend, MLP(c, self.backend, shared) if shared else None)
 
     def make_layer(self, c: ModelConfig, layer: int) -> nn.Module:
         return DecoderLayer(c, self.backend, self.make_mlp(c, layer), layer=layer)

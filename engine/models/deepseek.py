@@ -23,7 +23,6 @@ every score is unchanged.
 """
 from __future__ import annotations
 
-import math
 import re
 
 import torch
@@ -31,19 +30,14 @@ from torch import nn
 
 import engine.kernels as K
 from engine.config import MlaConfig, ModelConfig, MoeConfig
+from engine.kernels.rope import yarn_mscale
 
 from .base import CausalLM
-from .layers import MLP, AttentionMetadata, DecoderLayer, RMSNorm, input_dtype
-from .moe import SparseMoeBlock, expert_names, shared_experts_name
+from .layers import AttentionMetadata, DecoderLayer, RMSNorm, input_dtype
+from .moe import MLP_EXPERTS, shared_experts_name
 
-_EXPERT = expert_names("mlp", {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-                               "down_proj": ("down_proj", 0)})
 # projections whose rotary rows come interleaved in the checkpoint (rope_interleave)
 _ROPE_ROWS = ("q_proj", "q_b_proj", "kv_a_proj_with_mqa")
-
-
-def yarn_mscale(scale: float, mscale: float) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 class MlaAttention(nn.Module):
@@ -96,7 +90,7 @@ class MlaAttention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         c = self.kv_a_layernorm(c.contiguous())
         q_pe, k_pe = K.rotary_embedding(positions, q_pe.contiguous(), k_pe.reshape(T, 1, -1),
-                                        cos_sin, backend=self.backend)
+                                        cos_sin, rows=rope_rows, backend=self.backend)
         K.write_latent_cache(torch.cat([c, k_pe.view(T, -1)], -1), self.cache, meta.slot_mapping,
                              backend=self.backend)
         if meta.decode_only:
@@ -151,7 +145,9 @@ class DeepseekV3ForCausalLM(CausalLM):
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {c['hidden_act']!r} in {path}")
         dense = c.get("first_k_dense_replace", 0)
+        # the rotary table is as wide as the rotary key (base.CausalLM.rotary_table)
         return dict(qkv_bias=bool(c.get("attention_bias", False)), qk_norm=False, mla=mla,
+                    rotary_dim=mla.qk_rope_head_dim,
                     moe=cls.moe_config(c, path, dense),
                     extra=dict(rope_interleave=bool(c.get("rope_interleave", True))))
 
@@ -174,14 +170,9 @@ class DeepseekV3ForCausalLM(CausalLM):
             routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)), shared_expert_gate=False,
             hidden_act=c.get("hidden_act", "silu"))
 
-    def make_mlp(self, c: ModelConfig, layer: int) -> nn.Module:
-        if not c.is_moe_layer(layer):
-            return MLP(c, self.backend)
-        shared = c.moe.shared_intermediate_size
-        return SparseMoeBlock(c, self.backend, MLP(c, self.backend, shared) if shared else None)
 
     def checkpoint_name(self, name: str):
-        return _EXPERT(name) or super().checkpoint_name(shared_experts_name(name))
+        return MLP_EXPERTS(name) or super().checkpoint_name(shared_experts_name(name))
 
     def skips(self, name: str) -> bool:
         """The multi-token-prediction layer(s) DeepSeek-V3's checkpoints carry after the last
@@ -191,12 +182,6 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def make_layer(self, c: ModelConfig, layer: int) -> nn.Module:
         return DecoderLayer(c, self.backend, self.make_mlp(c, layer), MlaAttention(c, self.backend))
-
-    def rotary_table(self, device=None) -> torch.Tensor:
-        from engine.kernels.rope import build_cos_sin_cache
-        c = self.config
-        return build_cos_sin_cache(c.mla.qk_rope_head_dim, c.max_model_len + 1, c.rope_theta,
-                                   c.rope_scaling, device)
 
     def assemble(self, name: str, shards: dict):
         fused = name.split(".")[-2]

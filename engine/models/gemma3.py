@@ -34,7 +34,7 @@ from engine.config import ModelConfig
 from engine.kernels.rope import build_cos_sin_cache
 
 from .base import CausalLM
-from .layers import MLP, Attention, AttentionMetadata, RMSNorm, input_dtype
+from .layers import MLP, AttentionMetadata, DecoderLayer, RMSNorm, input_dtype
 
 PLUS_ONE = "plus_one"           # the shard key of a norm weight stored as w of (1 + w)
 ROPE_TYPES = ("default", "linear")
@@ -88,28 +88,21 @@ class GeluMLP(MLP):
         return self.down_proj(h if want is None else h.to(want))
 
 
-class Gemma3DecoderLayer(torch.nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
     """h -> h + post_attention(attn(input(h))) -> h + post_feedforward(mlp(pre_feedforward(h))),
     the residual adds fused into the input and pre_feedforward norms (the layer returns the
     MLP's normed output and the residual stream; the next norm adds them)."""
 
     def __init__(self, c: ModelConfig, backend: str, layer: int):
-        super().__init__()
+        super().__init__(c, backend, GeluMLP(c, backend), layer=layer)
         self.local = c.layer_types[layer] == "sliding_attention"
-        self.self_attn = Attention(c, backend, layer)
         self.self_attn.scale = c.extra["query_pre_attn_scalar"] ** -0.5
-        self.mlp = GeluMLP(c, backend)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
-            setattr(self, name, RMSNorm(c.hidden_size, c.rms_norm_eps, backend))
+        self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
+        self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
 
     def forward(self, positions, h, residual, meta, cos_sin, rope_rows=None):
-        wants = input_dtype(self.self_attn)
-        if residual is None:
-            residual, h = h, self.input_layernorm(h, out_dtype=wants)
-        else:
-            h, residual = self.input_layernorm(h, residual, wants)
-        h = self.post_attention_layernorm(self.self_attn(positions, h, meta, cos_sin, rope_rows))
+        h, residual = self.attend(positions, h, residual, meta, cos_sin, rope_rows)
+        h = self.post_attention_layernorm(h)
         h, residual = self.pre_feedforward_layernorm(h, residual, input_dtype(self.mlp))
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import re
 
-from engine.config import ModelConfig, MoeConfig, rotary_dim_of
+from engine.config import MoeConfig, rotary_dim_of
 
 from .base import CausalLM
-from .layers import MLP
-from .moe import SparseMoeBlock, expert_names, shared_experts_name
+from .moe import MLP_EXPERTS, shared_experts_name
 
-_EXPERT = expert_names("mlp", {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-                               "down_proj": ("down_proj", 0)})
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
@@ -45,14 +42,9 @@ class Glm4MoeForCausalLM(CausalLM):
                     sliding_window=None, moe=moe, rotary_dim=rotary_dim_of(c, path, default_factor=0.5),
                     extra={"num_nextn_predict_layers": c.get("num_nextn_predict_layers", 0)})
 
-    def make_mlp(self, c: ModelConfig, layer: int):
-        if not c.is_moe_layer(layer):
-            return MLP(c, self.backend)
-        shared = c.moe.shared_intermediate_size
-        return SparseMoeBlock(c, self.backend, MLP(c, self.backend, shared) if shared else None)
 
     def checkpoint_name(self, name: str):
-        return _EXPERT(name) or super().checkpoint_name(shared_experts_name(name))
+        return MLP_EXPERTS(name) or super().checkpoint_name(shared_experts_name(name))
 
     def skips(self, name: str) -> bool:
         """The multi-token-prediction layers: num_nextn_predict_layers of them, numbered from

@@ -142,12 +142,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, backend)
 
-    def forward(self, positions, h, residual, meta, cos_sin, rope_rows=None):
+    def attend(self, positions, h, residual, meta, cos_sin, rope_rows):
+        """(attention of input_layernorm(h + residual), the residual stream): the first layer
+        gets no residual and starts it."""
         wants = input_dtype(self.self_attn)
         if residual is None:
             residual, h = h, self.input_layernorm(h, out_dtype=wants)
         else:
             h, residual = self.input_layernorm(h, residual, wants)
-        h = self.self_attn(positions, h, meta, cos_sin, rope_rows)
+        return self.self_attn(positions, h, meta, cos_sin, rope_rows), residual
+
+    def forward(self, positions, h, residual, meta, cos_sin, rope_rows=None):
+        h, residual = self.attend(positions, h, residual, meta, cos_sin, rope_rows)
         h, residual = self.post_attention_layernorm(h, residual, input_dtype(self.mlp))
         return self.mlp(h), residual

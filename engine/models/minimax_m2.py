@@ -21,10 +21,8 @@ from engine.config import ModelConfig, MoeConfig, rotary_dim_of
 
 from .base import CausalLM
 from .layers import Attention, DecoderLayer, RMSNorm
-from .moe import SparseMoeBlock, expert_names
+from .moe import BLOCK_SPARSE_EXPERTS, SparseMoeBlock
 
-_EXPERT = expert_names("block_sparse_moe", {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
-                                            "w2": ("down_proj", 0)})
 
 
 class MiniMaxM2Attention(Attention):
@@ -67,7 +65,7 @@ class MiniMaxM2ForCausalLM(CausalLM):
                             attention=MiniMaxM2Attention(c, self.backend))
 
     def checkpoint_name(self, name: str):
-        if (expert := _EXPERT(name)) is not None:
+        if (expert := BLOCK_SPARSE_EXPERTS(name)) is not None:
             return expert
         name = name.replace(".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
         return super().checkpoint_name(name.replace(".block_sparse_moe.gate.", ".mlp.gate."))

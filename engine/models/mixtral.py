@@ -4,13 +4,11 @@
 `block_sparse_moe.gate`."""
 from __future__ import annotations
 
-from engine.config import ModelConfig, MoeConfig
+from engine.config import MoeConfig
 
 from .base import CausalLM
-from .moe import SparseMoeBlock, expert_names
+from .moe import BLOCK_SPARSE_EXPERTS
 
-_EXPERT = expert_names("block_sparse_moe", {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
-                                            "w2": ("down_proj", 0)})
 
 
 class MixtralForCausalLM(CausalLM):
@@ -24,10 +22,8 @@ class MixtralForCausalLM(CausalLM):
         return dict(qkv_bias=bool(c.get("attention_bias", False)), qk_norm=False, moe=moe,
                     sliding_window=c.get("sliding_window") if c.get("use_sliding_window", True) else None)
 
-    def make_mlp(self, c: ModelConfig, layer: int):
-        return SparseMoeBlock(c, self.backend)
 
     def checkpoint_name(self, name: str):
-        if (expert := _EXPERT(name)) is not None:
+        if (expert := BLOCK_SPARSE_EXPERTS(name)) is not None:
             return expert
         return super().checkpoint_name(name.replace(".block_sparse_moe.gate.", ".mlp.gate."))

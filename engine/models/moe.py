@@ -156,6 +156,13 @@ def expert_names(block: str, parts: dict[str, tuple[str, int]]):
     return target
 
 
+# the two checkpoint namings of per-expert tensors the families use
+MLP_EXPERTS = expert_names("mlp", {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                                   "down_proj": ("down_proj", 0)})          # Qwen-MoE, DeepSeek, GLM
+BLOCK_SPARSE_EXPERTS = expert_names("block_sparse_moe", {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+                                                         "w2": ("down_proj", 0)})   # Mixtral, MiniMax
+
+
 def stack_experts(name: str, parts: dict[tuple[int, int], torch.Tensor], num_experts: int) -> torch.Tensor:
     """{(expert, part): tensor} -> [E, 2I, H] (gate rows then up rows) or [E, H, I]."""
     n = 2 if name.endswith("gate_up_proj") else 1

@@ -4,14 +4,11 @@
 per-head q/k RMSNorm. Experts stored as `mlp.experts.E.gate_proj` / `up_proj` / `down_proj`."""
 from __future__ import annotations
 
-from engine.config import ModelConfig, MoeConfig
+from engine.config import MoeConfig
 
 from .base import CausalLM, layer_types
-from .layers import MLP
-from .moe import SparseMoeBlock, expert_names
+from .moe import MLP_EXPERTS
 
-_EXPERT = expert_names("mlp", {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-                               "down_proj": ("down_proj", 0)})
 
 
 class QwenMoeForCausalLM(CausalLM):
@@ -35,11 +32,6 @@ class QwenMoeForCausalLM(CausalLM):
         return dict(qkv_bias=(kind == "qwen2_moe" and c.get("qkv_bias", True)) or bool(c.get("attention_bias", False)),
                     qk_norm=kind == "qwen3_moe", moe=moe, sliding_window=window, layer_types=types)
 
-    def make_mlp(self, c: ModelConfig, layer: int):
-        if layer not in c.moe.sparse_layers:
-            return MLP(c, self.backend)
-        shared = c.moe.shared_intermediate_size
-        return SparseMoeBlock(c, self.backend, MLP(c, self.backend, shared) if shared else None)
 
     def checkpoint_name(self, name: str):
-        return _EXPERT(name) or super().checkpoint_name(name)
+        return MLP_EXPERTS(name) or super().checkpoint_name(name)
