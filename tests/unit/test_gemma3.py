@@ -16,6 +16,7 @@ from engine import LLM, LLMEngine, SamplingParams
 from engine.config import ModelConfig
 from tests.hf_models import hf_greedy
 from tests.hf_models_window import WINDOW, make_window_model
+from tests.unit.test_engine_vs_hf import assert_matches, assert_no_blocks_held, run_staggered
 
 NEW = 32
 LENGTHS = [3, 9, 17, 30, 45]          # most longer than the window
@@ -34,31 +35,16 @@ def gemma(tmp_path_factory):
 
 
 def _run(engine: LLMEngine, prompts, params=GREEDY):
-    """Two requests admitted per step (requests join the running batch at different steps)."""
-    pending, final = list(enumerate(prompts)), {}
-    while pending or engine.has_unfinished_requests():
-        for _ in range(2):
-            if pending:
-                i, p = pending.pop(0)
-                engine.add_request(f"r{i}", p, params)
-        for out in engine.step():
-            if out.finished:
-                final[int(out.request_id[1:])] = out
-    engine.kv.pool.check()
-    assert engine.kv.num_held_blocks() == 0
-    return [final[i] for i in range(len(prompts))]
-
-
-def _assert_matches(outs, ref):
-    for i, (o, (toks, lps)) in enumerate(zip(outs, ref)):
-        assert o.token_ids == toks, f"prompt {i}: tokens differ"
-        assert max(abs(a - b) for a, b in zip(o.logprobs, lps)) < 1e-3, f"prompt {i}: logprobs"
+    """Two requests admitted per step (run_staggered); every block back afterwards."""
+    outs = run_staggered(engine, prompts, params)
+    assert_no_blocks_held(engine)
+    return outs
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_greedy_identical_to_transformers(gemma, backend):
     d, ref = gemma
-    _assert_matches(_run(LLMEngine.from_model_dir(d, num_blocks=128, kernel_backend=backend),
+    assert_matches(_run(LLMEngine.from_model_dir(d, num_blocks=128, kernel_backend=backend),
                          _prompts()), ref)
 
 
@@ -68,7 +54,7 @@ def test_chunked_prefill_and_prefix_hit(gemma):
     only its tail, with the same tokens as transformers."""
     d, ref = gemma
     engine = LLMEngine.from_model_dir(d, num_blocks=128, block_size=4, max_num_batched_tokens=5)
-    _assert_matches(_run(engine, _prompts()), ref)
+    assert_matches(_run(engine, _prompts()), ref)
     longer = _prompts()[-1][:44] + [7, 8, 9]
     out = _run(engine, [longer])[0]
     assert out.num_cached_tokens == 44
