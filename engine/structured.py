@@ -146,6 +146,12 @@ class StructuredOutputs:
     def remove(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
+    def check(self, spec: StructuredOutput) -> None:
+        """Compile `spec` against this tokenizer (cached, as `add` does); raises ValueError
+        when it cannot be served, e.g. a grammar naming a special token the model lacks (the
+        front ends call this before any worker sees the request)."""
+        self._compile(spec)
+
     def has(self, request_id: str) -> bool:
         return request_id in self._states
 

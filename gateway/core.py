@@ -38,6 +38,7 @@ from .admission import Admission
 from .config import GatewayConfig
 from .discovery import WorkerSet, resolver_from_args
 from .prompt import check_prompt
+from .validate import GrammarCheck
 from .registry import PoolStates, WorkerPool
 from .request import GatewayError, GenerateEvent, GenerateInput, RequestState
 from .routing import Router
@@ -77,6 +78,7 @@ class Gateway:
         self.model_name = cfg.model_name(model_dir)
         self._configured_len = cfg.context_length(model_dir)
         self.vocab_size = cfg.vocab_size(model_dir)
+        self.grammars = GrammarCheck(self.tokenizer, self.vocab_size)
         self.metrics = Metrics("gateway")    # the caller serves metrics.registry
         mtls = MTLS.from_config(cfg)         # workers over mTLS when configured
         served = model_name(model_dir)       # what the workers' KV compat keys must name
@@ -135,6 +137,8 @@ class Gateway:
         """Stream the completion of one prompt (params.n must be 1)."""
         if inp.params.stop:          # the stop-string automaton is built off the event loop
             await asyncio.to_thread(StopStrings.prepare, inp.params.stop)
+        if inp.params.structured is not None:      # compiled as a worker would, off the loop
+            await asyncio.to_thread(self.grammars.check, inp.params.structured)
         req = self._admit(inp)
         self.in_flight += 1
         last, first = time.monotonic(), True       # latencies for admission's SLOs

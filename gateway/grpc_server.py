@@ -38,7 +38,7 @@ from .models import Models, model_configs
 from .prompt import chat_prompt_ids, encode
 from .redact import public_message
 from .request import GatewayError, GenerateEvent, GenerateInput, Usage
-from .validate import MAX_BODY_BYTES, check_request
+from .validate import MAX_BODY_BYTES, check_request, check_role
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         ids = await self._prompt_ids(request)
-        self.gw.check_prompt(ids)
+        self.gw.check_prompt(ids, params.max_tokens)
         check_request(params, params.n, [len(ids)], self.gw.vocab_size, self.gw.max_model_len)
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         return rid, ids, fan_out(rid, [ids], params, params.n, trace_parent)
@@ -132,7 +132,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                            "GenerateRequest needs a prompt: text, token_ids or chat")
 
     async def _chat_ids(self, chat, context_length: int = 0) -> list[int]:
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        for m in chat.messages:
+            check_role(m.role)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
+                    for m in chat.messages]
         return await chat_prompt_ids(self.gw.tokenizer, messages, chat.add_generation_prompt,
                                      context_length=context_length)
 

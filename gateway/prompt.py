@@ -24,6 +24,10 @@ from .request import GatewayError
 from .validate import check_text
 
 
+# template variables a request sets through its own fields (or a template source: not a kwarg)
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "chat_template"})
+
+
 class PromptError(GatewayError):
     """kind: "empty" | "negative" | "vocab" | "too_long" | "no_room" | "template"."""
 
@@ -72,12 +76,20 @@ async def encode(tok: Tokenizer, text: str, context_length: int, param: str = "p
 
 async def chat_prompt_ids(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                           tools: list[dict] | None = None, context_length: int = 0,
-                          **template_kwargs: Any) -> list[int]:
-    """Render `messages` (and `tools`) with the model's chat template and encode them."""
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Render `messages` (and `tools`) with the model's chat template and encode them.
+    `template_kwargs` (REST's chat_template_kwargs) are more template variables; their
+    add_generation_prompt, when given, wins over the argument (as in vLLM)."""
+    extra = dict(template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
+    if reserved:
+        raise PromptError("template", f"chat_template_kwargs cannot set {', '.join(reserved)} "
+                          "(they are the request's own fields)")
+    add_generation_prompt = bool(extra.pop("add_generation_prompt", add_generation_prompt))
     try:
         text = await asyncio.to_thread(tok.apply_chat_template, messages,
                                        add_generation_prompt=add_generation_prompt, tools=tools,
-                                       **template_kwargs)
+                                       **extra)
     except Exception as e:  # template errors (raise_exception), no template
         raise PromptError("template", f"chat template: {e}") from None
     # Templates that begin with the BOS token already contain it.

@@ -5,7 +5,12 @@ work on the workers, so it is bounded here, before any worker sees it:
 
     n and n x prompts        at most MAX_N choices, MAX_CHOICES per request
     stop                     at most MAX_STOP strings of at most MAX_STOP_BYTES (UTF-8)
-    numbers                  finite (no NaN/Inf), integers within their proto field
+    numbers                  finite (no NaN/Inf), integers within their proto field;
+                             temperature in [0, 2] (OpenAI's range, on both fronts)
+    chat roles               one of CHAT_ROLES
+    structured output        a valid spec (check_request, no tokenizer), and one that compiles
+                             against the model's tokenizer (GrammarCheck: a grammar naming a
+                             special token the model lacks is refused here, not by a worker)
     token ids                logit_bias keys and stop_token_ids inside the vocabulary
     min_tokens               room for them in the context (also without max_tokens)
     text                     valid UTF-8 (a lone surrogate such as \\ud800 is refused)
@@ -18,10 +23,13 @@ Prompt token ids are checked by gateway/prompt.py's check_prompt. A failure is a
 from __future__ import annotations
 
 import math
+import threading
 
 import grpc
 
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutput, StructuredOutputs
+from engine.structured import validate as validate_structured
 
 from .request import GatewayError
 
@@ -33,6 +41,8 @@ MAX_STOP_BYTES = 1024
 MAX_TOKEN_LIST = 1024        # stop_token_ids and logit_bias entries
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MAX_TEMPERATURE = 2.0
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class InvalidInput(GatewayError):
@@ -63,6 +73,9 @@ def check_request(p: SamplingParams, n: int, prompt_lens: list[int], vocab_size:
                  "repetition_penalty"):
         if not math.isfinite(getattr(p, name)):
             raise InvalidInput(f"{name} must be a finite number, got {getattr(p, name)}", name)
+    if not 0 <= p.temperature <= MAX_TEMPERATURE:
+        raise InvalidInput(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {p.temperature}",
+                           "temperature")
     _int_range("top_k", p.top_k, 0, INT32_MAX)
     if p.seed is not None:       # choice j uses seed + j: all must fit the proto's int64
         _int_range("seed", p.seed, INT64_MIN, INT64_MAX - (n - 1))
@@ -76,6 +89,11 @@ def check_request(p: SamplingParams, n: int, prompt_lens: list[int], vocab_size:
         if not (math.isfinite(v) and -100 <= v <= 100):
             raise InvalidInput(f"logit_bias values must be finite, in [-100, 100], got {v}",
                                "logit_bias")
+    if p.structured is not None:
+        try:
+            validate_structured(p.structured)
+        except ValueError as e:
+            raise InvalidInput(str(e), "response_format") from None
     if context_length and p.min_tokens and prompt_lens:
         longest = max(prompt_lens)
         if longest + p.min_tokens > context_length:
@@ -106,3 +124,29 @@ def _token_list(name: str, ids: list[int], vocab_size: int) -> None:
     if outside:
         raise InvalidInput(f"{name} has token ids outside the vocabulary [0, {hi}): {outside[:5]}",
                            name)
+
+
+def check_role(role: str, param: str = "messages") -> None:
+    if role not in CHAT_ROLES:
+        raise InvalidInput(f"message role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                           param)
+
+
+class GrammarCheck:
+    """Structured-output specs compiled against the model's own tokenizer, as a worker will
+    compile them (cached; `check` blocks: call it in a thread). Thread-safe."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._compiler: StructuredOutputs | None = None
+        self._lock = threading.Lock()
+
+    def check(self, spec: StructuredOutput, param: str = "response_format") -> None:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = StructuredOutputs(self._tokenizer.to_json(), self._vocab_size,
+                                                   self._tokenizer.eos_token_ids)
+            try:
+                self._compiler.check(spec)
+            except ValueError as e:
+                raise InvalidInput(str(e), param) from None

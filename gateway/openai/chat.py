@@ -67,7 +67,7 @@ class Chat(Endpoint):
             if self.tools and self.tool_choice != "none" else None
         try:
             return await chat_prompt_ids(self.gw.tokenizer, messages, b.add_generation_prompt, tools,
-                                         self.gw.max_model_len, **(b.chat_template_kwargs or {}))
+                                         self.gw.max_model_len, b.chat_template_kwargs)
         except PromptError as e:
             raise from_prompt(e, "messages") from None
 

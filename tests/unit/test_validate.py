@@ -213,3 +213,77 @@ def test_grpc_prompt_ids(front):
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Generate(_grpc_case(ids=ids), timeout=30))
             assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+# -- the same input on both fronts ----------------------------------------------------------
+
+def _grpc_chat(role="user", **sampling):
+    chat = generation_pb2.ChatMessages(
+        messages=[generation_pb2.ChatMessage(role=role, content="Hi")], add_generation_prompt=True)
+    return generation_pb2.GenerateRequest(chat=chat, sampling=common_pb2.SamplingParams(
+        **{"max_tokens": 4, **sampling}))
+
+
+def _structured(**kind):
+    return {"structured": common_pb2.StructuredOutput(**kind)}
+
+
+BOTH_FRONTS = [  # (name, REST chat body changes, gRPC request, words in both messages)
+    ("temperature 2.5", {"temperature": 2.5}, _grpc_chat(temperature=2.5), "2"),
+    ("bogus role", {"messages": [{"role": "wizard", "content": "Hi"}]}, _grpc_chat("wizard"),
+     "assistant"),
+    ("max_tokens past the context", {"max_tokens": 10**6}, _grpc_chat(max_tokens=10**6),
+     "context length"),
+    ("invalid JSON schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "strin"}}}},
+     _grpc_chat(**_structured(json_schema='{"type": "strin"}')), "strin"),
+]
+
+
+@pytest.mark.parametrize("name,rest,req,words", BOTH_FRONTS, ids=[c[0] for c in BOTH_FRONTS])
+def test_both_fronts_refuse_alike(front, name, rest, req, words):
+    """What REST refuses with a 400, gRPC refuses with INVALID_ARGUMENT (not UNKNOWN, and not
+    accepted): before any worker is asked (these workers never answer: a request that got
+    through would be 503 / UNAVAILABLE)."""
+    r = post(front, "/v1/chat/completions", chat(front, **rest))
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"], r.text
+    with grpc.insecure_channel(f"127.0.0.1:{front.grpc_port}") as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=30))
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert words in e.value.details()
+
+
+@pytest.mark.parametrize("kind,words", [
+    ({"json_schema": '{"type": '}, "not valid JSON"),                 # was UNKNOWN
+    ({"grammar": "start: <|nosuchtoken|>"}, "unknown special token"),  # was a worker's error
+])
+def test_grpc_structured_output_checked_against_the_tokenizer(front, kind, words):
+    """A spec only the model's tokenizer can reject (a special token it lacks) is refused by
+    the gateway, which compiles it as a worker would."""
+    with grpc.insecure_channel(f"127.0.0.1:{front.grpc_port}") as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(generation_pb2_grpc.GenerationStub(ch).Generate(
+                _grpc_chat(**_structured(**kind)), timeout=60))
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert words in e.value.details()
+
+
+def test_chat_template_kwargs(front):
+    """chat_template_kwargs may set add_generation_prompt (it wins, as in vLLM; was a 500) but
+    not the request's own fields; the keep-alive connection serves on either way."""
+    from gateway.prompt import chat_prompt_ids
+    msgs = [{"role": "user", "content": "Hi"}]
+    tok = front.gw.tokenizer
+    with_prompt = front.run(chat_prompt_ids(tok, msgs, True))
+    without = front.run(chat_prompt_ids(tok, msgs, True, template_kwargs={"add_generation_prompt": False}))
+    assert with_prompt != without and with_prompt[:len(without)] == without
+    with httpx.Client(http1=True) as c:
+        r = post(front, "/v1/chat/completions",
+                 chat(front, chat_template_kwargs={"add_generation_prompt": False}), c)
+        assert r.status_code == 503, r.text          # valid: it reached routing
+        for bad in ({"messages": []}, {"tools": []}, {"chat_template": "{{ 1 }}"}):
+            r = post(front, "/v1/chat/completions", chat(front, chat_template_kwargs=bad), c)
+            assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"], r.text
+        assert c.get(front.base + "/v1/models", timeout=10).status_code == 200
