@@ -67,7 +67,9 @@ class StructuredOutput:
 
     @property
     def value(self) -> str:
-        """The spec as one string (a schema as canonical JSON): the cache key and wire form."""
+        """The spec as one string (a schema as compact JSON): the cache key and wire form.
+        Keys keep their order: a schema's property order is the order they are generated in
+        (OpenAI's too; a tool call's "name" comes before its "arguments")."""
         if self.json_object:
             return ""
         if self.json_schema is not None:
@@ -77,7 +79,7 @@ class StructuredOutput:
                     schema = json.loads(schema)
                 except ValueError as e:
                     raise ValueError(f"json_schema is not valid JSON: {e}") from None
-            return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            return json.dumps(schema, separators=(",", ":"))
         return self.regex if self.regex is not None else self.grammar
 
     @classmethod

@@ -6,6 +6,12 @@ context even if every token covered the longest token string is refused without 
 it, and text that is not valid Unicode (a lone surrogate) is refused before it reaches the
 tokenizer.
 
+Tools reach the prompt through the chat template. A template with no tools section (it
+renders the same text with and without tools, as SmolLM2's does) gets them in pdserve's
+generic format instead, the way llama.cpp handles such templates: the tool list as JSON
+schemas and the JSON reply format, in the system prompt (`generic_tools_prompt`; a WARNING
+once per template; the format is documented in gateway/README.md).
+
 `check_prompt` is what the gateway verifies before any worker sees a prompt (the gRPC API
 through `Gateway.generate()`, the OpenAI shim before it fans out); workers keep their own
 checks. A failure is a `PromptError`: a GatewayError (INVALID_ARGUMENT) whose `kind` lets
@@ -14,6 +20,8 @@ the OpenAI shim word it the way OpenAI clients expect (gateway/openai/errors.py)
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from typing import Any
 
 import grpc
@@ -22,6 +30,19 @@ from engine.tokenizer import Tokenizer
 
 from .request import GatewayError
 from .validate import check_text
+
+log = logging.getLogger(__name__)
+
+GENERIC_TOOLS_HEADER = ("You can call these tools. Each line is one tool: its name, what it "
+                        "does and the JSON schema of its arguments.")
+GENERIC_TOOLS_REPLY = (
+    'To call a tool, reply with only a JSON object of this form and nothing else:\n'
+    '{"name": "<the tool\'s name>", "arguments": {<its arguments, as its schema says>}}\n'
+    "To call several tools at once, reply with a JSON array of such objects. "
+    "If no tool is needed, reply to the user as usual.")
+_PROBE = ([{"role": "user", "content": "x"}],
+          [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}])
+_renders_tools: dict[tuple, bool] = {}     # (templates, chat_template kwarg) -> has a section
 
 
 # template variables a request sets through its own fields (or a template source: not a kwarg)
@@ -36,6 +57,14 @@ class PromptError(GatewayError):
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
         self.kind, self.num_tokens = kind, num_tokens
         self.context_length, self.max_tokens = context_length, max_tokens
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """A client's chat_template_kwargs may not set the request's own fields or the template."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & (kwargs or {}).keys())
+    if reserved:
+        raise PromptError("template", f"chat_template_kwargs cannot set {', '.join(reserved)} "
+                          "(they are the request's own fields)")
 
 
 def check_prompt(ids: list[int], context_length: int, vocab_size: int = 0,
@@ -78,20 +107,63 @@ async def chat_prompt_ids(tok: Tokenizer, messages: list[dict], add_generation_p
                           tools: list[dict] | None = None, context_length: int = 0,
                           template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Render `messages` (and `tools`) with the model's chat template and encode them.
-    `template_kwargs` (REST's chat_template_kwargs) are more template variables; their
-    add_generation_prompt, when given, wins over the argument (as in vLLM)."""
+    `template_kwargs` are more template variables (and `chat_template`, a template name or
+    source); their add_generation_prompt, when given, wins over the argument (as in vLLM)."""
     extra = dict(template_kwargs or {})
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
-    if reserved:
-        raise PromptError("template", f"chat_template_kwargs cannot set {', '.join(reserved)} "
-                          "(they are the request's own fields)")
     add_generation_prompt = bool(extra.pop("add_generation_prompt", add_generation_prompt))
     try:
-        text = await asyncio.to_thread(tok.apply_chat_template, messages,
-                                       add_generation_prompt=add_generation_prompt, tools=tools,
-                                       **extra)
+        text = await asyncio.to_thread(_render, tok, messages, add_generation_prompt, tools,
+                                       extra)
     except Exception as e:  # template errors (raise_exception), no template
         raise PromptError("template", f"chat template: {e}") from None
     # Templates that begin with the BOS token already contain it.
     has_bos = tok.bos_token is not None and text.startswith(tok.bos_token)
     return await encode(tok, text, context_length, "messages", add_special_tokens=not has_bos)
+
+
+def generic_tools_prompt(tools: list[dict]) -> str:
+    """The tool list and the reply format, for a system prompt (OpenAI `tools` entries)."""
+    lines = [json.dumps({k: f[k] for k in ("name", "description", "parameters") if k in f})
+             for f in (t.get("function", t) for t in tools)]
+    return "\n".join([GENERIC_TOOLS_HEADER, *lines, "", GENERIC_TOOLS_REPLY])
+
+
+def with_generic_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """`messages` with the tools in the system prompt (appended to the first message when it
+    is a system one, else a system message first) and earlier assistant tool calls written
+    as content in the same format, for a template that renders neither."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                     for c in m["tool_calls"]]
+            m = {**m, "content": json.dumps(calls[0] if len(calls) == 1 else calls)}
+            del m["tool_calls"]
+        out.append(m)
+    prompt = generic_tools_prompt(tools)
+    if out and out[0]["role"] == "system":
+        return [{**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}, *out[1:]]
+    return [{"role": "system", "content": prompt}, *out]
+
+
+def _render(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool,
+            tools: list[dict] | None, template_kwargs: dict) -> str:
+    if tools and not _template_renders_tools(tok, template_kwargs):
+        messages, tools = with_generic_tools(messages, tools), None
+    return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                   tools=tools, **template_kwargs)
+
+
+def _template_renders_tools(tok: Tokenizer, template_kwargs: dict) -> bool:
+    """Whether the template has a tools section: a probe conversation rendered with and
+    without a tool differs. Found once per template (a WARNING when it has none)."""
+    key = (tuple(sorted(tok.chat_templates.items())), str(template_kwargs.get("chat_template")))
+    if key not in _renders_tools:
+        messages, tools = _PROBE
+        with_tools = tok.apply_chat_template(messages, tools=tools, **template_kwargs)
+        _renders_tools[key] = with_tools != tok.apply_chat_template(messages, **template_kwargs)
+        if not _renders_tools[key]:
+            log.warning("the model's chat template has no tools section: requests with tools "
+                        "get them in the system prompt in pdserve's generic format "
+                        "(gateway/README.md, 'Tool calls')")
+    return _renders_tools[key]

@@ -2,11 +2,13 @@
 -> one JSON response, or SSE chunks.
 
 Tools: `tool_choice` "required" or a named function constrains the output with a JSON
-schema (tools.forced_schema); "auto" parses the finished text as calls (tools.parse_calls).
-A stream sends each call's id and name as soon as its arguments begin, then the arguments
-as they are generated (tools.StreamedCalls); with "auto" it holds the output back only
-while it may still become a call, then streams it as calls or as content. A stream of
-complete calls finishes with "tool_calls".
+schema (tools.forced_schema) and its output is always calls (tools.forced_calls), cut ones
+(max_tokens) with the arguments generated so far and the model's finish reason; "auto"
+parses the finished text as calls (tools.parse_calls). A stream sends each call's id and
+name as soon as they are known (a named call's before any token), then the arguments as
+they are generated (tools.StreamedCalls); with "auto" it holds the output back only while
+it may still become a call, then streams it as calls or as content. Complete calls finish
+with "tool_calls".
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from engine.structured import StructuredOutput
 
-from ..prompt import PromptError, chat_prompt_ids
+from ..prompt import PromptError, chat_prompt_ids, check_template_kwargs
 from . import tools as toolkit
 from .endpoint import (ChoiceOut, Endpoint, Run, check_structured, finite, response_format_spec,
                        sampling_params, sse, usage)
@@ -39,6 +41,7 @@ class Chat(Endpoint):
             raise bad("tool_choice needs tools", "tool_choice")
         self.tool_choice = choice
         self.forced = choice == "required" or not isinstance(choice, str)
+        self.named = choice.function.name if not isinstance(choice, str) else None
         self.parse_tools = bool(self.tools) and choice != "none"
 
     async def run(self):
@@ -66,6 +69,7 @@ class Chat(Endpoint):
         tools = [t.model_dump(exclude_none=True) for t in self.tools] \
             if self.tools and self.tool_choice != "none" else None
         try:
+            check_template_kwargs(b.chat_template_kwargs)
             return await chat_prompt_ids(self.gw.tokenizer, messages, b.add_generation_prompt, tools,
                                          self.gw.max_model_len, b.chat_template_kwargs)
         except PromptError as e:
@@ -78,10 +82,9 @@ class Chat(Endpoint):
             if spec is not None:
                 raise bad("response_format cannot be combined with a forced tool_choice",
                           "response_format")
-            name = None if self.tool_choice == "required" else self.tool_choice.function.name
             try:
                 spec = StructuredOutput(json_schema=toolkit.forced_schema(
-                    self.tools, name, parallel=self.body.parallel_tool_calls is not False))
+                    self.tools, self.named, parallel=self.body.parallel_tool_calls is not False))
             except ValueError as e:
                 raise bad(str(e), "tool_choice") from None
             check_structured(spec, "tools")
@@ -93,8 +96,11 @@ class Chat(Endpoint):
         for i, o in enumerate(outs):
             msg: dict[str, Any] = {"role": "assistant", "content": o.text}
             finish = o.finish_reason
-            calls = toolkit.parse_calls(o.text, self.tools) if self.parse_tools else None
-            if calls:
+            if self.forced:          # calls even when cut short (max_tokens): never the wrapper
+                calls, complete = toolkit.forced_calls(o.text, self.named is None, self.named)
+                msg = {"role": "assistant", "content": None, "tool_calls": calls or None}
+                finish = "tool_calls" if complete else finish
+            elif self.parse_tools and (calls := toolkit.parse_calls(o.text, self.tools)):
                 msg = {"role": "assistant", "content": None, "tool_calls": calls}
                 finish = "tool_calls"
             choices.append({"index": i, "message": msg, "finish_reason": finish,
@@ -120,12 +126,15 @@ class Chat(Endpoint):
         self.cont_usage = bool(opts and opts.continuous_usage_stats)
         n = len(run.inputs)
         outs = [ChoiceOut() for _ in range(n)]
-        calls = [toolkit.StreamedCalls(self.tools, self.forced, self.tool_choice == "required")
+        calls = [toolkit.StreamedCalls(self.tools, self.forced, self.tool_choice == "required",
+                                       self.named)
                  if self.parse_tools else None for _ in range(n)]
         try:
             for i in range(n):
                 yield self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}])
+                for k, name, piece in calls[i].feed("") if calls[i] else ():   # a named call
+                    yield self._call_delta(i, k, calls[i].scan.calls[k]["id"], name, piece)
             async for i, ev in run.events():
                 for c in self._event_chunks(i, outs[i], ev, calls[i]):
                     yield c
@@ -166,7 +175,7 @@ class Chat(Endpoint):
     def _finish_chunks(self, i: int, o: ChoiceOut, finish: str,
                        calls: toolkit.StreamedCalls | None) -> Iterator[str]:
         """What was held back (as tool calls, or as content), then the finish chunk."""
-        if calls is not None and calls.sent_calls:
+        if calls is not None and (calls.sent_calls or calls.forced):
             rest, complete = calls.finish(o.text)
             for k, name, piece in rest:
                 yield self._call_delta(i, k, calls.scan.calls[k]["id"], name, piece)

@@ -85,12 +85,27 @@ def parse_calls(text: str, tools: list[Tool]) -> list[dict[str, Any]] | None:
     return calls if calls and len(calls) == len(items) else None
 
 
+def forced_calls(text: str, array: bool, name: str | None) -> tuple[list[dict[str, Any]], bool]:
+    """The calls in a forced tool_choice's output and whether they are complete. Output cut
+    short (max_tokens) still gives its calls: the last one with the arguments generated so far
+    (a call whose name was not finished is left out, unless tool_choice named it)."""
+    scan = CallStream(array, eager=True, name=name)
+    scan.feed(text)
+    calls = [{"id": c["id"], "type": "function", "function": {
+                 "name": c["name"],
+                 "arguments": "" if c["start"] is None else text[c["start"]:c["end"] or len(text)]}}
+             for c in scan.calls if c["name"] is not None]
+    return calls, scan.complete()
+
+
 class StreamedCalls:
     """One streamed choice's tool calls, sent as they are generated (OpenAI's and vLLM's
     streaming shape): each call's id and name as soon as its arguments begin, then the
     arguments' JSON piece by piece.
 
-    A forced tool_choice is calls from the first token (the grammar makes it one). With
+    A forced tool_choice is calls from the first token (the grammar makes it one): each call
+    is announced as soon as its name is read, a named tool_choice's before any token (`name`).
+    With
     `auto` the output is held while it may still become a call, then either
       - it is recognised as one: its first call object has a tool's name and its arguments
         have begun (`{"name": "f", "arguments": {`, also inside `[...]` or after
@@ -103,12 +118,13 @@ class StreamedCalls:
     text is not only calls after all, the finish reason is the model's own, not "tool_calls".
     """
 
-    def __init__(self, tools: list[Tool], forced: bool, array: bool = False):
+    def __init__(self, tools: list[Tool], forced: bool, array: bool = False,
+                 name: str | None = None):
         self.tools = tools
         self.names = {t.function.name for t in tools}
         self.forced = forced
         self.mode = "calls" if forced else "held"      # auto: -> "content" | "calls"
-        self.scan = CallStream(array) if forced else None
+        self.scan = CallStream(array, eager=True, name=name) if forced else None
         self.dropped: int | None = None                # auto: the first call naming no tool
 
     @property
@@ -186,16 +202,19 @@ class CallStream:
     "arguments" key is streamed as it arrives (a character scanned inside it never changes:
     the text only grows)."""
 
-    def __init__(self, array: bool):
+    def __init__(self, array: bool, eager: bool = False, name: str | None = None):
         self.call_depth = 2 if array else 1
+        self.eager = eager                    # announce a call on its name (forced output)
         self.pos = self.depth = 0
-        self.in_str = self.esc = False
+        self.in_str = self.esc = self.closed = False
         self.str_start = 0
         self.key: str | None = None           # the last key read at call depth
         self.expect_key = False
         # {"id", "name", "start", "end" (of the arguments), "sent", "announced", "args" (the
-        #  key was read), "closed" (the call object)}
+        #  key was read), "opened", "closed" (the call object)}
         self.calls: list[dict[str, Any]] = []
+        if name is not None:                  # a named tool_choice: call 0's name is known
+            self._new_call(name, opened=False)
 
     def feed(self, text: str) -> list[tuple[int, str | None, str]]:
         """New (call index, name when announcing it else None, arguments piece) events."""
@@ -204,11 +223,13 @@ class CallStream:
         self.pos = len(text)
         events = []
         for k, c in enumerate(self.calls):
-            if c["name"] is None or c["start"] is None:
+            if c["name"] is None or (c["start"] is None and not self.eager):
                 continue
             if not c["announced"]:
                 c["announced"] = True
                 events.append((k, c["name"], ""))
+            if c["start"] is None:
+                continue
             upto = c["end"] if c["end"] is not None else len(text)
             piece = text[c["start"] + c["sent"]:upto]
             if piece:
@@ -217,8 +238,10 @@ class CallStream:
         return events
 
     def complete(self) -> bool:
-        """Every call's arguments closed (and there is at least one)."""
-        return bool(self.calls) and all(c["end"] is not None and c["name"] for c in self.calls)
+        """The output closed (its object or array) and held calls, each with a name and
+        closed arguments."""
+        return self.closed and bool(self.calls) and all(
+            c["end"] is not None and c["name"] for c in self.calls)
 
     def _scan(self, text: str, i: int) -> None:
         c = text[i]
@@ -245,9 +268,10 @@ class CallStream:
             self.in_str, self.str_start = True, i
         elif c in "{[":
             if self.depth == self.call_depth - 1 and c == "{":
-                self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": None,
-                                   "start": None, "end": None, "sent": 0, "announced": False,
-                                   "args": False, "closed": False})
+                if self.calls and not self.calls[-1]["opened"]:
+                    self.calls[-1]["opened"] = True
+                else:
+                    self._new_call(None)
                 self.expect_key = True
             elif at_call and self.key == "arguments" and self.calls:
                 self.calls[-1]["start"] = i
@@ -259,5 +283,11 @@ class CallStream:
                 self.calls[-1]["end"] = i + 1
             if self.depth == self.call_depth - 1 and c == "}" and self.calls:
                 self.calls[-1]["closed"] = True
+            self.closed |= self.depth == 0 and bool(self.calls)
         elif c == "," and at_call:
             self.key, self.expect_key = None, True
+
+    def _new_call(self, name: str | None, opened: bool = True) -> None:
+        self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "start": None,
+                           "end": None, "sent": 0, "announced": False, "args": False,
+                           "opened": opened, "closed": False})

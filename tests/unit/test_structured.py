@@ -133,6 +133,21 @@ def test_schema_given_as_string_and_regex_and_lark(engine):
     assert assert_no_blocks_held(engine) is None
 
 
+def test_properties_generated_in_the_schema_order(engine):
+    """The schema's property order is the output's (as OpenAI's structured outputs): the wire
+    form keeps key order ("z" before "a" here, where sorted keys would put "a" first)."""
+    schema = {"type": "object", "properties": {"z": {"const": 1}, "a": {"enum": ["x", "y"]}},
+              "required": ["z", "a"], "additionalProperties": False}
+    spec = StructuredOutput(json_schema=schema)
+    assert json.loads(spec.value) == schema and list(json.loads(spec.value)["properties"]) == ["z", "a"]
+    for temperature in (0.0, 1.0):
+        out, = run(engine, PROMPTS[:1], SamplingParams(temperature=temperature, seed=4,
+                                                       max_tokens=50, structured=spec))
+        assert out.finish_reason == "stop"
+        assert text_of(engine, out).startswith('{"z":1,"a":"'), text_of(engine, out)
+    assert_no_blocks_held(engine)
+
+
 def test_bad_specs_rejected(engine):
     with pytest.raises(ValueError):
         StructuredOutput()

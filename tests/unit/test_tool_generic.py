@@ -1,0 +1,107 @@
+"""gateway/prompt: a chat template with no tools section (SmolLM2's, copied below) gets the
+tools in the system prompt in the generic format, found by rendering with and without tools,
+with one WARNING per template; a template with a tools section renders them itself, exactly
+as transformers does. A reply in the documented format is read as calls by the same parser
+`auto` uses, streamed and not."""
+import asyncio
+import json
+import logging
+import random
+
+import pytest
+
+from engine.tiny_model import make_tiny_model
+from engine.tokenizer import Tokenizer
+from gateway import prompt
+from gateway.openai.protocol import Tool
+from gateway.openai.tools import StreamedCalls, parse_calls
+
+SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+           "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+           "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+           "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+           "{{ '<|im_start|>assistant\n' }}{% endif %}")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_time", "description": "the time in a zone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}},
+    {"type": "function", "function": {"name": "get_date", "parameters": {"type": "object"}}}]
+ASK = [{"role": "user", "content": "What time is it in UTC?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return Tokenizer.from_dir(model_dir)
+
+
+def _ids(tok, messages, tools=None, **kw):
+    return asyncio.run(prompt.chat_prompt_ids(tok, messages, True, tools, template_kwargs=kw))
+
+
+def test_no_tools_section_gets_the_generic_prompt(tok, caplog):
+    prompt._renders_tools.clear()
+    with caplog.at_level(logging.WARNING, "gateway.prompt"):
+        plain = _ids(tok, ASK, chat_template=SMOLLM2)
+        with_tools = _ids(tok, ASK, TOOLS, chat_template=SMOLLM2)
+        again = _ids(tok, ASK, TOOLS, chat_template=SMOLLM2)
+    assert plain == _ids(tok, ASK, [], chat_template=SMOLLM2) and again == with_tools
+    assert len(with_tools) > len(plain)
+    assert sum("no tools section" in r.getMessage() for r in caplog.records) == 1
+    text = tok.decode(with_tools, skip_special_tokens=False)
+    system = text.split("<|im_start|>system\n", 1)[1].split("<|im_end|>", 1)[0]
+    assert "SmolLM" not in system and system.startswith(prompt.GENERIC_TOOLS_HEADER)
+    lines = system.splitlines()
+    assert [json.loads(x) for x in lines[1:3]] == [
+        {k: t["function"][k] for k in ("name", "description", "parameters") if k in t["function"]}
+        for t in TOOLS]
+    assert system.endswith(prompt.GENERIC_TOOLS_REPLY) and text.endswith(
+        "<|im_start|>user\nWhat time is it in UTC?<|im_end|>\n<|im_start|>assistant\n")
+    # a system message of the user's own keeps its text, the tools after it
+    mine = _ids(tok, [{"role": "system", "content": "Be brief."}, *ASK], TOOLS, chat_template=SMOLLM2)
+    assert "<|im_start|>system\nBe brief.\n\n" + prompt.GENERIC_TOOLS_HEADER in \
+        tok.decode(mine, skip_special_tokens=False)
+
+
+def test_earlier_calls_written_in_the_same_format(tok):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}
+    msgs = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "12:00", "tool_call_id": "c1"}]
+    text = tok.decode(_ids(tok, msgs, TOOLS, chat_template=SMOLLM2), skip_special_tokens=False)
+    said = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert parse_calls(said, [Tool.model_validate(t) for t in TOOLS])[0]["function"] == {
+        "name": "get_time", "arguments": '{"tz": "UTC"}'}
+
+
+def test_a_template_with_a_tools_section_renders_them_itself(tok, model_dir, caplog):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    with caplog.at_level(logging.WARNING, "gateway.prompt"):
+        ours = _ids(tok, ASK, TOOLS)
+    assert ours == hf.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+    assert not caplog.records
+
+
+def test_the_documented_reply_format_is_read_as_calls():
+    """The reply format's own example, filled in, and its several-calls form: parsed whole and
+    streamed in random pieces to the same calls."""
+    tools = [Tool.model_validate(t) for t in TOOLS]
+    one = prompt.GENERIC_TOOLS_REPLY.splitlines()[1].replace(
+        "<the tool's name>", "get_time").replace("{<its arguments, as its schema says>}", '{"tz": "UTC"}')
+    several = json.dumps([json.loads(one), {"name": "get_date", "arguments": {}}])
+    rng = random.Random(0)
+    for text, want in ((one, [("get_time", '{"tz": "UTC"}')]),
+                       (several, [("get_time", '{"tz": "UTC"}'), ("get_date", "{}")])):
+        assert [(c["function"]["name"], c["function"]["arguments"])
+                for c in parse_calls(text, tools)] == want
+        s, got, end = StreamedCalls(tools, forced=False), {}, 0
+        while end < len(text):
+            end = min(len(text), end + rng.randint(1, 4))
+            for k, name, piece in s.feed(text[:end]):
+                got.setdefault(k, [name, ""])[1] += piece
+        assert s.finish(text) == ([], True)
+        assert [tuple(v) for v in got.values()] == want
