@@ -23,6 +23,10 @@ restart_window_s (a crash loop), stops everything and exits non-zero. Children a
 SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, set by each child
 at its start from `--parent-pid`: `processes.die_with_parent`), so none is ever orphaned.
 Every wait has a deadline. Each child's spec and command line: processes.py.
+
+`pdserve up` closes the workers' RPCs (`internal_token`): a fresh random token in a 0600 file,
+whose path every child gets as `--internal-token-file` (so `ps` never shows the token); the
+file is removed at stop.
 """
 from __future__ import annotations
 
