@@ -11,8 +11,8 @@ KV_FAILURE_POLICIES = ("fail", "recompute")
 @dataclass
 class DecodeWorkerConfig(WorkerConfig):
     port: int = 50071
-    kv_host: str = ""                    # address advertised for KV; empty: host
-    kv_port: int = 0                     # KV receiver (UCX) port; 0 = a free port
+    kv_host: str = ""                    # address the KV endpoint binds and advertises; empty: host
+    kv_port: int = 0                     # KV endpoint (UCX bootstrap, TCP) port; 0 = a free port
     kv_expiry_s: float = 30.0            # reservation deadline (KV + first token) by default
     kv_failure_policy: str = "fail"      # fail | recompute (requests may override)
     max_reservations_per_caller: int = field(default=64, metadata={

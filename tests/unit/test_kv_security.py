@@ -1,7 +1,9 @@
 """The KV receiver keeps strangers out: a HELLO must carry the token (transfer id) of a live
 reservation, and no header can make it size a buffer beyond the largest possible layer
 message (checked by recording every buffer it allocates, and the process's RSS). The UCX
-transport pins UCX's data path to the configured host's device."""
+transport pins UCX's data path to the configured host's device, and its connection listener
+(a bootstrap socket: kvtransfer/ucx.py) binds that host only: no socket of the process
+listens anywhere else."""
 from __future__ import annotations
 
 import asyncio
@@ -154,9 +156,8 @@ def test_ucx_data_path_binds_only_the_configured_host():
     assert data and all(s.startswith("127.0.0.1:") for s in data), sockets
 
 
-@pytest.mark.xfail(strict=True, reason="ucxx 0.52's Python create_listener takes no host: "
-                   "its connection listener binds 0.0.0.0 (the HELLO token guards it)")
 def test_ucx_connection_listener_binds_only_the_configured_host():
     address, sockets = _ucx_listeners("127.0.0.1")
     port = address.rpartition(":")[2]
     assert [s for s in sockets if s.endswith(":" + port)] == [f"127.0.0.1:{port}"], sockets
+    assert all(s.startswith("127.0.0.1:") for s in sockets), sockets     # nothing else either
