@@ -138,12 +138,10 @@ BlockingMode._progress_with_timeout = _progress_when_quiet
 
 MAGIC, VERSION = b"PDUX", 1
 _BOOT = struct.Struct("<4sBQH")          # magic, version, tag, worker address length
-_ADDR = struct.Struct("<H")              # the connecting side's worker address length
 _FRAME = struct.Struct("<Q")             # a TCP frame's length
 MAX_FRAME_BYTES = 1 << 20                # the accepting side's messages are small replies
 MAX_FRAMES = 16                          # unread ones
 MAX_ADDRESS_BYTES = 1 << 14
-BOOTSTRAP_TIMEOUT_S = 10.0               # a peer that connects and says nothing is dropped
 # After the peer's TCP connection ended, its last UCX messages (sent before it closed, on
 # other sockets) still get this long to arrive; a dead peer's receive fails after it.
 LAST_MESSAGES_S = 2.0
@@ -151,14 +149,15 @@ LAST_MESSAGES_S = 2.0
 
 class UcxConnection(Connection):
     """One connection: UCX tag messages one way, TCP frames the other (see the top). `ep`:
-    the UCX endpoint to the peer's worker (the accepting side's only receives on it, so
-    that the peer's death or the connection's end cancels a pending recv)."""
+    the connecting side's UCX endpoint to the accepting side's worker; None on the accepting
+    side, which receives on its worker by tag and never parses a peer's worker address (UCX
+    aborts the process on a malformed one)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tag: int,
-                 ep: Any, peer: str, accepting: bool):
+                 ep: Any, peer: str):
         self._reader, self._writer, self._ep = reader, writer, ep
         self._tag = Tag(tag)
-        self.peer, self._accepting = peer, accepting
+        self.peer, self._accepting = peer, ep is None
         self._closed = False                  # close() was called
         self._gone = asyncio.Event()          # the TCP connection ended
         self._frames: collections.deque[bytes] = collections.deque()   # connecting side
@@ -167,7 +166,7 @@ class UcxConnection(Connection):
 
     @property
     def closed(self) -> bool:
-        return self._closed or self._gone.is_set() or self._ep.closed
+        return self._closed or self._gone.is_set() or (self._ep is not None and self._ep.closed)
 
     async def send(self, buffer: Any) -> None:
         if self.closed:
@@ -202,7 +201,7 @@ class UcxConnection(Connection):
         the peer sent before it left gets LAST_MESSAGES_S more to arrive, then the receive
         fails and its UCX request is left to the dead or departed peer (one that passed the
         HELLO check: only then are pooled buffers received into)."""
-        recv = asyncio.ensure_future(self._ep.recv(as_buffer(out), tag=self._tag, force_tag=True))
+        recv = asyncio.ensure_future(ucxx.recv(as_buffer(out), self._tag))
         gone = asyncio.ensure_future(self._gone.wait())
         await asyncio.wait({recv, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
@@ -242,7 +241,7 @@ class UcxConnection(Connection):
         while not worker.tag_probe(self._tag).matched:
             if self._gone.is_set():
                 last = last or loop.time() + LAST_MESSAGES_S
-            if self._closed or self._ep.closed or (last and loop.time() >= last):
+            if self._closed or (last and loop.time() >= last):
                 raise ConnectionClosed(f"UCX connection to {self.peer} closed")
             fut = loop.create_future()
             _progress_waiters.add(fut)
@@ -279,11 +278,12 @@ class UcxConnection(Connection):
         self._writer.close()
         self._arrived.set()
         _wake_receivers()
-        try:
-            await asyncio.wait_for(self._ep.close(), 2.0)
-        except (UCXError, asyncio.TimeoutError, RuntimeError) as e:
-            log.debug("closing UCX endpoint to %s: %s", self.peer, e)
-            self._ep.abort()
+        if self._ep is not None:
+            try:
+                await asyncio.wait_for(self._ep.close(), 2.0)
+            except (UCXError, asyncio.TimeoutError, RuntimeError) as e:
+                log.debug("closing UCX endpoint to %s: %s", self.peer, e)
+                self._ep.abort()
 
 
 class UcxTransport(Transport):
@@ -304,23 +304,14 @@ class UcxTransport(Transport):
 
         async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             tag = secrets.randbits(64)
-            try:
-                async with asyncio.timeout(BOOTSTRAP_TIMEOUT_S):
-                    writer.write(_BOOT.pack(MAGIC, VERSION, tag, len(address)) + address)
-                    (n,) = _ADDR.unpack(await reader.readexactly(_ADDR.size))
-                    if n > MAX_ADDRESS_BYTES:
-                        raise TransportError(f"a worker address of {n} bytes")
-                    theirs = ucxx.get_ucx_address_from_buffer(await reader.readexactly(n))
-                    ep = await ucxx.create_endpoint_from_worker_address(theirs)
-            except (UCXError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError,
-                    TransportError) as e:
-                log.info("KV bootstrap from a peer failed: %s: %s", type(e).__name__, e)
-                writer.close()
-                return
-            conn = UcxConnection(reader, writer, tag, ep, "ucx-client", accepting=True)
+            writer.write(_BOOT.pack(MAGIC, VERSION, tag, len(address)) + address)
+            conn = UcxConnection(reader, writer, tag, None, "ucx-client")
             self._conns.add(conn)
             try:
+                await writer.drain()
                 await handler(conn)
+            except (OSError, ConnectionError) as e:
+                log.debug("KV bootstrap connection dropped: %s", e)
             finally:
                 self._conns.discard(conn)
                 await conn.close()
@@ -341,14 +332,11 @@ class UcxTransport(Transport):
                     raise TransportError(f"{address} is not a pdserve UCX KV endpoint (version {VERSION})")
                 worker = ucxx.get_ucx_address_from_buffer(await reader.readexactly(n))
                 ep = await ucxx.create_endpoint_from_worker_address(worker)
-                mine = ucxx.get_worker_address().tobytes()
-                writer.write(_ADDR.pack(len(mine)) + mine)
-                await writer.drain()
         except (UCXError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, TransportError) as e:
             if writer is not None:
                 writer.close()
             raise TransportError(f"UCX connect to {address} failed: {type(e).__name__}: {e}") from e
-        conn = UcxConnection(reader, writer, tag, ep, address, accepting=False)
+        conn = UcxConnection(reader, writer, tag, ep, address)
         self._conns.add(conn)
         return conn
 
