@@ -1,7 +1,7 @@
 """Typed configuration of a decode worker (validated where it is built)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.worker_config import WorkerConfig
 
@@ -11,16 +11,22 @@ KV_FAILURE_POLICIES = ("fail", "recompute")
 @dataclass
 class DecodeWorkerConfig(WorkerConfig):
     port: int = 50071
-    kv_host: str = ""                    # address advertised for KV; empty: host
-    kv_port: int = 0                     # KV receiver (UCX) port; 0 = a free port
+    kv_host: str = ""                    # address the KV endpoint binds and advertises; empty: host
+    kv_port: int = 0                     # KV endpoint (UCX bootstrap, TCP) port; 0 = a free port
     kv_expiry_s: float = 30.0            # reservation deadline (KV + first token) by default
     kv_failure_policy: str = "fail"      # fail | recompute (requests may override)
+    max_reservations_per_caller: int = field(default=64, metadata={
+        "help": "KV reservations (Decode calls waiting for their prompt's KV) one caller may "
+                "hold at once: its certificate's name under mTLS, else its address; past it "
+                "RESOURCE_EXHAUSTED (0: no cap; max_num_seqs caps them all)"})
 
     _positive = ("kv_expiry_s", "drain_timeout_s")
     _ports = ("port", "kv_port", "metrics_port", "health_port")
 
     def __post_init__(self):
         super().__post_init__()
+        if self.max_reservations_per_caller < 0:
+            raise ValueError("max_reservations_per_caller must be >= 0")
         if self.kv_failure_policy not in KV_FAILURE_POLICIES:
             raise ValueError(f"kv_failure_policy must be one of {KV_FAILURE_POLICIES}, "
                              f"got {self.kv_failure_policy!r}")

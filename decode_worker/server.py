@@ -4,9 +4,10 @@
 One Decode call (see protos/pdserve/v1/decode.proto), one `_Pending` object holding its
 state (shared with SubmitFirstToken and Abort), in five phases:
 
-    reserve:      add_remote_request: blocks for the prompt minus this worker's prefix-cache
-                  hits (none free: RESOURCE_EXHAUSTED); receiver.reserve(transfer_id,
-                  blocks to fill)
+    reserve:      (a caller holding --max-reservations-per-caller already: RESOURCE_EXHAUSTED)
+                  add_remote_request: blocks for the prompt minus this worker's prefix-cache
+                  hits (none free: RESOURCE_EXHAUSTED); receiver.reserve(transfer_id signed
+                  with its expiry, blocks to fill)
     announce:     stream KvReady{transfer_id, kv_endpoint, block_ids to fill,
                   num_cached_tokens, compat}
     wait ready:   both bounded by the reservation deadline (kv_timeout_ms or kv_expiry_s):
@@ -33,10 +34,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import secrets
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -47,6 +46,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.receiver import KVReceiver, TransferState
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services import protoconv, service_names, tracing, worker_server
+from services.security import caller_of, new_transfer_id
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .config import DecodeWorkerConfig
@@ -73,6 +73,9 @@ class _Pending:
     usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
     fill: list[int] = field(default_factory=list)   # reserved blocks the prompt's KV arrives into
     deadline: float = 0.0             # time.monotonic() of the reservation deadline
+    caller: str = ""                  # who asked (caller_of): reservations are capped per caller
+    kv_id: str = ""                   # the signed transfer id KvReady announces
+    expires_at_ms: int = 0            # the reservation's deadline, unix ms (signed in kv_id)
     transfer_id: str = ""             # the receiver's transfer ("" when nothing arrives)
     queued_tokens: int = 0            # prompt tokens still to arrive over KV
     kv_done: bool = False
@@ -103,6 +106,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self.worker_id, self.metrics, self.meter = parts.worker_id, parts.metrics, parts.meter
         self.compat = self.receiver.compat
         self.block_size = self.ae.block_size
+        self.token = parts.token
         self._pending: dict[str, _Pending] = {}
         self.counters = Counters()
 
@@ -115,7 +119,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                                         "prompt_tokens": len(request.prompt_token_ids)})
         try:
             with self.srv.track():
-                async for msg in self._decode(request, span):
+                async for msg in self._decode(request, span, caller_of(context)):
                     yield msg
         except Draining as e:
             span.set_status(tracing.error_status(str(e)))
@@ -165,9 +169,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             max_model_len=self.ae.max_model_len)
 
     # -------------------------------------------------------------- Decode body
-    def _validate(self, request, span) -> _Pending:
+    def _validate(self, request, span, caller: str) -> _Pending:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         params = worker_server.new_request_params(request, self._pending)
+        cap = self.cfg.max_reservations_per_caller
+        held = sum(1 for p in self._pending.values() if p.caller == caller and not p.t_decode)
+        if cap and held >= cap:
+            raise RpcStatus(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{caller} already holds {held} KV reservations on this decode worker "
+                            f"(--max-reservations-per-caller {cap})")
         if not 0 <= request.kv_timeout_ms <= MAX_KV_TIMEOUT_MS:
             raise RpcStatus(bad, f"kv_timeout_ms must be in [0, {MAX_KV_TIMEOUT_MS}], "
                                  f"got {request.kv_timeout_ms}")
@@ -176,10 +186,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         ids = list(request.prompt_token_ids)
         return _Pending(request.request_id, ids, params, timeout, policy,
                         asyncio.get_running_loop().create_future(), span,
-                        common_pb2.Usage(prompt_tokens=len(ids)))
+                        common_pb2.Usage(prompt_tokens=len(ids)), caller=caller)
 
-    async def _decode(self, request, span=tracing.INVALID_SPAN):
-        pend = self._validate(request, span)
+    async def _decode(self, request, span=tracing.INVALID_SPAN, caller: str = ""):
+        pend = self._validate(request, span, caller)
         self._pending[pend.request_id] = pend
         try:
             await self._reserve(pend)
@@ -222,8 +232,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         pend.deadline = time.monotonic() + pend.timeout
         if pend.aborted:
             return
+        # unguessable (the KV handshake's token) and signed with its expiry: a prefill worker
+        # computes nothing for an id no decode worker made (services/security.py)
+        pend.expires_at_ms = int((time.time() + pend.timeout) * 1000)
+        pend.kv_id = tid = new_transfer_id(self.token, pend.expires_at_ms)
         if pend.fill:
-            tid = secrets.token_hex(24)       # the KV handshake's token: unguessable
             self.receiver.reserve(tid, pend.fill, pend.timeout)
             pend.transfer_id, pend.queued_tokens = tid, len(pend.prompt) - n_cached
         tracing.record_span("pdserve.decode.reservation", pend.span, pend.t_reserve, time.monotonic(),
@@ -233,10 +246,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def _announce(self, pend: _Pending) -> decode_pb2.DecodeResponse:
         """KvReady: where and into which blocks the prefill worker pushes the KV."""
         return decode_pb2.DecodeResponse(request_id=pend.request_id, kv_ready=decode_pb2.KvReady(
-            transfer_id=pend.transfer_id or uuid.uuid4().hex, kv_endpoint=self.receiver.address,
+            transfer_id=pend.kv_id, kv_endpoint=self.receiver.address,
             block_ids=pend.fill, num_cached_tokens=pend.usage.cached_tokens,
             compat=protoconv.compat_to_proto(self.compat), decode_worker_id=self.worker_id,
-            expires_at_unix_ms=int((time.time() + pend.timeout) * 1000)))
+            expires_at_unix_ms=pend.expires_at_ms))
 
     async def _wait_ready(self, pend: _Pending):
         """The KV and the first token, both by the deadline. Returns (problem or None,

@@ -44,6 +44,9 @@ class GatewayConfig:
     mtls_key: str = field(default="", metadata={"help": "PEM private key of --mtls-cert"})
     mtls_server_name: str = field(default="", metadata={
         "help": "name to verify in worker certificates (empty: the address's host)"})
+    internal_token_file: str = field(default="", metadata={
+        "help": "the deployment's internal credential (a file holding one token, `pdserve up` "
+                "makes one): sent on every call to the workers, which require it"})
     metrics_port: int = field(default=0, metadata={
         "help": "serve Prometheus /metrics (plain text) on this port (0: off; the REST app "
                 "serves /metrics too)"})

@@ -32,7 +32,7 @@ from engine.tokenizer import StopStrings, Tokenizer
 from protos.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from services import tracing
 from services.metrics import Metrics
-from services.security import MTLS
+from services.security import MTLS, read_token
 
 from .admission import Admission
 from .config import GatewayConfig
@@ -81,13 +81,14 @@ class Gateway:
         self.grammars = GrammarCheck(self.tokenizer, self.vocab_size)
         self.metrics = Metrics("gateway")    # the caller serves metrics.registry
         mtls = MTLS.from_config(cfg)         # workers over mTLS when configured
+        token = read_token(cfg.internal_token_file)   # and the deployment's credential
         served = model_name(model_dir)       # what the workers' KV compat keys must name
         self.prefill = WorkerPool("prefill", prefill_pb2_grpc.PrefillWorkerStub,
                                   cfg.health_interval_s, cfg.probe_timeout_s, mtls,
-                                  cfg.stall_timeout_s, model=served)
+                                  cfg.stall_timeout_s, model=served, token=token)
         self.decode = WorkerPool("decode", decode_pb2_grpc.DecodeWorkerStub,
                                  cfg.health_interval_s, cfg.probe_timeout_s, mtls,
-                                 cfg.stall_timeout_s, model=served)
+                                 cfg.stall_timeout_s, model=served, token=token)
         self.metrics.registry.register(PoolStates([self.prefill, self.decode]))
         self._sets = [
             (WorkerSet(resolver_from_args(cfg.prefill, cfg.prefill_dns, cfg.discovery_interval_s),

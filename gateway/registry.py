@@ -48,7 +48,7 @@ SLOW_PROBES_TOLERATED = 2
 
 
 class Worker:
-    def __init__(self, kind: str, address: str, stub_cls, mtls: MTLS | None = None):
+    def __init__(self, kind: str, address: str, stub_cls, mtls: MTLS | None = None, token: str = ""):
         self.kind = kind
         self.address = address
         # A restarted worker is probed back in within a health interval: gRPC's default
@@ -58,7 +58,7 @@ class Worker:
             ("grpc.enable_retries", 0),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000)])
+            ("grpc.max_reconnect_backoff_ms", 1000)], token=token)
         self.stub = stub_cls(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False
@@ -125,13 +125,13 @@ class WorkerPool:
 
     def __init__(self, kind: str, stub_cls, health_interval_s: float, probe_timeout_s: float,
                  mtls: MTLS | None = None, stall_timeout_s: float = 3.0,
-                 retire_timeout_s: float = RETIRE_TIMEOUT_S, model: str = ""):
+                 retire_timeout_s: float = RETIRE_TIMEOUT_S, model: str = "", token: str = ""):
         self.kind = kind
         self.model = model           # what its workers' Stats must name ("": any)
         self.stall_timeout_s = stall_timeout_s
         self.retire_timeout_s = retire_timeout_s
         self._stub_cls = stub_cls
-        self._mtls = mtls
+        self._mtls, self._token = mtls, token     # how its workers' RPCs are reached
         self.health_interval_s = health_interval_s
         self.probe_timeout_s = probe_timeout_s
         self.workers: dict[str, Worker] = {}
@@ -146,7 +146,7 @@ class WorkerPool:
                 # Out of routing now; its channel stays open for the requests still on it (a
                 # worker that left DNS is usually draining them) and closes once they end.
                 self._retiring[w] = asyncio.create_task(self._retire(w), name=f"retire-{a}")
-        new = [self.workers.setdefault(a, Worker(self.kind, a, self._stub_cls, self._mtls)) for a in added]
+        new = [self.workers.setdefault(a, Worker(self.kind, a, self._stub_cls, self._mtls, self._token)) for a in added]
         await asyncio.gather(*(self.probe(w) for w in new))
 
     async def start(self) -> None:

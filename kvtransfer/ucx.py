@@ -1,6 +1,23 @@
 """UcxTransport: the Transport interface over UCX through ucxx's asyncio API.
 
-The ONLY module that imports ucxx. It stays thin: a listener, endpoints, tag send/recv.
+The ONLY module that imports ucxx. It stays thin: a bootstrap listener, endpoints, tag
+send/recv. No UCX connection listener: ucxx 0.52's binds every address (its Python API takes
+no host), so nothing of it is used. One connection instead:
+
+    connecting side (prefill)                    accepting side (decode, `listen`)
+    TCP connect HOST:PORT  ------------------->  asyncio server bound to HOST only
+                           <-------------------  PDUX | version | tag | UCX worker address
+    UCX endpoint from that worker address
+    send(msg): UCX tag send (the tag)  ------->  recv: UCX tag recv of that tag, on the worker
+    recv: a TCP frame      <-------------------  send(msg): a TCP frame (8-byte length + bytes)
+
+The connecting side's messages (HELLO, every LAYER: the KV) go over UCX; the accepting
+side's (HELLO_ACK / REJECT: small, host memory) over the TCP connection, which is also the
+connection's life: its end (close, or a dead peer) makes both sides' calls raise
+ConnectionClosed. The tag is random per connection; the accepting side never parses
+anything a peer sends but the UCX messages of its tag (the receiver's HELLO token check,
+kvtransfer/receiver.py, still decides who may send KV); any byte arriving on its TCP
+connection is a protocol violation that closes it.
 
 UCX settings, applied with os.environ.setdefault before ucxx makes its UCX context (an
 operator's own UCX_* values always win; they are standard UCX variables, not pdserve
@@ -18,22 +35,21 @@ configuration):
                                 blocking mode forgets to re-arm the worker: patched below.)
   UCX_WARN_UNUSED_ENV_VARS=n    silence UCX's warning about variables it does not use.
 
-Addresses look like "ucx://HOST:PORT"; HOST is what this process advertises (`host`,
-default 127.0.0.1). Binding: UCX's TCP transport listens on every network device unless
-UCX_NET_DEVICES says otherwise, so a transport whose host is an address of one device pins
-UCX to that device (`UCX_NET_DEVICES=<its device>`, unless the operator set it): with
-host 127.0.0.1 nothing of UCX's data path listens beyond loopback. ucxx 0.52's Python API
-still binds the connection listener (the port in the address) to every address (its C++
-ListenerBuilder has a host, its Python binding does not): the receiver's handshake token
-(kvtransfer/receiver.py) keeps strangers out of it.
+Addresses look like "ucx://HOST:PORT" (the bootstrap listener); HOST is what this process
+binds and advertises (`host`, default 127.0.0.1). UCX's TCP transport listens on every
+network device unless UCX_NET_DEVICES says otherwise, so a transport whose host is an
+address of one device pins UCX to that device (`UCX_NET_DEVICES=<its device>`, unless the
+operator set it): with host 127.0.0.1 nothing of pdserve's KV path listens beyond loopback.
 """
 from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import fcntl
 import logging
 import os
+import secrets
 import socket
 import struct
 import time
@@ -45,7 +61,9 @@ for _k, _v in (("UCX_RNDV_SCHEME", "put_zcopy"),
 
 import ucxx  # noqa: E402  (reads UCX_* when it makes its context, at the first listen/connect)
 from ucxx._lib_async.continuous_ucx_progress import BlockingMode  # noqa: E402
+from ucxx.core import _get_ctx  # noqa: E402
 from ucxx.exceptions import UCXError  # noqa: E402
+from ucxx.types import Tag  # noqa: E402
 
 from .transport import Connection, ConnectionClosed, Handler, Transport, TransportError, as_buffer, nbytes_of  # noqa: E402
 
@@ -118,65 +136,154 @@ async def _progress_when_quiet(self: BlockingMode) -> None:
 BlockingMode._fd_reader_callback = _progress_and_rearm
 BlockingMode._progress_with_timeout = _progress_when_quiet
 
-
+MAGIC, VERSION = b"PDUX", 1
+_BOOT = struct.Struct("<4sBQH")          # magic, version, tag, worker address length
+_FRAME = struct.Struct("<Q")             # a TCP frame's length
+MAX_FRAME_BYTES = 1 << 20                # the accepting side's messages are small replies
+MAX_FRAMES = 16                          # unread ones
+MAX_ADDRESS_BYTES = 1 << 14
+# After the peer's TCP connection ended, its last UCX messages (sent before it closed, on
+# other sockets) still get this long to arrive; a dead peer's receive fails after it.
+LAST_MESSAGES_S = 2.0
 
 
 class UcxConnection(Connection):
-    def __init__(self, ep: Any, peer: str):
-        self._ep = ep
-        self.peer = peer
-        self._closed = False
+    """One connection: UCX tag messages one way, TCP frames the other (see the top). `ep`:
+    the connecting side's UCX endpoint to the accepting side's worker; None on the accepting
+    side, which receives on its worker by tag and never parses a peer's worker address (UCX
+    aborts the process on a malformed one)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tag: int,
+                 ep: Any, peer: str):
+        self._reader, self._writer, self._ep = reader, writer, ep
+        self._tag = Tag(tag)
+        self.peer, self._accepting = peer, ep is None
+        self._closed = False                  # close() was called
+        self._gone = asyncio.Event()          # the TCP connection ended
+        self._frames: collections.deque[bytes] = collections.deque()   # connecting side
+        self._arrived = asyncio.Event()       # a frame arrived, or the connection ended
+        self._reading = asyncio.ensure_future(self._read_tcp())
 
     @property
     def closed(self) -> bool:
-        return self._closed or self._ep.closed
+        return self._closed or self._gone.is_set() or (self._ep is not None and self._ep.closed)
 
     async def send(self, buffer: Any) -> None:
-        if self._closed:
+        if self.closed:
             raise ConnectionClosed(f"UCX connection to {self.peer} is closed")
         try:
-            await self._ep.send(as_buffer(buffer))
-        except UCXError as e:
+            if not self._accepting:
+                await self._ep.send(as_buffer(buffer), tag=self._tag, force_tag=True)
+            else:
+                data = memoryview(as_buffer(buffer)).cast("B")
+                self._writer.write(_FRAME.pack(data.nbytes))
+                self._writer.write(data)
+                await self._writer.drain()
+        except (UCXError, OSError, ConnectionError) as e:
             raise ConnectionClosed(f"UCX send to {self.peer} failed: {type(e).__name__}: {e}") from e
 
     async def recv(self, nbytes: int | None = None, *, into: Any = None) -> Any:
-        # No closed() pre-check: a message that arrived before the peer closed is still
-        # delivered (ucxx probes for it), e.g. a REJECT followed by a close.
+        # No check of the peer's end first: a message that arrived before the peer closed
+        # is still delivered, e.g. a REJECT followed by a close.
         if self._closed:
             raise ConnectionClosed(f"UCX connection to {self.peer} is closed")
         out = bytearray(nbytes) if into is None else into
         if nbytes_of(out) == 0:
             return out
+        if not self._accepting:
+            return await self._recv_frame(out)
         await self._message_arrived()
+        return await self._recv_ucx(out)
+
+    async def _recv_ucx(self, out: Any) -> Any:
+        """The accepting side: the matched UCX message into `out`. UCX does not fail a
+        receive whose (rendezvous) sender died, so the TCP connection's end decides: what
+        the peer sent before it left gets LAST_MESSAGES_S more to arrive, then the receive
+        fails and its UCX request is left to the dead or departed peer (one that passed the
+        HELLO check: only then are pooled buffers received into)."""
+        recv = asyncio.ensure_future(ucxx.recv(as_buffer(out), self._tag))
+        gone = asyncio.ensure_future(self._gone.wait())
+        await asyncio.wait({recv, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not recv.done():
+            await asyncio.wait({recv}, timeout=LAST_MESSAGES_S)
+        if not recv.done():
+            recv.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise ConnectionClosed(f"UCX connection to {self.peer} ended during a receive")
         try:
-            await self._ep.recv(as_buffer(out))
+            recv.result()
         except UCXError as e:
             raise ConnectionClosed(f"UCX recv from {self.peer} failed: {type(e).__name__}: {e}") from e
         return out
 
+    async def _recv_frame(self, out: Any) -> Any:
+        """The connecting side: the next TCP frame, exactly the size of `out`."""
+        while not self._frames:
+            if self._gone.is_set() or self._closed:
+                raise ConnectionClosed(f"UCX connection to {self.peer} closed")
+            self._arrived.clear()
+            await self._arrived.wait()
+        data = self._frames.popleft()
+        if len(data) != nbytes_of(out):
+            raise TransportError(f"message of {len(data)} bytes from {self.peer}, expected {nbytes_of(out)}")
+        memoryview(as_buffer(out)).cast("B")[:] = data
+        return out
+
     async def _message_arrived(self) -> None:
-        """Until a message is there (or the endpoint closed). ucxx's recv, in blocking mode,
-        polls its request with asyncio.sleep(0): a receiver idly waiting for the next header
-        would spin the loop (10-25% of a core, measured). Instead, probe after each UCX
-        progress; the 1 s wake-up is the safety net ucxx's own progress timeout also is."""
+        """Until a message of this connection's tag is there (recv then takes it), or the
+        connection ended. ucxx's recv, in blocking mode, polls its request with
+        asyncio.sleep(0): a receiver idly waiting for the next header would spin the loop
+        (10-25% of a core, measured). Instead, probe after each UCX progress; the 1 s wake-up
+        is the safety net ucxx's own progress timeout also is."""
         loop = asyncio.get_running_loop()
-        while not self._ep.closed and not self._ep.tag_probe().matched:
+        worker = _get_ctx().worker           # the UCXWorker (ucxx's public getters give pointers)
+        last = None                          # after the TCP connection's end: LAST_MESSAGES_S
+        while not worker.tag_probe(self._tag).matched:
+            if self._gone.is_set():
+                last = last or loop.time() + LAST_MESSAGES_S
+            if self._closed or (last and loop.time() >= last):
+                raise ConnectionClosed(f"UCX connection to {self.peer} closed")
             fut = loop.create_future()
             _progress_waiters.add(fut)
             try:
-                await asyncio.wait_for(fut, 1.0)
+                await asyncio.wait_for(fut, 1.0 if last is None else max(last - loop.time(), 0.01))
             except asyncio.TimeoutError:
                 pass
+
+    async def _read_tcp(self) -> None:
+        """Frames into `_frames` until the TCP connection ends. The accepting side's peer
+        sends none after the bootstrap: a frame there, an oversized one or too many unread
+        end the connection."""
+        try:
+            while True:
+                (n,) = _FRAME.unpack(await self._reader.readexactly(_FRAME.size))
+                if self._accepting or n > MAX_FRAME_BYTES or len(self._frames) >= MAX_FRAMES:
+                    log.warning("KV connection %s: unexpected TCP frame of %d bytes, closing", self.peer, n)
+                    break
+                self._frames.append(await self._reader.readexactly(n))
+                self._arrived.set()
+        except (asyncio.IncompleteReadError, OSError, ConnectionError):
+            pass
+        finally:
+            self._gone.set()
+            self._arrived.set()
+            self._writer.close()
+            _wake_receivers()
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        try:
-            await asyncio.wait_for(self._ep.close(), 2.0)
-        except (UCXError, asyncio.TimeoutError, RuntimeError) as e:
-            log.debug("closing UCX endpoint to %s: %s", self.peer, e)
-            self._ep.abort()
+        self._reading.cancel()
+        self._writer.close()
+        self._arrived.set()
+        _wake_receivers()
+        if self._ep is not None:
+            try:
+                await asyncio.wait_for(self._ep.close(), 2.0)
+            except (UCXError, asyncio.TimeoutError, RuntimeError) as e:
+                log.debug("closing UCX endpoint to %s: %s", self.peer, e)
+                self._ep.abort()
 
 
 class UcxTransport(Transport):
@@ -188,29 +295,48 @@ class UcxTransport(Transport):
             os.environ.setdefault("UCX_NET_DEVICES", device)
         self.host = host
         self.port = port
-        self._listener: Any = None
+        self._server: asyncio.base_events.Server | None = None
         self._conns: set[UcxConnection] = set()
 
     async def listen(self, handler: Handler) -> str:
-        async def on_endpoint(ep: Any) -> None:
-            conn = UcxConnection(ep, "ucx-client")
+        ucxx.continuous_ucx_progress()
+        address = ucxx.get_worker_address().tobytes()
+
+        async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            tag = secrets.randbits(64)
+            writer.write(_BOOT.pack(MAGIC, VERSION, tag, len(address)) + address)
+            conn = UcxConnection(reader, writer, tag, None, "ucx-client")
             self._conns.add(conn)
             try:
+                await writer.drain()
                 await handler(conn)
+            except (OSError, ConnectionError) as e:
+                log.debug("KV bootstrap connection dropped: %s", e)
             finally:
                 self._conns.discard(conn)
                 await conn.close()
 
-        self._listener = ucxx.create_listener(on_endpoint, port=self.port)
-        return f"{SCHEME}{self.host}:{self._listener.port}"
+        self._server = await asyncio.start_server(on_client, self.host, self.port)
+        port = self._server.sockets[0].getsockname()[1]
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{SCHEME}{host}:{port}"
 
     async def connect(self, address: str, timeout: float = 5.0) -> Connection:
         host, port = parse_address(address)
+        writer = None
         try:
-            ep = await asyncio.wait_for(ucxx.create_endpoint(host, port, connect_timeout=timeout), timeout)
-        except (UCXError, OSError, asyncio.TimeoutError) as e:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+                magic, version, tag, n = _BOOT.unpack(await reader.readexactly(_BOOT.size))
+                if magic != MAGIC or version != VERSION or n > MAX_ADDRESS_BYTES:
+                    raise TransportError(f"{address} is not a pdserve UCX KV endpoint (version {VERSION})")
+                worker = ucxx.get_ucx_address_from_buffer(await reader.readexactly(n))
+                ep = await ucxx.create_endpoint_from_worker_address(worker)
+        except (UCXError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, TransportError) as e:
+            if writer is not None:
+                writer.close()
             raise TransportError(f"UCX connect to {address} failed: {type(e).__name__}: {e}") from e
-        conn = UcxConnection(ep, address)
+        conn = UcxConnection(reader, writer, tag, ep, address)
         self._conns.add(conn)
         return conn
 
@@ -218,6 +344,6 @@ class UcxTransport(Transport):
         for conn in list(self._conns):
             await conn.close()
         self._conns.clear()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None

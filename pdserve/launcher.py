@@ -23,6 +23,10 @@ restart_window_s (a crash loop), stops everything and exits non-zero. Children a
 SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, set by each child
 at its start from `--parent-pid`: `processes.die_with_parent`), so none is ever orphaned.
 Every wait has a deadline. Each child's spec and command line: processes.py.
+
+`pdserve up` closes the workers' RPCs (`internal_token`): a fresh random token in a 0600 file,
+whose path every child gets as `--internal-token-file` (so `ps` never shows the token); the
+file is removed at stop.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.config import EngineOptions
 from services import service_names
 from services.cli_args import config_argv
-from services.security import exposed, mtls_triple, tls_pair
+from services.security import exposed, mtls_triple, tls_pair, write_token
 
 from .processes import Child, ModelPools, free_port
 
@@ -68,6 +72,8 @@ class Launcher:
     gateway_args: list[str] = field(default_factory=list)
     engine: EngineOptions = field(default_factory=EngineOptions)   # every worker's engine
     mtls: tuple[str, str, str] | None = None  # (CA, cert, key) PEM paths every process uses
+    internal_token: bool = False            # a per-deployment credential every worker RPC
+                                            # requires (`pdserve up` always makes one)
     tls_cert: str = ""                      # the gateway's public TLS (cert, key) PEM paths;
     tls_key: str = ""                       # the launcher's probe trusts the cert file
     restart_backoff_s: float = 1.0          # first restart delay; doubles per recent crash
@@ -78,6 +84,7 @@ class Launcher:
     models: list[ModelPools] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
     _models_file: str = field(default="", init=False, repr=False)   # the gateway's, if several
+    token_file: str = field(default="", init=False, repr=False)     # with internal_token
 
     @property
     def grpc_address(self) -> str:
@@ -93,6 +100,10 @@ class Launcher:
         self._cancel = cancel or threading.Event()
         engine_args = config_argv(self.engine)   # before extra: a role's own args win
         try:
+            if self.internal_token:      # a file: the token itself never shows in `ps`
+                fd, self.token_file = tempfile.mkstemp(prefix="pdserve-internal-")
+                os.close(fd)
+                write_token(self.token_file)
             for m in self.models or [ModelPools("", self.model_dir, self.num_prefill,
                                                 self.num_decode)]:
                 self._spawn_workers(m, engine_args)
@@ -102,7 +113,7 @@ class Launcher:
             gw = [
                 "gateway", *self._gateway_models(), "--host", self.host,
                 "--grpc-port", str(port), "--http-port", str(self.http_port),
-                *self._mtls_args(),
+                *self._mtls_args(), *self._token_args(),
                 *(["--tls-cert", self.tls_cert, "--tls-key", self.tls_key] if self.tls_cert else []),
                 *self.gateway_args]
             self._spawn(Child("gateway", f"{self.host}:{port}", gw))
@@ -122,7 +133,7 @@ class Launcher:
                 self._spawn(Child(role, f"{self.host}:{port}", [
                     role, "--model-dir", str(m.model_dir), "--host", self.host,
                     "--port", str(port), "--worker-id", worker_id, *engine_args,
-                    *self._mtls_args(), *extra], model=m.name))
+                    *self._mtls_args(), *self._token_args(), *extra], model=m.name))
 
     def _gateway_models(self) -> list[str]:
         """The gateway's model and pool options: one model's, or a models file of several."""
@@ -151,6 +162,9 @@ class Launcher:
             return []
         ca, cert, key = self.mtls
         return ["--mtls-ca", ca, "--mtls-cert", cert, "--mtls-key", key]
+
+    def _token_args(self) -> list[str]:
+        return ["--internal-token-file", self.token_file] if self.token_file else []
 
     def probe_channel(self, c: Child) -> grpc.Channel:
         """A channel the launcher's health probe of `c` can use (mTLS/TLS as configured)."""
@@ -239,8 +253,9 @@ class Launcher:
                 c.popen.wait(5)
             if c.log is not None:
                 c.log.close()
-        if self._models_file:
-            Path(self._models_file).unlink(missing_ok=True)
+        for f in (self._models_file, self.token_file):
+            if f:
+                Path(f).unlink(missing_ok=True)
 
 
 def _say(line: str) -> None:
@@ -325,7 +340,7 @@ def main(cfg: UpConfig) -> int:
     launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
                         gateway_args=gateway_args, engine=cfg.engine,
                         mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
-                        tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
+                        tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, internal_token=True,
                         restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts,
                         models=models)
     try:

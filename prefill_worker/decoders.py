@@ -41,8 +41,8 @@ async def resolve(addresses: str, dns: str) -> list[str]:
 
 class KnownDecoders:
     def __init__(self, addresses: str, dns: str, mtls: MTLS | None, rpc_timeout_s: float = 2.0,
-                 min_refresh_s: float = 1.0):
-        self.addresses, self.dns, self.mtls = addresses, dns, mtls
+                 min_refresh_s: float = 1.0, token: str = ""):
+        self.addresses, self.dns, self.mtls, self.token = addresses, dns, mtls, token
         self.rpc_timeout_s, self.min_refresh_s = rpc_timeout_s, min_refresh_s
         self.endpoints: set[str] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -66,7 +66,7 @@ class KnownDecoders:
         async def announced(address: str) -> str:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = channel(address, self.mtls)
+                ch = self._channels[address] = channel(address, self.mtls, token=self.token)
             try:
                 st = await decode_pb2_grpc.DecodeWorkerStub(ch).Stats(
                     common_pb2.StatsRequest(), timeout=self.rpc_timeout_s)

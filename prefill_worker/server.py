@@ -5,8 +5,10 @@ One Prefill call (see protos/pdserve/v1/prefill.proto for the whole lifecycle), 
 object holding its state, in four phases:
 
     validate params, prompt and destination (INVALID_ARGUMENT); compat check against the
-    decoder's KvCompat (FAILED_PRECONDITION naming both sides); a reservation already
-    expired (destination.expires_at_unix_ms) is DEADLINE_EXCEEDED
+    decoder's KvCompat (FAILED_PRECONDITION naming both sides); with the internal
+    credential, a transfer id no decode worker signed (services/security.py) is
+    PERMISSION_DENIED; a reservation already expired (destination.expires_at_unix_ms) is
+    DEADLINE_EXCEEDED
     open transfer:   KVPush.open(transfer to destination.kv_endpoint): connect + HELLO
                      handshake (UNAVAILABLE if unreachable, FAILED_PRECONDITION if the
                      decoder rejects us)
@@ -41,7 +43,7 @@ from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services import protoconv, service_names, tracing, worker_server
-from services.security import MTLS
+from services.security import MTLS, read_token, transfer_id_signed
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .admission import PrefillAdmission
@@ -80,6 +82,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self.cfg: PrefillWorkerConfig = parts.cfg
         self.ae, self.kv, self.srv = parts.engine, parts.kv, parts.srv
         self.worker_id, self.metrics, self.meter = parts.worker_id, parts.metrics, parts.meter
+        self.token = parts.token
         self.compat = self.kv.compat
         self.block_size = self.ae.block_size
         self._tasks: dict[str, asyncio.Task] = {}
@@ -158,6 +161,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if len(dest.dst_block_ids) != want:
             raise RpcStatus(bad, f"destination has {len(dest.dst_block_ids)} blocks; a {len(ids)}-token "
                                f"prompt with {cached} cached tokens needs {want} (block size {bs})")
+        if self.token and not transfer_id_signed(self.token, dest.transfer_id, dest.expires_at_unix_ms):
+            raise RpcStatus(grpc.StatusCode.PERMISSION_DENIED,
+                            "destination.transfer_id was not reserved by a decode worker of this "
+                            "deployment (its signature does not match)")
         if dest.expires_at_unix_ms and dest.expires_at_unix_ms <= time.time() * 1000:
             self.expired += 1
             raise RpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -312,8 +319,9 @@ class PrefillRole(worker_server.WorkerRole):
         return cfg.host, 0
 
     def kv_connector(self, cfg: PrefillWorkerConfig, transport) -> KVPush:
-        return KVPush(transport, KnownDecoders(cfg.decode, cfg.decode_dns, MTLS.from_config(cfg)),
-                      cfg.kv_connect_timeout_s, cfg.kv_staging)
+        decoders = KnownDecoders(cfg.decode, cfg.decode_dns, MTLS.from_config(cfg),
+                                 token=read_token(cfg.internal_token_file))
+        return KVPush(transport, decoders, cfg.kv_connect_timeout_s, cfg.kv_staging)
 
     async def open_kv(self, cfg, engine, transport, connector: KVPush) -> KVPush:
         return connector                 # bound to the cache by the engine's construction

@@ -39,6 +39,11 @@ class WorkerConfig:
     restarts: int = field(default=0, metadata={
         "help": "times a supervisor restarted this worker (`pdserve up` passes it from the "
                 "second start on): its pdserve:process_restarts gauge"})
+    internal_token_file: str = field(default="", metadata={
+        "help": "the deployment's internal credential: a file holding one token (`pdserve up` "
+                "makes one); every RPC of this worker then needs it (metadata 'authorization: "
+                "Bearer TOKEN'), its own calls send it, transfer ids are signed with it "
+                "(empty: internal RPCs are open)"})
     mtls_callers: str = field(default="", metadata={
         "help": "certificate common names (comma-separated) that may call this worker's RPCs "
                 "other than Stats and health, i.e. the gateway's (empty: any certificate "

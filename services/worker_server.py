@@ -45,7 +45,7 @@ from .cli_args import config_from_argv
 from .energy import EnergyMeter
 from .grpc_options import SERVER_OPTIONS
 from .metrics import Metrics
-from .security import MTLS, RequestGuard, add_port
+from .security import MTLS, RequestGuard, add_port, read_token
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,12 @@ class WorkerServer:
     """grpc.aio server + health + reflection + in-flight counting + drain."""
 
     def __init__(self, service_names: list[str], host: str, port: int, drain_timeout_s: float,
-                 mtls: MTLS | None = None, health_port: int = 0, callers: frozenset[str] = frozenset()):
-        """`callers`: certificate common names allowed to call more than Stats (mTLS)."""
-        self.server = grpc.aio.server(options=SERVER_OPTIONS,
-                                      interceptors=[RequestGuard(tuple(service_names), callers)])
+                 mtls: MTLS | None = None, health_port: int = 0, callers: frozenset[str] = frozenset(),
+                 token: str = ""):
+        """`callers`: certificate common names allowed to call more than Stats (mTLS);
+        `token`: the internal credential every call must carry (services/security.py)."""
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[
+            RequestGuard(tuple(service_names), callers, token=token)])
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -216,6 +218,7 @@ class WorkerParts:
     worker_id: str
     metrics: Metrics
     meter: EnergyMeter
+    token: str = ""              # the internal credential ("": none; services/security.py)
 
 
 class WorkerRole(abc.ABC):
@@ -247,6 +250,7 @@ class WorkerRole(abc.ABC):
 async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
                 ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve `role` until SIGTERM/SIGINT (or `stop` is set), then drain and return."""
+    token = read_token(cfg.internal_token_file)     # a bad file fails before the model loads
     if transport is None:
         from kvtransfer.ucx import UcxTransport   # imports ucxx; only a serving process needs it
         transport = UcxTransport(*role.kv_address(cfg), device_memory=cfg.kv_staging == "device")
@@ -269,13 +273,14 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         gc.freeze()
         srv = WorkerServer([role.service_name], cfg.host, cfg.port, cfg.drain_timeout_s,
                            MTLS.from_config(cfg), cfg.health_port,
-                           frozenset(n.strip() for n in cfg.mtls_callers.split(",") if n.strip()))
+                           frozenset(n.strip() for n in cfg.mtls_callers.split(",") if n.strip()),
+                           token)
         worker_id = cfg.worker_id or f"{role.name}-{cfg.host}:{srv.port}"
         kv = await role.open_kv(cfg, engine, transport, connector)
         ae = AsyncEngine(engine, name=f"{role.name}-engine", on_health=srv.engine_health)
         ae.start()
         tel.metrics.watch_engine(ae.stats)
-        parts = WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter)
+        parts = WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter, token)
         role.add_to_server(role.servicer_class(parts), srv.server)
         await srv.run(lambda: warm_up(ae, role.prefill_only), ready, stop)
     finally:

@@ -41,6 +41,7 @@ OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomizatio
 NUM_STREAMS = 20
 CONCURRENCY = 4
 API_KEY = "sk-test-manifests"
+INTERNAL_TOKEN = "test-manifests-internal-token"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -68,6 +69,18 @@ def test_every_overlay_renders(rendered):
     for name, docs in rendered.items():
         assert set(by_kind(docs, "Deployment")) >= {"pdserve-gateway", "pdserve-prefill",
                                                     "pdserve-decode"}, name
+
+
+def test_every_process_gets_the_internal_credential_from_the_secret(rendered):
+    for name, docs in rendered.items():
+        for dep_name, dep in by_kind(docs, "Deployment").items():
+            spec = dep["spec"]["template"]["spec"]
+            args = spec["containers"][0]["args"]
+            path = args[args.index("--internal-token-file") + 1]
+            mount = next(m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "internal-token")
+            volume = next(v for v in spec["volumes"] if v["name"] == "internal-token")
+            assert path == mount["mountPath"] + "/token", (name, dep_name)
+            assert volume["secret"]["secretName"] == "pdserve-internal-token", (name, dep_name)
 
 
 def test_prod_workers_parse_to_cuda_with_memory_sizing(rendered):
@@ -192,13 +205,15 @@ class Cluster:
 
 def secrets(workdir: Path) -> dict[str, dict[str, bytes]]:
     """The Secrets deploy/README.md has the operator create: an mTLS identity for every pod
-    (one certificate named pdserve-worker, from a CA made here) and the API key file."""
+    (one certificate named pdserve-worker, from a CA made here), the API key file and the
+    internal credential."""
     from tests.certs import CA
     ca = CA(workdir / "ca")
     cert, key = ca.issue("pdserve-worker", ips=(), dns=("pdserve-worker",))
     return {"pdserve-mtls": {"ca.crt": Path(ca.cert_path).read_bytes(),
                              "tls.crt": Path(cert).read_bytes(), "tls.key": Path(key).read_bytes()},
-            "pdserve-api-keys": {"api-keys": f"# test keys\n{API_KEY}\n".encode()}}
+            "pdserve-api-keys": {"api-keys": f"# test keys\n{API_KEY}\n".encode()},
+            "pdserve-internal-token": {"token": f"{INTERNAL_TOKEN}\n".encode()}}
 
 
 @contextlib.contextmanager
@@ -231,8 +246,9 @@ def wait_for_log(pod: Pod, pattern: str, timeout_s: float) -> None:
 
 
 # ---------------------------------------------------------- the dev-two-models overlay, run
-def worker_stats(cluster, pod: Pod):
-    """The worker's Stats over its gRPC port, with the pods' mTLS certificate."""
+def worker_stats(cluster, pod: Pod, token: str | None = INTERNAL_TOKEN):
+    """The worker's Stats over its gRPC port, with the pods' mTLS certificate and `token`
+    (None: no internal credential)."""
     from protos.pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
     stub = {"prefill": prefill_pb2_grpc.PrefillWorkerStub,
             "decode": decode_pb2_grpc.DecodeWorkerStub}[pod.labels["app.kubernetes.io/component"]]
@@ -241,7 +257,8 @@ def worker_stats(cluster, pod: Pod):
     port = next(p["containerPort"] for p in pod.container["ports"] if p["name"] == "grpc")
     with grpc.secure_channel(f"{pod.ip}:{port}", creds, options=[
             ("grpc.ssl_target_name_override", "pdserve-worker")]) as ch:
-        return stub(ch).Stats(common_pb2.StatsRequest(), timeout=10)
+        md = [("authorization", f"Bearer {token}")] if token else None
+        return stub(ch).Stats(common_pb2.StatsRequest(), metadata=md, timeout=10)
 
 
 class TestTwoModels:
@@ -342,8 +359,9 @@ def test_servers_bind_the_pod_ip_and_kv_is_advertised_on_it(cluster):
 
 
 def test_worker_rpcs_need_the_mtls_certificate(cluster):
-    """The workers' gRPC ports (mTLS from the mounted Secret) refuse a plain-text caller; the
-    health port the kubelet probes answers without a certificate."""
+    """The workers' gRPC ports (mTLS from the mounted Secret) refuse a plain-text caller, and
+    one with the certificate but without the internal credential (Secret
+    pdserve-internal-token); the health port the kubelet probes answers without either."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     for pod in cluster.pods:
@@ -357,6 +375,11 @@ def test_worker_rpcs_need_the_mtls_certificate(cluster):
         with grpc.insecure_channel(f"{pod.ip}:{ports['health']}") as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert r.status == health_pb2.HealthCheckResponse.SERVING
+        for token in (None, "not-the-deployments-token"):
+            with pytest.raises(grpc.RpcError) as e:
+                worker_stats(cluster, pod, token)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert worker_stats(cluster, pod).total_kv_blocks > 0
 
 
 def scrape(pod: Pod) -> dict:

@@ -1,7 +1,10 @@
 """The KV receiver keeps strangers out: a HELLO must carry the token (transfer id) of a live
 reservation, and no header can make it size a buffer beyond the largest possible layer
 message (checked by recording every buffer it allocates, and the process's RSS). The UCX
-transport pins UCX's data path to the configured host's device."""
+transport pins UCX's data path to the configured host's device, and its connection listener
+(a bootstrap socket: kvtransfer/ucx.py) binds that host only: no socket of the process
+listens anywhere else. Junk on that socket ends only its own connection, and a sender killed
+in the middle of a message never leaves the receiver waiting."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +22,7 @@ from kvtransfer.transport import ConnectionClosed
 from kvtransfer.wire import HEADER_BYTES, MAX_HELLO_BYTES, Header, MsgType
 
 L, NB = 2, 8
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def cache():
@@ -154,9 +158,71 @@ def test_ucx_data_path_binds_only_the_configured_host():
     assert data and all(s.startswith("127.0.0.1:") for s in data), sockets
 
 
-@pytest.mark.xfail(strict=True, reason="ucxx 0.52's Python create_listener takes no host: "
-                   "its connection listener binds 0.0.0.0 (the HELLO token guards it)")
 def test_ucx_connection_listener_binds_only_the_configured_host():
     address, sockets = _ucx_listeners("127.0.0.1")
     port = address.rpartition(":")[2]
     assert [s for s in sockets if s.endswith(":" + port)] == [f"127.0.0.1:{port}"], sockets
+    assert all(s.startswith("127.0.0.1:") for s in sockets), sockets     # nothing else either
+
+
+async def _serve_one(transport, got: asyncio.Queue):
+    """Listen; each connection's first receive's outcome goes to `got`."""
+    async def handler(conn):
+        try:
+            await conn.recv(into=bytearray(64 << 20))
+            await got.put("received")
+        except ConnectionClosed as e:
+            await got.put(e)
+    return int((await transport.listen(handler)).rpartition(":")[2])
+
+
+def test_ucx_bootstrap_survives_strangers():
+    """Junk on the KV port (a made-up worker address, frames the decoder never expects, a
+    peer that leaves at once) ends those connections and nothing else: the process lives
+    (UCX would abort it on a malformed worker address it parsed) and serves a real peer."""
+    import struct
+    from kvtransfer.ucx import UcxTransport
+
+    async def main():
+        rx, tx, got = UcxTransport("127.0.0.1", 0), UcxTransport(), asyncio.Queue()
+        port = await _serve_one(rx, got)
+        for junk in (struct.pack("<H", 52) + os.urandom(52), struct.pack("<Q", 8) + b"x" * 8, b""):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            await r.readexactly(15)                     # the decoder's bootstrap header
+            w.write(junk)
+            await w.drain()
+            w.close()
+            assert isinstance(await asyncio.wait_for(got.get(), 15), ConnectionClosed)
+        conn = await tx.connect(f"ucx://127.0.0.1:{port}")
+        await conn.send(bytearray(64 << 20))
+        assert await asyncio.wait_for(got.get(), 15) == "received"
+        await tx.close()
+        await rx.close()
+    asyncio.run(asyncio.wait_for(main(), 90))
+
+
+SENDER = """
+import asyncio, os, signal, sys
+from kvtransfer.ucx import UcxTransport
+async def main():
+    conn = await UcxTransport().connect(sys.argv[1])
+    asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGKILL)
+    await conn.send(bytearray(512 << 20))
+asyncio.run(main())
+"""
+
+
+def test_a_receive_from_a_sender_killed_mid_message_ends():
+    """UCX never fails a receive whose rendezvous sender died; the bootstrap connection's end
+    does (ucx.LAST_MESSAGES_S later), so a decoder's reader is never stuck."""
+    from kvtransfer.ucx import UcxTransport
+
+    async def main():
+        rx, got = UcxTransport("127.0.0.1", 0), asyncio.Queue()
+        port = await _serve_one(rx, got)
+        p = await asyncio.create_subprocess_exec(sys.executable, "-c", SENDER, f"ucx://127.0.0.1:{port}",
+                                                 stderr=subprocess.DEVNULL, cwd=ROOT)
+        assert await asyncio.wait_for(p.wait(), 30) == -9
+        assert isinstance(await asyncio.wait_for(got.get(), 15), ConnectionClosed)
+        await rx.close()
+    asyncio.run(asyncio.wait_for(main(), 90))

@@ -30,6 +30,7 @@ from pdserve.launcher import free_port
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import ROLE as PREFILL
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.security import channel, read_token
 from services.worker_server import serve
 
 BS = 8
@@ -70,12 +71,16 @@ class System:
     """Both workers and a gateway on one loop (running in a thread of its own)."""
 
     def __init__(self, model_dir: str, prefill_options: dict = {}, decode_options: dict = {},
-                 prefill_config: dict = {}, prefill_transport=None):
+                 prefill_config: dict = {}, prefill_transport=None, decode_config: dict = {},
+                 token_file: str = ""):
         """`*_options`: more EngineOptions by name for that worker (test_quant_pd.py);
-        `prefill_config`: more PrefillWorkerConfig fields (test_admission_prefill.py);
+        `*_config`: more PrefillWorkerConfig / DecodeWorkerConfig fields
+        (test_admission_prefill.py); `token_file`: the internal credential of all three
+        (the test's own channels send it too; test_internal_credential.py);
         `prefill_transport`: the prefill worker's KV transport (a LoopbackTransport by
         default; test_faults_kv.py tampers with its messages)."""
-        self.model_dir, self.prefill_config = model_dir, prefill_config
+        self.model_dir, self.prefill_config, self.decode_config = model_dir, prefill_config, decode_config
+        self.token_file = token_file
         self.prefill_transport = prefill_transport or LoopbackTransport()
         self.prefill_options, self.decode_options = prefill_options, decode_options
         self.loop = asyncio.new_event_loop()
@@ -105,7 +110,7 @@ class System:
 
     async def start(self) -> None:
         self.stop_event = asyncio.Event()
-        common = dict(model_dir=self.model_dir, drain_timeout_s=5.0)
+        common = dict(model_dir=self.model_dir, drain_timeout_s=5.0, internal_token_file=self.token_file)
         dport = free_port()
         pcfg = PrefillWorkerConfig(port=free_port(), decode=f"127.0.0.1:{dport}", **common,
                                    engine=EngineOptions.of(**{
@@ -114,7 +119,7 @@ class System:
                                        **self.prefill_options}),
                                    **self.prefill_config)
         dcfg = DecodeWorkerConfig(port=dport, kv_expiry_s=10, **common, engine=EngineOptions.of(
-            block_size=BS, num_blocks=64, **self.decode_options))
+            block_size=BS, num_blocks=64, **self.decode_options), **self.decode_config)
         ready = [asyncio.Event(), asyncio.Event()]
         self.tasks = [
             asyncio.create_task(serve(pcfg, PREFILL, transport=self.prefill_transport, ready=ready[0],
@@ -129,12 +134,14 @@ class System:
                 t.result()
                 raise RuntimeError("a worker stopped before it was ready")
         assert all(r.is_set() for r in ready), "workers not ready within 60 s"
-        self.pre_ch = grpc.aio.insecure_channel(f"127.0.0.1:{pcfg.port}")
-        self.dec_ch = grpc.aio.insecure_channel(f"127.0.0.1:{dcfg.port}")
+        self.pre_addr, self.dec_addr = f"127.0.0.1:{pcfg.port}", f"127.0.0.1:{dcfg.port}"
+        self.pre_ch = channel(self.pre_addr, None, token=read_token(self.token_file))
+        self.dec_ch = channel(self.dec_addr, None, token=read_token(self.token_file))
         self.pre = prefill_pb2_grpc.PrefillWorkerStub(self.pre_ch)
         self.dec = decode_pb2_grpc.DecodeWorkerStub(self.dec_ch)
         self.gateway = Gateway(GatewayConfig(model=self.model_dir, prefill=f"127.0.0.1:{pcfg.port}",
-                                             decode=f"127.0.0.1:{dcfg.port}", health_interval_s=0.5))
+                                             decode=f"127.0.0.1:{dcfg.port}", health_interval_s=0.5,
+                                             internal_token_file=self.token_file))
         await self.gateway.start()
 
     async def stop(self) -> None:
