@@ -1,7 +1,7 @@
 """Typed configuration of a decode worker (validated where it is built)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.worker_config import WorkerConfig
 
@@ -13,14 +13,23 @@ class DecodeWorkerConfig(WorkerConfig):
     port: int = 50071
     kv_host: str = ""                    # address advertised for KV; empty: host
     kv_port: int = 0                     # KV receiver (UCX) port; 0 = a free port
-    kv_expiry_s: float = 30.0            # reservation deadline (KV + first token) by default
+    kv_expiry_s: float = field(default=30.0, metadata={
+        "help": "a KV reservation's idle window (requests may ask their own, kv_timeout_ms): it "
+                "expires this long after the reservation, or after the last KV message, with "
+                "no more KV arriving; the first token is due this long after the last layer"})
+    kv_max_reservation_s: float = field(default=600.0, metadata={
+        "help": "hard bound on a KV reservation, however steadily its KV arrives: a prompt the "
+                "prefill workers cannot compute in this long is refused before any compute"})
     kv_failure_policy: str = "fail"      # fail | recompute (requests may override)
 
-    _positive = ("kv_expiry_s", "drain_timeout_s")
+    _positive = ("kv_expiry_s", "kv_max_reservation_s", "drain_timeout_s")
     _ports = ("port", "kv_port", "metrics_port", "health_port")
 
     def __post_init__(self):
         super().__post_init__()
+        if self.kv_max_reservation_s < self.kv_expiry_s:
+            raise ValueError(f"kv_max_reservation_s ({self.kv_max_reservation_s}) must be >= "
+                             f"kv_expiry_s ({self.kv_expiry_s})")
         if self.kv_failure_policy not in KV_FAILURE_POLICIES:
             raise ValueError(f"kv_failure_policy must be one of {KV_FAILURE_POLICIES}, "
                              f"got {self.kv_failure_policy!r}")
