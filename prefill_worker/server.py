@@ -174,8 +174,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         mono = lambda ms: time.monotonic() + ms / 1000 - time.time()   # noqa: E731
         if dest.expires_at_unix_ms > 0:
             call.expires = call.bound = mono(dest.expires_at_unix_ms)
-            if dest.idle_timeout_ms > 0 and dest.max_expires_at_unix_ms > dest.expires_at_unix_ms:
+            if dest.idle_timeout_ms > 0 and dest.max_expires_at_unix_ms > 0:
                 call.idle_s, call.bound = dest.idle_timeout_ms / 1000, mono(dest.max_expires_at_unix_ms)
+                call.expires = min(call.expires, call.bound)
         return call
 
     async def _prefill(self, request) -> prefill_pb2.PrefillResponse:
