@@ -21,7 +21,9 @@ import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
-from gateway.request import GenerateInput
+from gateway.config import GatewayConfig
+from gateway.core import Gateway
+from gateway.request import GatewayError, GenerateInput
 from prefill_worker.kv_push import KVPush
 from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
@@ -209,3 +211,56 @@ def test_a_prompt_that_cannot_finish_within_the_bound_is_refused_before_any_comp
         await _rest(busy_stream)
         await system.wait_all_free()
     system.run(main(), 120)
+
+
+def test_the_end_to_end_deadline_follows_the_tokens_asked_for(system, monkeypatch):
+    """A gateway whose base deadline is shorter than a slowed prompt's prefill: with no
+    per-token allowance the request gets DEADLINE_EXCEEDED; with one sized from the prompt,
+    the same request completes. (request_timeout() itself: test_front_deadline.py.)"""
+    pause = 0.05
+    Slow(monkeypatch, lambda layer, k: pause)
+    prompt = _prompt(PROMPT, 97)
+    base = 2 * pause                         # the prefill takes >= 16 pauses
+
+    async def run(per_token):
+        gw = Gateway(GatewayConfig(model=system.model_dir, prefill=system.gateway.cfg.prefill,
+                                   decode=system.gateway.cfg.decode, health_interval_s=0.5,
+                                   request_timeout_s=base, request_timeout_per_token_s=per_token))
+        await gw.start()
+        try:
+            inp = GenerateInput("e2e-" + uuid.uuid4().hex, prompt,
+                                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            return [ev async for ev in gw.generate(inp)]
+        finally:
+            await gw.stop()
+
+    async def main():
+        with pytest.raises(GatewayError) as e:
+            await run(0.0)
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        await system.wait_all_free()
+        evs = await run(4 * 16 * pause / len(prompt))   # 4x the pauses, spread per token
+        assert evs[-1].finish_reason == "length" and evs[-1].usage.completion_tokens == 4
+        await system.wait_all_free()
+    system.run(main(), 120)
+
+
+def test_unset_max_tokens_stops_at_the_contexts_end(model_dir):  # noqa: F811
+    """Workers serving a 48-token context: a 30-token prompt with max_tokens unset (REST's
+    default) gets exactly 48 - 30 tokens, finish_reason "length", within a deadline that
+    counted those tokens."""
+    ctx = {"max_model_len": 48}
+    with System.started(model_dir, prefill_options=ctx, decode_options=ctx) as s:
+        async def main():
+            prompt = _prompt(30, 98)
+            inp = GenerateInput("ctx-" + uuid.uuid4().hex, prompt,
+                                SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+            evs = [ev async for ev in s.gateway.generate(inp)]
+            assert s.gateway.max_model_len == 48
+            assert evs[-1].finish_reason == "length"
+            assert evs[-1].usage.completion_tokens == sum(len(e.token_ids) for e in evs) == 48 - 30
+            cfg = s.gateway.cfg
+            assert s.gateway.request_timeout(30, None) == pytest.approx(
+                cfg.request_timeout_s + 48 * cfg.request_timeout_per_token_s)
+            await s.wait_all_free()
+        s.run(main(), 120)
