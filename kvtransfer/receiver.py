@@ -62,73 +62,21 @@ is in the cache; abort() and the reaper synchronize the side stream before they 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 
 from .inbound import Inbound
 from .layer_copy import body_block_ids, scatter
+from .reservation import TransferResult, TransferState, _Transfer
 from .staging import StagingPool
 from .transport import Connection, Transport
 from .wire import CompatKey, Header, MsgType, block_bytes, body_checksum, ids_bytes, layer_body_bytes
 
 log = logging.getLogger(__name__)
-
-
-class TransferState(enum.Enum):
-    RESERVED = "reserved"
-    RECEIVING = "receiving"
-    DONE = "done"
-    FAILED = "failed"
-    EXPIRED = "expired"
-    ABORTED = "aborted"
-
-    @property
-    def final(self) -> bool:
-        return self not in (TransferState.RESERVED, TransferState.RECEIVING)
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    transfer_id: str
-    state: TransferState
-    reason: str = ""
-    blocks_received: int = 0          # (layer, block) pairs written
-    bytes_received: int = 0           # payload bytes written
-    elapsed_s: float = 0.0            # reserve -> final state
-    deadline: float = 0.0             # the clock's time it expires at unless progress comes
-
-
-@dataclass
-class _Transfer:
-    tid: str
-    block_ids: list[int]
-    deadline: float                   # the receiver's clock: expires then unless progress comes
-    created: float
-    num_layers: int
-    idle_s: float = 0.0               # each progress moves the deadline to now + idle_s ...
-    hard_deadline: float = 0.0        # ... but never past this (reserved at + max_s)
-    state: TransferState = TransferState.RESERVED
-    reason: str = ""
-    blocks: int = 0
-    nbytes: int = 0
-    remaining: int = 0                # (layer, block) pairs still missing
-    got: list[bytearray] = field(default_factory=list)   # per layer: 1 byte per reserved block
-    event: asyncio.Event | None = None
-    finished_at: float = 0.0
-
-    def result(self, now: float) -> TransferResult:
-        end = self.finished_at or now
-        return TransferResult(self.tid, self.state, self.reason, self.blocks, self.nbytes,
-                              end - self.created, self.deadline)
-
-    def progressed(self, now: float) -> None:
-        self.deadline = min(now + self.idle_s, self.hard_deadline)
 
 
 class KVReceiver:
@@ -299,7 +247,7 @@ class KVReceiver:
         with self._lock:
             overdue = [t for t in self._live.values() if t.deadline <= now]
             for t in overdue:
-                self._finish_locked(t, TransferState.EXPIRED, _expiry_reason(t))
+                self._finish_locked(t, TransferState.EXPIRED, t.expiry_reason())
                 self.expired += 1
         if overdue:
             self._sync_copies()
@@ -413,11 +361,3 @@ class KVReceiver:
         self.bytes_received += n * self._block_bytes
         return copied
 
-
-def _expiry_reason(t: _Transfer) -> str:
-    missing = f"{t.remaining} of {len(t.block_ids) * t.num_layers} (layer, block) pairs missing"
-    if t.deadline >= t.hard_deadline and t.hard_deadline - t.created > t.idle_s:
-        return (f"the reservation's bound of {t.hard_deadline - t.created:.3g}s passed with "
-                f"{missing}")
-    what = "its first KV" if t.state is TransferState.RESERVED else "more KV"
-    return f"no progress: {what} did not arrive within {t.idle_s:.3g}s, with {missing}"
