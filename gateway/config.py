@@ -75,7 +75,8 @@ class GatewayConfig:
     max_request_timeout_s: float = field(default=3600.0, metadata={
         "help": "the longest deadline a request gets, however many tokens it asks for"})
     kv_timeout_ms: int = field(default=0, metadata={
-        "help": "KV reservation timeout asked of decode workers (0: their default)"})
+        "help": "KV reservation idle window asked of decode workers: a reservation expires "
+                "this long without KV arriving (0: their --kv-expiry-s)"})
     max_model_len: int = field(default=0, metadata={
         "help": "context length until the workers report theirs (Stats); 0: "
                 "max_position_embeddings from config.json"})
