@@ -13,20 +13,29 @@ class DecodeWorkerConfig(WorkerConfig):
     port: int = 50071
     kv_host: str = ""                    # address the KV endpoint binds and advertises; empty: host
     kv_port: int = 0                     # KV endpoint (UCX bootstrap, TCP) port; 0 = a free port
-    kv_expiry_s: float = 30.0            # reservation deadline (KV + first token) by default
+    kv_expiry_s: float = field(default=30.0, metadata={
+        "help": "a KV reservation's idle window (requests may ask their own, kv_timeout_ms): it "
+                "expires this long after the reservation, or after the last KV message, with "
+                "no more KV arriving; the first token is due this long after the last layer"})
+    kv_max_reservation_s: float = field(default=600.0, metadata={
+        "help": "hard bound on a KV reservation, however steadily its KV arrives: a prompt the "
+                "prefill workers cannot compute in this long is refused before any compute"})
     kv_failure_policy: str = "fail"      # fail | recompute (requests may override)
     max_reservations_per_caller: int = field(default=64, metadata={
         "help": "KV reservations (Decode calls waiting for their prompt's KV) one caller may "
                 "hold at once: its certificate's name under mTLS, else its address; past it "
                 "RESOURCE_EXHAUSTED (0: no cap; max_num_seqs caps them all)"})
 
-    _positive = ("kv_expiry_s", "drain_timeout_s")
+    _positive = ("kv_expiry_s", "kv_max_reservation_s", "drain_timeout_s")
     _ports = ("port", "kv_port", "metrics_port", "health_port")
 
     def __post_init__(self):
         super().__post_init__()
         if self.max_reservations_per_caller < 0:
             raise ValueError("max_reservations_per_caller must be >= 0")
+        if self.kv_max_reservation_s < self.kv_expiry_s:
+            raise ValueError(f"kv_max_reservation_s ({self.kv_max_reservation_s}) must be >= "
+                             f"kv_expiry_s ({self.kv_expiry_s})")
         if self.kv_failure_policy not in KV_FAILURE_POLICIES:
             raise ValueError(f"kv_failure_policy must be one of {KV_FAILURE_POLICIES}, "
                              f"got {self.kv_failure_policy!r}")

@@ -9,11 +9,13 @@ state (shared with SubmitFirstToken and Abort), in five phases:
                   hits (none free: RESOURCE_EXHAUSTED); receiver.reserve(transfer_id signed
                   with its expiry, blocks to fill)
     announce:     stream KvReady{transfer_id, kv_endpoint, block_ids to fill,
-                  num_cached_tokens, compat}
-    wait ready:   both bounded by the reservation deadline (kv_timeout_ms or kv_expiry_s):
-                  the transfer reaches DONE (the receiver's reaper expires it at the
-                  deadline), and SubmitFirstToken(request_id) hands in the token the
-                  prefill worker sampled
+                  num_cached_tokens, compat, deadlines}
+    wait ready:   the transfer reaches DONE, while KV keeps arriving: the receiver expires
+                  it after the idle window (kv_timeout_ms or kv_expiry_s) without a KV
+                  message, or at the hard bound (kv_max_reservation_s) after the
+                  reservation; then SubmitFirstToken(request_id) hands in the token the
+                  prefill worker sampled, within the idle window of the last layer (and
+                  the bound)
     admit (or fall back, below): remote_kv_done(first token)
     stream:       tokens 2..n (last chunk: finish_reason + usage)
 
@@ -66,13 +68,15 @@ class _Pending:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    timeout: float                    # reservation deadline, seconds from the reservation
+    timeout: float                    # the reservation's idle window, seconds
+    max_s: float                      # its hard bound, seconds from the reservation
     policy: str                       # on a failed transfer: "fail" | "recompute"
     first_token: asyncio.Future
     span: object = tracing.INVALID_SPAN   # pdserve.decode (not current: an async generator)
     usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
     fill: list[int] = field(default_factory=list)   # reserved blocks the prompt's KV arrives into
-    deadline: float = 0.0             # time.monotonic() of the reservation deadline
+    deadline: float = 0.0             # time.monotonic() of the reservation's hard bound
+    reserved_unix: float = 0.0        # time.time() of the reservation
     caller: str = ""                  # who asked (caller_of): reservations are capped per caller
     kv_id: str = ""                   # the signed transfer id KvReady announces
     expires_at_ms: int = 0            # the reservation's deadline, unix ms (signed in kv_id)
@@ -184,7 +188,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         timeout = request.kv_timeout_ms / 1000 if request.kv_timeout_ms else self.cfg.kv_expiry_s
         policy = _POLICIES.get(request.kv_failure_policy, self.cfg.kv_failure_policy)
         ids = list(request.prompt_token_ids)
-        return _Pending(request.request_id, ids, params, timeout, policy,
+        return _Pending(request.request_id, ids, params, timeout,
+                        max(self.cfg.kv_max_reservation_s, timeout), policy,
                         asyncio.get_running_loop().create_future(), span,
                         common_pb2.Usage(prompt_tokens=len(ids)), caller=caller)
 
@@ -229,15 +234,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         block_ids, n_cached = res
         pend.usage.cached_tokens = n_cached
         pend.fill = block_ids[n_cached // self.block_size:]
-        pend.deadline = time.monotonic() + pend.timeout
+        pend.deadline = time.monotonic() + pend.max_s
+        pend.reserved_unix = time.time()
         if pend.aborted:
             return
         # unguessable (the KV handshake's token) and signed with its expiry: a prefill worker
         # computes nothing for an id no decode worker made (services/security.py)
-        pend.expires_at_ms = int((time.time() + pend.timeout) * 1000)
+        pend.expires_at_ms = int((pend.reserved_unix + pend.timeout) * 1000)
         pend.kv_id = tid = new_transfer_id(self.token, pend.expires_at_ms)
         if pend.fill:
-            self.receiver.reserve(tid, pend.fill, pend.timeout)
+            self.receiver.reserve(tid, pend.fill, pend.timeout, pend.max_s)
             pend.transfer_id, pend.queued_tokens = tid, len(pend.prompt) - n_cached
         tracing.record_span("pdserve.decode.reservation", pend.span, pend.t_reserve, time.monotonic(),
                             tracing.tracing_enabled() and {"blocks": len(pend.fill),
@@ -249,7 +255,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             transfer_id=pend.kv_id, kv_endpoint=self.receiver.address,
             block_ids=pend.fill, num_cached_tokens=pend.usage.cached_tokens,
             compat=protoconv.compat_to_proto(self.compat), decode_worker_id=self.worker_id,
-            expires_at_unix_ms=pend.expires_at_ms))
+            expires_at_unix_ms=pend.expires_at_ms,
+            idle_timeout_ms=int(pend.timeout * 1000),
+            max_expires_at_unix_ms=int((pend.reserved_unix + pend.max_s) * 1000)))
 
     async def _wait_ready(self, pend: _Pending):
         """The KV and the first token, both by the deadline. Returns (problem or None,
@@ -264,7 +272,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     async def _wait_kv_and_first_token(self, pend: _Pending):
         problem = None
         if pend.transfer_id:
-            res = await self.receiver.wait(pend.transfer_id, timeout=pend.timeout + 5.0)  # reaper bounds it
+            res = await self.receiver.wait(pend.transfer_id, timeout=pend.max_s + 5.0)  # reaper bounds it
             pend.kv_done = True
             if res.state is TransferState.ABORTED:
                 return "aborted", None
@@ -274,15 +282,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         # A failed transfer with policy recompute still waits for the first token (the prefill
         # worker usually sampled it): recomputing with it, the stream never repeats it.
         if problem is None or pend.policy == "recompute":
+            now = time.monotonic()    # due within the idle window of the KV's end, and the bound
             try:
                 first = await asyncio.wait_for(asyncio.shield(pend.first_token),
-                                               max(pend.deadline - time.monotonic(), 0.0))
+                                               max(min(pend.timeout, pend.deadline - now), 0.0))
                 return problem, first
             except asyncio.TimeoutError:
                 if problem is None:
                     self.counters.token_expirations += 1
                     problem = (f"reservation expired: no SubmitFirstToken for {pend.request_id!r} "
-                               f"within {pend.timeout:.3g}s")
+                               f"within {pend.timeout:.3g}s of its KV")
             except _Aborted:
                 return "aborted", None
         first = pend.first_token.result() if pend.first_token.done() and not pend.aborted else None
@@ -383,7 +392,8 @@ class DecodeRole(worker_server.WorkerRole):
 
     async def open_kv(self, cfg: DecodeWorkerConfig, engine, transport, connector) -> KVReceiver:
         receiver = KVReceiver(engine.kv_cache, worker_server.model_compat(engine), transport,
-                              expiry_s=cfg.kv_expiry_s, staging=cfg.kv_staging,
+                              expiry_s=cfg.kv_expiry_s, max_s=cfg.kv_max_reservation_s,
+                              staging=cfg.kv_staging,
                               kv_scales=engine.kv_scales)
         log.info("decode KV endpoint %s", await receiver.start())
         return receiver

@@ -22,6 +22,9 @@ Rules:
     stream ends with the request's finished output; an abort ends it with a synthetic
     finished output whose finish_reason is "abort". If a step raises, every request of the
     engine is aborted and every open stream raises `EngineError`.
+  * `abort` marks the id abandoned (`engine.abandoned`: a set, the one exception to the
+    rule above, read by the engine thread while it steps) before its command runs: a step whose every request is abandoned stops after its current layer
+    (LLMEngine.step), so an abort of a long prompt lands within a layer, not a chunk.
   * `stats()` never waits for a step: it returns the snapshot taken after the last one.
   * What never changes after construction (block size, vocabulary size, context length) is
     read once, before the thread starts, into plain attributes. Services use those and the
@@ -178,6 +181,7 @@ class AsyncEngine:
                 self._put(q, RequestOutput(request_id, [], [], [], "", True, "abort"))
             return found
         self._unclaimed.pop(request_id, None)      # an unclaimed stream is dropped
+        self.engine.abandoned.add(request_id)      # a step running it stops at its next layer
         found = await self.call(cmd)
         # an add awaited concurrently ran first (commands are FIFO) and registered its
         # stream after that pop (its continuation runs before this one): drop it too

@@ -37,7 +37,7 @@ from .loader import load_model
 from .quant.quantize import quantize_model
 from .outputs import EngineStats, Prefix, RequestOutput
 from .request import Request, RequestStatus
-from .runner import ModelOutput, ModelRunner
+from .runner import ModelOutput, ModelRunner, StepAbandoned
 from .sampler import DeviceSampler, Sampler, compute_prompt_logprobs, skip_draws
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -104,6 +104,10 @@ class LLMEngine:
         # the last step scheduled nothing (every waiting request lacks blocks or a slot):
         # until a command frees blocks or adds work, another step would do nothing either
         self.stalled = False
+        self.abandoned_steps = 0             # steps dropped mid-way: all their requests abandoned
+        # ids whose abort is on its way; the one field another thread writes (AsyncEngine.abort
+        # adds, while a step may be running): see step()
+        self.abandoned: set[str] = set()
 
     def _speculator(self) -> Speculator | None:
         sc, mc = self.config.speculative, self.config.model
@@ -208,6 +212,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
+        self.abandoned.discard(request_id)
         self.structured.remove(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
@@ -229,11 +234,23 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. `self.abandoned`: ids whose abort is on its way (AsyncEngine.abort adds
+        to it from another thread while the step runs): when every request of the step is in it,
+        the forward pass stops after its current layer and the step is dropped -- no request
+        advances, no output -- so a long prompt chunk nobody waits for stops within a layer
+        instead of a chunk. The blocks are freed by the abort that follows."""
         t0 = time.perf_counter()
         sched = self._schedule()
         if not sched:
             return []
-        out = self.runner.execute(sched, self.kv_connector)
+        abandoned = self.abandoned
+        try:
+            out = self.runner.execute(sched, self.kv_connector, lambda: bool(abandoned) and all(
+                s.request.request_id in abandoned for s in sched.scheduled))
+        except StepAbandoned as e:
+            self.abandoned_steps += 1
+            log.info("step dropped: %s", e)
+            return []
         outputs = self._postprocess(sched, out)
         if self.step_observers:
             tokens = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}

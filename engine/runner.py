@@ -27,6 +27,11 @@ from .quant.linear import QuantExperts
 from .scheduler import SchedulerOutput
 
 
+class StepAbandoned(Exception):
+    """Raised between two layers when every request of the step was abandoned (`stop`):
+    the step's work is dropped, nothing of it is kept (see LLMEngine.step)."""
+
+
 @dataclass
 class ModelOutput:
     logits: torch.Tensor                          # [num_sampling, V] fp32, on the model's device
@@ -94,22 +99,26 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(pos, dtype=torch.int64, device=dev), meta)
 
-    def execute(self, out: SchedulerOutput, kv_connector: KVConnector | None = None) -> ModelOutput:
+    def execute(self, out: SchedulerOutput, kv_connector: KVConnector | None = None,
+                stop=None) -> ModelOutput:
         """Run the scheduled tokens; `kv_connector` is told as each layer's KV is written
-        (save_kv_layer) and waited for once the forward pass is done (wait_for_save)."""
+        (save_kv_layer) and waited for once the forward pass is done (wait_for_save).
+        `stop()`, asked after each layer of an eager forward pass: True raises StepAbandoned."""
         if kv_connector is None:
-            return self._execute(out, None)
-        mo = self._execute(out, lambda i: kv_connector.save_kv_layer(i, out))
+            return self._execute(out, None, stop)
+        mo = self._execute(out, lambda i: kv_connector.save_kv_layer(i, out), stop)
         kv_connector.wait_for_save(out)
         return mo
 
     @torch.inference_mode()
-    def _execute(self, out: SchedulerOutput, layer_hook) -> ModelOutput:
+    def _execute(self, out: SchedulerOutput, layer_hook, stop=None) -> ModelOutput:
         input_ids, positions, meta = self.prepare(out)
         if (self.graphs is not None and meta.decode_only and layer_hook is None
                 and len(out.scheduled) <= self.graphs.max_batch):
             # every decode row samples; no prompt logprobs in a decode step
             return ModelOutput(self.graphs.run(input_ids, positions, meta), list(out.scheduled), {}, {})
+        if stop is not None:
+            layer_hook = _stopping(layer_hook, stop)
         hidden = self.model(input_ids, positions, meta, layer_hook)
         cu = meta.cu_seqlens_q.tolist()
         rows = [b for b, s in enumerate(out.scheduled) if s.samples and not s.spec_token_ids]
@@ -134,3 +143,13 @@ class ModelRunner:
             targets = torch.tensor(r.prompt_token_ids[s.start + 1:s.start + 1 + n])
             prompt_logits[r.request_id] = (self.model.compute_logits(h).cpu(), targets, s.start + 1)
         return ModelOutput(logits, [out.scheduled[b] for b in rows], prompt_logits, spec_logits)
+
+
+def _stopping(layer_hook, stop):
+    """`layer_hook`, after a check of `stop()` (StepAbandoned when it says so)."""
+    def hook(i: int) -> None:
+        if stop():
+            raise StepAbandoned(f"every request of the step was abandoned (at layer {i})")
+        if layer_hook is not None:
+            layer_hook(i)
+    return hook

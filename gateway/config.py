@@ -70,9 +70,16 @@ class GatewayConfig:
         "help": "on SIGTERM: NOT_SERVING, stop accepting, and wait up to this long for the "
                 "requests in flight (then they are cancelled) before exiting"})
     request_timeout_s: float = field(default=120.0, metadata={
-        "help": "deadline of one Generate request, end to end"})
+        "help": "deadline of one request, end to end, before its tokens: the deadline is this "
+                "+ (prompt tokens + max_tokens) x --request-timeout-per-token-s, at most "
+                "--max-request-timeout-s (max_tokens unset: the context's room)"})
+    request_timeout_per_token_s: float = field(default=0.1, metadata={
+        "help": "seconds the deadline grows per token asked for (prompt + max_tokens)"})
+    max_request_timeout_s: float = field(default=3600.0, metadata={
+        "help": "the longest deadline a request gets, however many tokens it asks for"})
     kv_timeout_ms: int = field(default=0, metadata={
-        "help": "KV reservation timeout asked of decode workers (0: their default)"})
+        "help": "KV reservation idle window asked of decode workers: a reservation expires "
+                "this long without KV arriving (0: their --kv-expiry-s)"})
     max_model_len: int = field(default=0, metadata={
         "help": "context length until the workers report theirs (Stats); 0: "
                 "max_position_embeddings from config.json"})
@@ -103,6 +110,9 @@ class GatewayConfig:
             raise ValueError(f"affinity_slack_ratio must be >= 0, got {self.affinity_slack_ratio}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.request_timeout_per_token_s < 0 or self.max_request_timeout_s < self.request_timeout_s:
+            raise ValueError("request_timeout_per_token_s must be >= 0 and max_request_timeout_s "
+                             ">= request_timeout_s")
         per_model = ("model", "served_model_name", "prefill", "decode", "prefill_dns",
                      "decode_dns", "max_model_len")
         if self.models_file and any(getattr(self, k) for k in per_model):

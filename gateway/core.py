@@ -8,7 +8,8 @@ yields `GenerateEvent`s and raises `GatewayError(grpc.StatusCode, message)`:
              deadline, output processor, metrics timer and trace span
     run      segments on (decode, prefill) pairs, migrating when a decode worker dies
              (gateway/segment.py; workers picked by gateway/routing.py)
-    finish   the deadline becomes DEADLINE_EXCEEDED; metrics and the span record the end;
+    finish   the deadline (request_timeout: it follows the tokens asked for) becomes
+             DEADLINE_EXCEEDED; metrics and the span record the end;
              a refusal (RESOURCE_EXHAUSTED: every worker full) carries a retry hint, the
              seconds the requests in flight take to drain at the measured completion rate
 
@@ -133,6 +134,18 @@ class Gateway:
         """Raise prompt.PromptError unless this model can continue `ids` (see check_prompt)."""
         check_prompt(ids, self.max_model_len, self.vocab_size, max_tokens)
 
+    def request_timeout(self, prompt_tokens: int, max_tokens: int | None) -> float:
+        """The end-to-end deadline of a request asking for these tokens: request_timeout_s
+        + (prompt + max_tokens) x request_timeout_per_token_s, at most max_request_timeout_s.
+        max_tokens None: what the context leaves (as the workers bound it)."""
+        cfg = self.cfg
+        if max_tokens is None:
+            max_tokens = max(self.max_model_len - prompt_tokens, 1) if self.max_model_len else None
+        if max_tokens is None:                 # no context length known: nothing bounds it
+            return cfg.max_request_timeout_s
+        t = cfg.request_timeout_s + (prompt_tokens + max_tokens) * cfg.request_timeout_per_token_s
+        return min(t, cfg.max_request_timeout_s)
+
     # -- one request ---------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
         """Stream the completion of one prompt (params.n must be 1)."""
@@ -182,7 +195,7 @@ class Gateway:
         except GatewayError as e:
             timer.error(e.code.name)
             raise
-        timeout = inp.deadline_s or self.cfg.request_timeout_s
+        timeout = inp.deadline_s or self.request_timeout(len(inp.prompt_token_ids), inp.params.max_tokens)
         span = tracing.start_span("pdserve.generate", inp.trace_parent, tracing.tracing_enabled() and {
             "request_id": inp.public_id or inp.request_id, "internal_id": inp.request_id,
             "model": self.model_name,

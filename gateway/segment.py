@@ -339,7 +339,8 @@ class Segments:
             decode_worker_id=kv.decode_worker_id, kv_endpoint=kv.kv_endpoint,
             transfer_id=kv.transfer_id, dst_block_ids=kv.block_ids,
             num_cached_tokens=kv.num_cached_tokens, compat=kv.compat,
-            expires_at_unix_ms=kv.expires_at_unix_ms)
+            expires_at_unix_ms=kv.expires_at_unix_ms, idle_timeout_ms=kv.idle_timeout_ms,
+            max_expires_at_unix_ms=kv.max_expires_at_unix_ms)
         req = prefill_pb2.PrefillRequest(request_id=seg.rid, prompt_token_ids=prompt,
                                          sampling=sampling_to_proto(params), destination=dest)
         seg.attach_prefill(w, w.stub.Prefill(req, timeout=_remaining(deadline), metadata=seg.metadata))

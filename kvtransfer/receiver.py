@@ -2,7 +2,7 @@
 
 Lifecycle of one transfer (one request), keyed by a transfer id the decode worker makes:
 
-    reserve(tid, block_ids, deadline_s)
+    reserve(tid, block_ids, idle_s, max_s)
           |
           v
      RESERVED --first LAYER msg--> RECEIVING --every (layer, block) arrived--> DONE
@@ -15,8 +15,17 @@ Lifecycle of one transfer (one request), keyed by a transfer id the decode worke
           +----------------------------+
 
 `wait(tid)` returns at the final state; whoever reserved frees the blocks (the receiver
-never owns them). One deadline covers the whole transfer (reservation and arrival). DONE, FAILED, EXPIRED and
-ABORTED are final. After a transfer leaves RESERVED/RECEIVING nothing is ever written into
+never owns them). DONE, FAILED, EXPIRED and ABORTED are final.
+
+The deadline follows the work: a reservation lives `idle_s` past its last progress (the
+reservation itself, then every LAYER message written into it), never past `max_s` after
+the reservation (the hard bound):
+
+    deadline = min(last progress + idle_s, reserved at + max_s)
+
+so a long prompt whose chunks keep arriving stays reserved however long it computes (up to
+the bound), and one whose sender stopped (died, stalled, queued too long) expires idle_s
+after its last message. Without `max_s` the bound is `idle_s` (one fixed deadline). After a transfer leaves RESERVED/RECEIVING nothing is ever written into
 its blocks again: LAYER data naming an unknown or finished transfer id is read off the
 wire and dropped (those blocks may belong to another request by now).
 
@@ -53,17 +62,16 @@ is in the cache; abort() and the reaper synchronize the side stream before they 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 
 from .inbound import Inbound
 from .layer_copy import body_block_ids, scatter
+from .reservation import TransferResult, TransferState, _Transfer
 from .staging import StagingPool
 from .transport import Connection, Transport
 from .wire import CompatKey, Header, MsgType, block_bytes, body_checksum, ids_bytes, layer_body_bytes
@@ -71,62 +79,23 @@ from .wire import CompatKey, Header, MsgType, block_bytes, body_checksum, ids_by
 log = logging.getLogger(__name__)
 
 
-class TransferState(enum.Enum):
-    RESERVED = "reserved"
-    RECEIVING = "receiving"
-    DONE = "done"
-    FAILED = "failed"
-    EXPIRED = "expired"
-    ABORTED = "aborted"
-
-    @property
-    def final(self) -> bool:
-        return self not in (TransferState.RESERVED, TransferState.RECEIVING)
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    transfer_id: str
-    state: TransferState
-    reason: str = ""
-    blocks_received: int = 0          # (layer, block) pairs written
-    bytes_received: int = 0           # payload bytes written
-    elapsed_s: float = 0.0            # reserve -> final state
-
-
-@dataclass
-class _Transfer:
-    tid: str
-    block_ids: list[int]
-    deadline: float                   # time.monotonic()
-    created: float
-    num_layers: int
-    state: TransferState = TransferState.RESERVED
-    reason: str = ""
-    blocks: int = 0
-    nbytes: int = 0
-    remaining: int = 0                # (layer, block) pairs still missing
-    got: list[bytearray] = field(default_factory=list)   # per layer: 1 byte per reserved block
-    event: asyncio.Event | None = None
-    finished_at: float = 0.0
-
-    def result(self) -> TransferResult:
-        end = self.finished_at or time.monotonic()
-        return TransferResult(self.tid, self.state, self.reason, self.blocks, self.nbytes, end - self.created)
-
-
 class KVReceiver:
     """Receives KV blocks into `kv_cache` [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
 
     def __init__(self, kv_cache: torch.Tensor, compat: CompatKey, transport: Transport,
                  expiry_s: float = 30.0, *, reap_interval_s: float = 0.05, keep_finished: int = 10_000,
-                 staging: str = "host", kv_scales: torch.Tensor | None = None):
-        """`kv_scales`: the scales of an 8-bit cache, written with their blocks."""
+                 staging: str = "host", kv_scales: torch.Tensor | None = None,
+                 max_s: float | None = None, clock=time.monotonic):
+        """`expiry_s`: the default idle window, `max_s` the default hard bound (None: expiry_s);
+        `kv_scales`: the scales of an 8-bit cache, written with their blocks; `clock`: where
+        deadlines are read (tests pass a fake one)."""
         CompatKey.from_cache(kv_cache, compat.model, kv_scales, compat.layout).check(compat, "kv_cache", "compat")
         self.kv_cache, self.kv_scales = kv_cache, kv_scales
         self.compat = compat
         self.transport = transport
         self.expiry_s = expiry_s
+        self.max_s = max_s
+        self.clock = clock
         self.reap_interval_s = reap_interval_s
         self.keep_finished = keep_finished
         self.address: str | None = None
@@ -178,18 +147,23 @@ class KVReceiver:
                                               "rejected_connections")}
 
     # ------------------------------------------------------------------ worker API
-    def reserve(self, transfer_id: str, block_ids: list[int], deadline_s: float | None = None) -> None:
-        """Expect a transfer into `block_ids` (token order) within `deadline_s` seconds from
-        now (default: expiry_s). Thread-safe."""
+    def reserve(self, transfer_id: str, block_ids: list[int], idle_s: float | None = None,
+                max_s: float | None = None) -> None:
+        """Expect a transfer into `block_ids` (token order): its first message within `idle_s`
+        seconds (default: expiry_s), each next one within `idle_s` of the last, all of it
+        within `max_s` (default: the receiver's max_s, else idle_s). Thread-safe."""
         nb = self.kv_cache.shape[2]
         if not block_ids:
             raise ValueError("reserve needs at least one block")
         if any(not 0 <= b < nb for b in block_ids) or len(set(block_ids)) != len(block_ids):
             raise ValueError(f"block ids must be distinct and in [0, {nb}): {block_ids}")
         Header(MsgType.LAYER, transfer_id).pack()  # validates the id's length
-        now = time.monotonic()
-        t = _Transfer(transfer_id, list(block_ids), now + (self.expiry_s if deadline_s is None else deadline_s),
-                      now, self.compat.num_layers)
+        idle = self.expiry_s if idle_s is None else idle_s
+        bound = max_s if max_s is not None else self.max_s if self.max_s is not None else idle
+        now = self.clock()
+        t = _Transfer(transfer_id, list(block_ids), 0.0, now, self.compat.num_layers,
+                      idle_s=idle, hard_deadline=now + max(bound, idle))
+        t.progressed(now)
         t.remaining = len(block_ids) * t.num_layers
         t.got = [bytearray(len(block_ids)) for _ in range(t.num_layers)]
         with self._lock:
@@ -214,7 +188,7 @@ class KVReceiver:
         """Current state without waiting (None: unknown id). Thread-safe."""
         with self._lock:
             t = self._live.get(transfer_id) or self._finished.get(transfer_id)
-            return None if t is None else t.result()
+            return None if t is None else t.result(self.clock())
 
     async def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
         """Wait until the transfer is final. Bounded even without `timeout`: the reaper
@@ -224,16 +198,16 @@ class KVReceiver:
             if t is None:
                 raise KeyError(f"unknown transfer id {transfer_id!r}")
             if t.state.final:
-                return t.result()
+                return t.result(self.clock())
             if t.event is None:
                 t.event = asyncio.Event()
             event = t.event
         await asyncio.wait_for(event.wait(), timeout)
-        return t.result()
+        return t.result(self.clock())
 
     # ------------------------------------------------------------------ internals
     def _finish_locked(self, t: _Transfer, state: TransferState, reason: str = "") -> None:
-        t.state, t.reason, t.finished_at = state, reason, time.monotonic()
+        t.state, t.reason, t.finished_at = state, reason, self.clock()
         self._live.pop(t.tid, None)
         self._finished[t.tid] = t
         while len(self._finished) > self.keep_finished:
@@ -269,13 +243,11 @@ class KVReceiver:
 
     def reap(self, now: float | None = None) -> list[str]:
         """Expire overdue transfers (called periodically); returns their ids."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         with self._lock:
             overdue = [t for t in self._live.values() if t.deadline <= now]
             for t in overdue:
-                self._finish_locked(t, TransferState.EXPIRED,
-                                    f"deadline passed with {t.remaining} of "
-                                    f"{len(t.block_ids) * t.num_layers} (layer, block) pairs missing")
+                self._finish_locked(t, TransferState.EXPIRED, t.expiry_reason())
                 self.expired += 1
         if overdue:
             self._sync_copies()
@@ -384,6 +356,8 @@ class KVReceiver:
         t.blocks += n
         t.nbytes += n * self._block_bytes
         t.state = TransferState.RECEIVING
+        t.progressed(self.clock())
         self.blocks_received += n
         self.bytes_received += n * self._block_bytes
         return copied
+

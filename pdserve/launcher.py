@@ -48,6 +48,7 @@ from engine.config import EngineOptions
 from services import service_names
 from services.cli_args import config_argv
 from services.security import exposed, mtls_triple, tls_pair, write_token
+from services.worker_config import available_cores
 
 from .processes import Child, ModelPools, free_port
 
@@ -292,6 +293,18 @@ class UpConfig:
         "help": "seconds before a crashed worker is restarted (doubles per recent crash)"})
     max_restarts: int = field(default=5, metadata={
         "help": "crashes of one worker within a minute before `up` gives up (a crash loop)"})
+    prefill_threads: int = field(default=0, metadata={
+        "help": "torch threads of each prefill worker (0: its share of this process's cores, "
+                "all of them split among the prefill workers: prefill is the compute-bound burst)"})
+    decode_threads: int = field(default=0, metadata={
+        "help": "torch threads of each decode worker (0: half the cores split among the "
+                "decode workers, at least 1)"})
+    kv_expiry_s: float = field(default=30.0, metadata={
+        "help": "the decode workers' --kv-expiry-s: a KV reservation expires this long without "
+                "KV arriving"})
+    kv_max_reservation_s: float = field(default=600.0, metadata={
+        "help": "the decode workers' --kv-max-reservation-s: the hard bound on a reservation "
+                "(a prompt that cannot be computed in this long is refused up front)"})
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self):
@@ -303,6 +316,19 @@ class UpConfig:
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
         if self.restart_backoff <= 0 or self.max_restarts < 0:
             raise ValueError("--restart-backoff must be > 0 and --max-restarts >= 0")
+        if self.prefill_threads < 0 or self.decode_threads < 0:
+            raise ValueError("--prefill-threads and --decode-threads must be >= 0 (0: a share)")
+        if not 0 < self.kv_expiry_s <= self.kv_max_reservation_s:
+            raise ValueError("--kv-expiry-s must be > 0 and at most --kv-max-reservation-s")
+
+    def threads(self, models: list[ModelPools] = (), cores: int | None = None) -> tuple[int, int]:
+        """(prefill, decode) torch threads per worker: as given, else each role's share of
+        `cores` (default: the cores this process may run on)."""
+        cores = available_cores() if cores is None else cores
+        n_prefill = sum(m.num_prefill for m in models) or self.prefill
+        n_decode = sum(m.num_decode for m in models) or self.decode
+        return (self.prefill_threads or max(1, cores // n_prefill),
+                self.decode_threads or max(1, cores // (2 * n_decode)))
 
 
 def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
@@ -321,6 +347,15 @@ def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
     return lines
 
 
+def worker_args(cfg: UpConfig, models: list[ModelPools] = ()) -> tuple[list[str], list[str]]:
+    """The options `up` hands every (prefill, decode) worker of its own: threads and the
+    decode workers' reservation deadlines."""
+    prefill_threads, decode_threads = cfg.threads(models)
+    return (["--threads", str(prefill_threads)],
+            ["--threads", str(decode_threads), "--kv-expiry-s", str(cfg.kv_expiry_s),
+             "--kv-max-reservation-s", str(cfg.kv_max_reservation_s)])
+
+
 def main(cfg: UpConfig) -> int:
     try:
         models = ModelPools.read(cfg.models_file) if cfg.models_file else []
@@ -337,7 +372,9 @@ def main(cfg: UpConfig) -> int:
     http_port = 0 if cfg.http_port < 0 else cfg.http_port
     gateway_args = [*(["--api-key", cfg.api_key] if cfg.api_key else []),
                     *(["--api-key-file", cfg.api_key_file] if cfg.api_key_file else [])]
+    prefill_args, decode_args = worker_args(cfg, models)
     launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
+                        prefill_args=prefill_args, decode_args=decode_args,
                         gateway_args=gateway_args, engine=cfg.engine,
                         mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
                         tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, internal_token=True,

@@ -75,6 +75,7 @@ class Push:
     step_end: int = 0                 # this step pushes blocks [sent, step_end)
     error: Exception | None = None
     span: object = tracing.INVALID_SPAN   # pdserve.kv.send: one event per pushed layer
+    progress_at: float = 0.0          # time.monotonic() of the last layer pushed (0: none yet)
 
 
 class KVPush(KVConnector):
@@ -109,6 +110,7 @@ class KVPush(KVConnector):
                     self._bind_chunk(push, s)
                 if push.step_end > push.sent:
                     self.sender.push_layer_threadsafe(push.handle, layer, push.sent, push.step_end)
+                    push.progress_at = time.monotonic()   # what extends the reservation
                     if push.span.is_recording():
                         push.span.add_event("layer", {"layer": layer, "blocks": push.step_end - push.sent})
                 if layer == last:

@@ -15,8 +15,12 @@ object holding its state, in four phases:
     compute:         engine.add_request(prefill_only=True); on the engine thread, inside
                      step(), KVPush.save_kv_layer pushes layer i of the blocks the decoder
                      lacks (blocks >= num_cached_tokens // block_size) once it is written;
-                     the first token is sampled. Bounded by the reservation's deadline:
-                     past it the request is dropped (DEADLINE_EXCEEDED), queued or not
+                     the first token is sampled. Bounded by the reservation's deadline,
+                     which follows the work as the decoder's does (kvtransfer/receiver.py):
+                     the idle window after the last layer pushed (the reservation's own
+                     deadline before the first), never past the hard bound. Past it the
+                     request is dropped (DEADLINE_EXCEEDED), queued or not, and its engine
+                     request aborted: a step of abandoned requests stops at its next layer
     finish transfer: await every send (bounded by kv_send_timeout_s)
     respond:         engine.release(): blocks back to the pool -> PrefillResponse
     Any error, Abort(request_id) or the caller's cancel: cancel the transfer, abort the
@@ -52,6 +56,7 @@ from .decoders import KnownDecoders
 from .kv_push import DestinationRefused, KVPush, Push, PushFailed
 
 log = logging.getLogger(__name__)
+DEADLINE_POLL_S = 0.25           # how often a computing call re-reads its moving deadline
 
 
 class _DestinationFault(RpcStatus):
@@ -71,6 +76,9 @@ class _Call:
     final: RequestOutput | None = None    # the prefill-only output holding the first token
     transfer: TransferStats | None = None
     queued: int = 0                   # prompt tokens it holds in the admission queue
+    expires: float | None = None      # time.monotonic() the reservation expires unless extended
+    idle_s: float = 0.0               # each layer pushed extends it to then + idle_s (0: fixed)
+    bound: float | None = None        # ... up to this hard bound (time.monotonic())
     released: bool = False            # the engine freed its blocks (the call succeeded)
     t0: float = field(default_factory=time.perf_counter)
     t_compute: float = 0.0            # first token sampled
@@ -169,7 +177,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             self.expired += 1
             raise RpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED,
                             "the decode worker's KV reservation has already expired")
-        return _Call(request.request_id, ids, params, dest, cached)
+        call = _Call(request.request_id, ids, params, dest, cached)
+        mono = lambda ms: time.monotonic() + ms / 1000 - time.time()   # noqa: E731
+        if dest.expires_at_unix_ms > 0:
+            call.expires = call.bound = mono(dest.expires_at_unix_ms)
+            if dest.idle_timeout_ms > 0 and dest.max_expires_at_unix_ms > 0:
+                call.idle_s, call.bound = dest.idle_timeout_ms / 1000, mono(dest.max_expires_at_unix_ms)
+                call.expires = min(call.expires, call.bound)
+        return call
 
     async def _prefill(self, request) -> prefill_pb2.PrefillResponse:
         call = self._validate(request)
@@ -186,10 +201,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             await self._end(call)
 
     def _admit(self, call: _Call) -> None:
-        """Queue the call's prompt tokens, or refuse it (RESOURCE_EXHAUSTED): the queue is
-        full, or it cannot be computed before its reservation expires (admission.py)."""
+        """Queue the call's prompt tokens, or refuse it (RESOURCE_EXHAUSTED), before any
+        compute (admission.py): the queue is full, the prompt cannot be computed within the
+        reservation's hard bound, or (a deadline that follows the work) the work queued
+        ahead of it outlasts the idle window its first layer is due in."""
         tokens = len(call.prompt) - call.num_cached
-        why = self.admission.refusal(tokens, self._until_expiry(call))
+        now = time.monotonic()
+        why = self.admission.refusal(tokens, None if call.bound is None else call.bound - now)
+        if why is None and call.idle_s:
+            why = self.admission.refusal(0, call.expires - now)
         if why is not None:
             self.admission.refused += 1
             raise RpcStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
@@ -228,12 +248,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         except ValueError as e:
             raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
-            await asyncio.wait_for(self._first_token(call), self._until_expiry(call))
+            await self._first_token_in_time(call)
         except asyncio.TimeoutError:
             self.expired += 1
             raise RpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"request {rid!r}: the decode worker's KV reservation expired before "
-                            "its prompt was computed (dropped from the queue)") from None
+                            f"request {rid!r}: the decode worker's KV reservation "
+                            f"{self._expiry_cause(call)} before its prompt was computed (dropped)"
+                            ) from None
         if call.final is None or call.final.finish_reason == "abort":
             raise RpcStatus(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
         call.t_compute = time.perf_counter()
@@ -244,11 +265,39 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         async for out in self.ae.stream(call.request_id):
             call.final = out
 
+    async def _first_token_in_time(self, call: _Call) -> None:
+        """_first_token, or TimeoutError once the reservation's deadline (_deadline) passed;
+        re-read every DEADLINE_POLL_S, since each pushed layer moves it."""
+        task = asyncio.ensure_future(self._first_token(call))
+        try:
+            while not task.done():
+                deadline = self._deadline(call)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise asyncio.TimeoutError
+                await asyncio.wait({task}, timeout=None if left is None else min(left, DEADLINE_POLL_S))
+            task.result()
+        finally:
+            task.cancel()
+
     @staticmethod
-    def _until_expiry(call: _Call) -> float | None:
-        """Seconds until the destination's reservation expires (None: no deadline given)."""
-        ms = call.dest.expires_at_unix_ms
-        return None if ms <= 0 else max(ms / 1000 - time.time(), 0.0)
+    def _deadline(call: _Call) -> float | None:
+        """When the decoder lets the reservation go (time.monotonic(); None: never), as its
+        receiver computes it: idle_s after the last layer pushed, up to the bound."""
+        if call.expires is None:
+            return None
+        pushed = call.push.progress_at if call.push is not None else 0.0
+        if not call.idle_s or not pushed:
+            return call.expires
+        return min(max(call.expires, pushed + call.idle_s), call.bound)
+
+    @staticmethod
+    def _expiry_cause(call: _Call) -> str:
+        if call.idle_s and call.bound is not None and time.monotonic() >= call.bound:
+            return "reached its hard bound (the decode worker's --kv-max-reservation-s)"
+        if call.idle_s:
+            return f"expired (no progress for {call.idle_s:.3g}s)"
+        return "expired"
 
     async def _finish_transfer(self, call: _Call) -> None:
         """Wait until every pushed layer was sent (kv_send_timeout_s)."""

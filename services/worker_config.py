@@ -5,11 +5,29 @@ engine's flattened (`--block-size`, `--device`, ...: see engine.config.EngineOpt
 holds their one default each)."""
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 
 from engine.config import EngineOptions
 
 from .security import mtls_triple
+
+
+def available_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may run on: its CPU affinity, capped by its cgroup's CPU quota
+    (a Kubernetes CPU limit) where one is set."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = open(cpu_max).read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 @dataclass
@@ -18,7 +36,10 @@ class WorkerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     worker_id: str = field(default="", metadata={"help": "empty: <role>-<host>:<port>"})
     engine: EngineOptions = field(default_factory=EngineOptions)
-    num_threads: int = field(default=1, metadata={"help": "torch intra-op threads (CPU)"})
+    num_threads: int = field(default=0, metadata={"aliases": ["--threads"], "help": (
+        "torch intra-op threads (CPU); 0: OMP_NUM_THREADS if set, else every core this "
+        "process may run on (`pdserve up` gives each worker its share: --prefill-threads, "
+        "--decode-threads)")})
     drain_timeout_s: float = field(default=30.0, metadata={
         "help": "on SIGTERM, seconds to let requests in flight finish"})
     metrics_port: int = field(default=0, metadata={
@@ -64,8 +85,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
         if self.kv_staging not in ("host", "device"):
             raise ValueError(f"kv_staging must be 'host' or 'device', got {self.kv_staging!r}")
-        if self.num_threads < 1:
-            raise ValueError("num_threads must be >= 1")
+        if self.num_threads < 0:
+            raise ValueError("num_threads must be >= 0 (0: every core)")
         if self.restarts < 0:
             raise ValueError(f"restarts must be >= 0, got {self.restarts}")
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)

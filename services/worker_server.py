@@ -46,15 +46,20 @@ from .energy import EnergyMeter
 from .grpc_options import SERVER_OPTIONS
 from .metrics import Metrics
 from .security import MTLS, RequestGuard, add_port, read_token
+from .worker_config import available_cores
 
 log = logging.getLogger(__name__)
 
 
-def limit_threads(num_threads: int) -> None:
-    """Workers share small hosts: one intra-op thread unless configured."""
+def limit_threads(num_threads: int) -> int:
+    """torch's intra-op threads: `num_threads`, or (0) OMP_NUM_THREADS when the environment
+    sets it, else every core this process may run on. Returns the count."""
     import torch
+    if num_threads <= 0:
+        num_threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or available_cores()
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
     torch.set_num_threads(num_threads)
+    return num_threads
 
 
 class Draining(Exception):
@@ -316,7 +321,7 @@ async def abort_quietly(ae: AsyncEngine, rid: str) -> None:
 
 def run(cfg, role: WorkerRole) -> None:
     import uvloop
-    limit_threads(cfg.num_threads)
+    log.info("%s worker: %d torch thread(s)", role.name, limit_threads(cfg.num_threads))
     uvloop.run(serve(cfg, role))
 
 

@@ -95,7 +95,7 @@ def test_expired_reservation_drops_late_data():
     async def main():
         rx, tx, addr, src, dst = await pair(reap_interval_s=0.01)
         before = dst.clone()
-        rx.reserve("late", [3, 4], deadline_s=0.05)
+        rx.reserve("late", [3, 4], idle_s=0.05)
         h = await tx.open("late", addr, [0, 1], [3, 4])
         res = await rx.wait("late", 5)
         assert res.state is TransferState.EXPIRED and "missing" in res.reason

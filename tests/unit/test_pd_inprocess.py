@@ -51,7 +51,9 @@ def _dest(kv: decode_pb2.KvReady) -> prefill_pb2.KvDestination:
     return prefill_pb2.KvDestination(decode_worker_id=kv.decode_worker_id, kv_endpoint=kv.kv_endpoint,
                                      transfer_id=kv.transfer_id, dst_block_ids=kv.block_ids,
                                      num_cached_tokens=kv.num_cached_tokens, compat=kv.compat,
-                                     expires_at_unix_ms=kv.expires_at_unix_ms)
+                                     expires_at_unix_ms=kv.expires_at_unix_ms,
+                                     idle_timeout_ms=kv.idle_timeout_ms,
+                                     max_expires_at_unix_ms=kv.max_expires_at_unix_ms)
 
 
 async def _rest(stream) -> list:

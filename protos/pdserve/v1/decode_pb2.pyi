@@ -32,7 +32,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_timeout_ms: _Optional[int] = ..., kv_failure_policy: _Optional[_Union[KvFailurePolicy, str]] = ...) -> None: ...
 
 class KvReady(_message.Message):
-    __slots__ = ("transfer_id", "kv_endpoint", "block_ids", "num_cached_tokens", "compat", "decode_worker_id", "expires_at_unix_ms")
+    __slots__ = ("transfer_id", "kv_endpoint", "block_ids", "num_cached_tokens", "compat", "decode_worker_id", "expires_at_unix_ms", "idle_timeout_ms", "max_expires_at_unix_ms")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class KvReady(_message.Message):
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     kv_endpoint: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -47,7 +49,9 @@ class KvReady(_message.Message):
     compat: _common_pb2.KvCompat
     decode_worker_id: str
     expires_at_unix_ms: int
-    def __init__(self, transfer_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...
+    idle_timeout_ms: int
+    max_expires_at_unix_ms: int
+    def __init__(self, transfer_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., expires_at_unix_ms: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ..., max_expires_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("tokens", "finish_reason", "error", "usage")

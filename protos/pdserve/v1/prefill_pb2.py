@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\xc7\x01\n\rKvDestination\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x15\n\rdst_block_ids\x18\x04 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12$\n\x06\x63ompat\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KvCompat\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x07 \x01(\x03\"\x9c\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KvDestination\"\x81\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x31\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x1a\n\x12\x62locks_transferred\x18\x07 \x01(\x03\x12\x19\n\x11\x62ytes_transferred\x18\x08 \x01(\x03\x12\x12\n\ncompute_ms\x18\t \x01(\x02\x12\x18\n\x10transfer_wait_ms\x18\n \x01(\x02\x12\x1a\n\renergy_joules\x18\x0b \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_energy_joules\"\x89\x02\n\x0cPrefillStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x04 \x01(\x03\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\x05\x12/\n\ttransfers\x18\x07 \x01(\x0b\x32\x1c.pdserve.v1.TransferCounters\x12$\n\x06\x63ompat\x18\x08 \x01(\x0b\x32\x14.pdserve.v1.KvCompat\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x32\xce\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12;\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x18.pdserve.v1.PrefillStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\x80\x02\n\rKvDestination\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x15\n\rdst_block_ids\x18\x04 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12$\n\x06\x63ompat\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KvCompat\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0fidle_timeout_ms\x18\x0c \x01(\x05\x12\x1e\n\x16max_expires_at_unix_ms\x18\r \x01(\x03\"\x9c\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KvDestination\"\x81\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x31\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x1a\n\x12\x62locks_transferred\x18\x07 \x01(\x03\x12\x19\n\x11\x62ytes_transferred\x18\x08 \x01(\x03\x12\x12\n\ncompute_ms\x18\t \x01(\x02\x12\x18\n\x10transfer_wait_ms\x18\n \x01(\x02\x12\x1a\n\renergy_joules\x18\x0b \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_energy_joules\"\x89\x02\n\x0cPrefillStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x04 \x01(\x03\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\x05\x12/\n\ttransfers\x18\x07 \x01(\x0b\x32\x1c.pdserve.v1.TransferCounters\x12$\n\x06\x63ompat\x18\x08 \x01(\x0b\x32\x14.pdserve.v1.KvCompat\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x32\xce\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12;\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x18.pdserve.v1.PrefillStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdserve.v1.prefill_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVDESTINATION']._serialized_start=80
-  _globals['_KVDESTINATION']._serialized_end=279
-  _globals['_PREFILLREQUEST']._serialized_start=282
-  _globals['_PREFILLREQUEST']._serialized_end=438
-  _globals['_PREFILLRESPONSE']._serialized_start=441
-  _globals['_PREFILLRESPONSE']._serialized_end=826
-  _globals['_PREFILLSTATS']._serialized_start=829
-  _globals['_PREFILLSTATS']._serialized_end=1094
-  _globals['_PREFILLWORKER']._serialized_start=1097
-  _globals['_PREFILLWORKER']._serialized_end=1303
+  _globals['_KVDESTINATION']._serialized_end=336
+  _globals['_PREFILLREQUEST']._serialized_start=339
+  _globals['_PREFILLREQUEST']._serialized_end=495
+  _globals['_PREFILLRESPONSE']._serialized_start=498
+  _globals['_PREFILLRESPONSE']._serialized_end=883
+  _globals['_PREFILLSTATS']._serialized_start=886
+  _globals['_PREFILLSTATS']._serialized_end=1151
+  _globals['_PREFILLWORKER']._serialized_start=1154
+  _globals['_PREFILLWORKER']._serialized_end=1360
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvDestination(_message.Message):
-    __slots__ = ("decode_worker_id", "kv_endpoint", "transfer_id", "dst_block_ids", "num_cached_tokens", "compat", "expires_at_unix_ms")
+    __slots__ = ("decode_worker_id", "kv_endpoint", "transfer_id", "dst_block_ids", "num_cached_tokens", "compat", "expires_at_unix_ms", "idle_timeout_ms", "max_expires_at_unix_ms")
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class KvDestination(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     decode_worker_id: str
     kv_endpoint: str
     transfer_id: str
@@ -23,7 +25,9 @@ class KvDestination(_message.Message):
     num_cached_tokens: int
     compat: _common_pb2.KvCompat
     expires_at_unix_ms: int
-    def __init__(self, decode_worker_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...
+    idle_timeout_ms: int
+    max_expires_at_unix_ms: int
+    def __init__(self, decode_worker_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., expires_at_unix_ms: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ..., max_expires_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination")
