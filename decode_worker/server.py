@@ -1,7 +1,7 @@
 """The decode worker: gRPC `DecodeWorker` (Decode, SubmitFirstToken, Abort, Stats) + health
 + reflection, and a KVReceiver (UCX by default) that prefill workers push KV blocks into.
 
-One Decode call (see protos/pdserve/v1/decode.proto), one `_Pending` object holding its
+One Decode call (see protos/pdserve/v1/decode.proto), one `Pending` object holding its
 state (shared with SubmitFirstToken and Abort), in five phases:
 
     reserve:      (a caller holding --max-reservations-per-caller already: RESOURCE_EXHAUSTED)
@@ -38,13 +38,11 @@ import dataclasses
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
 
 import grpc
 
 from engine.async_engine import EngineError
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from kvtransfer.receiver import KVReceiver, TransferState
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services import protoconv, service_names, tracing, worker_server
@@ -52,55 +50,11 @@ from services.security import caller_of, new_transfer_id
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .config import DecodeWorkerConfig
+from .pending import Counters, Aborted, error_chunk, Pending
 
 log = logging.getLogger(__name__)
 MAX_KV_TIMEOUT_MS = 600_000          # a reservation holds blocks: at most 10 minutes
 _POLICIES = {decode_pb2.KV_FAILURE_POLICY_FAIL: "fail", decode_pb2.KV_FAILURE_POLICY_RECOMPUTE: "recompute"}
-
-
-class _Aborted(Exception):
-    pass
-
-
-@dataclass
-class _Pending:
-    """One Decode call's state shared with SubmitFirstToken/Abort (all on the loop)."""
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    timeout: float                    # the reservation's idle window, seconds
-    max_s: float                      # its hard bound, seconds from the reservation
-    policy: str                       # on a failed transfer: "fail" | "recompute"
-    first_token: asyncio.Future
-    span: object = tracing.INVALID_SPAN   # pdserve.decode (not current: an async generator)
-    usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
-    fill: list[int] = field(default_factory=list)   # reserved blocks the prompt's KV arrives into
-    deadline: float = 0.0             # time.monotonic() of the reservation's hard bound
-    reserved_unix: float = 0.0        # time.time() of the reservation
-    caller: str = ""                  # who asked (caller_of): reservations are capped per caller
-    kv_id: str = ""                   # the signed transfer id KvReady announces
-    expires_at_ms: int = 0            # the reservation's deadline, unix ms (signed in kv_id)
-    transfer_id: str = ""             # the receiver's transfer ("" when nothing arrives)
-    queued_tokens: int = 0            # prompt tokens still to arrive over KV
-    kv_done: bool = False
-    aborted: bool = False
-    abort_reason: str = ""
-    finished: bool = False            # the stream ended with a finish or abort chunk
-    offset: int = 0                   # client tokens not in the engine's token list
-    sent: int = 0                     # client tokens delivered (the first one by prefill)
-    t_reserve: float = field(default_factory=time.monotonic)
-    t_decode: float = 0.0             # admitted to the running batch (or recomputing)
-
-
-@dataclass
-class Counters:
-    token_expirations: int = 0        # KV arrived but SubmitFirstToken did not, in time
-    fallbacks: int = 0                # prompts recomputed here (policy recompute)
-
-
-def _error_chunk(rid: str, reason, message: str, usage: common_pb2.Usage) -> decode_pb2.DecodeResponse:
-    return decode_pb2.DecodeResponse(request_id=rid, tokens=decode_pb2.TokenChunk(
-        finish_reason=reason, error=message, usage=usage))
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
@@ -111,7 +65,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self.compat = self.receiver.compat
         self.block_size = self.ae.block_size
         self.token = parts.token
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
         self.counters = Counters()
 
     # -------------------------------------------------------------- RPCs
@@ -154,7 +108,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if pend.transfer_id:
             self.receiver.abort(pend.transfer_id, f"request aborted: {request.reason}")
         if not pend.first_token.done():
-            pend.first_token.set_exception(_Aborted())
+            pend.first_token.set_exception(Aborted())
         await worker_server.abort_quietly(self.ae, request.request_id)
         return common_pb2.AbortResponse(found=True)
 
@@ -173,7 +127,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             max_model_len=self.ae.max_model_len)
 
     # -------------------------------------------------------------- Decode body
-    def _validate(self, request, span, caller: str) -> _Pending:
+    def _validate(self, request, span, caller: str) -> Pending:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         params = worker_server.new_request_params(request, self._pending)
         cap = self.cfg.max_reservations_per_caller
@@ -188,7 +142,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         timeout = request.kv_timeout_ms / 1000 if request.kv_timeout_ms else self.cfg.kv_expiry_s
         policy = _POLICIES.get(request.kv_failure_policy, self.cfg.kv_failure_policy)
         ids = list(request.prompt_token_ids)
-        return _Pending(request.request_id, ids, params, timeout,
+        return Pending(request.request_id, ids, params, timeout,
                         max(self.cfg.kv_max_reservation_s, timeout), policy,
                         asyncio.get_running_loop().create_future(), span,
                         common_pb2.Usage(prompt_tokens=len(ids)), caller=caller)
@@ -217,7 +171,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         finally:
             await self._end(pend)
 
-    async def _reserve(self, pend: _Pending) -> None:
+    async def _reserve(self, pend: Pending) -> None:
         """Blocks for the prompt minus this worker's prefix-cache hits; the receiver expects
         the KV of the rest by the deadline."""
         try:
@@ -249,7 +203,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                             tracing.tracing_enabled() and {"blocks": len(pend.fill),
                                                            "cached_tokens": n_cached})
 
-    def _announce(self, pend: _Pending) -> decode_pb2.DecodeResponse:
+    def _announce(self, pend: Pending) -> decode_pb2.DecodeResponse:
         """KvReady: where and into which blocks the prefill worker pushes the KV."""
         return decode_pb2.DecodeResponse(request_id=pend.request_id, kv_ready=decode_pb2.KvReady(
             transfer_id=pend.kv_id, kv_endpoint=self.receiver.address,
@@ -259,7 +213,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             idle_timeout_ms=int(pend.timeout * 1000),
             max_expires_at_unix_ms=int((pend.reserved_unix + pend.max_s) * 1000)))
 
-    async def _wait_ready(self, pend: _Pending):
+    async def _wait_ready(self, pend: Pending):
         """The KV and the first token, both by the deadline. Returns (problem or None,
         first TokenLogprob or None)."""
         t_wait = time.monotonic()
@@ -269,7 +223,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         pend.t_decode = time.monotonic()
         return problem, first
 
-    async def _wait_kv_and_first_token(self, pend: _Pending):
+    async def _wait_kv_and_first_token(self, pend: Pending):
         problem = None
         if pend.transfer_id:
             res = await self.receiver.wait(pend.transfer_id, timeout=pend.max_s + 5.0)  # reaper bounds it
@@ -292,14 +246,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                     self.counters.token_expirations += 1
                     problem = (f"reservation expired: no SubmitFirstToken for {pend.request_id!r} "
                                f"within {pend.timeout:.3g}s of its KV")
-            except _Aborted:
+            except Aborted:
                 return "aborted", None
         first = pend.first_token.result() if pend.first_token.done() and not pend.aborted else None
         if first is None:
             pend.first_token.cancel()     # too late: a SubmitFirstToken now is not accepted
         return problem, first
 
-    async def _admit_or_fall_back(self, pend: _Pending, problem: str | None, first):
+    async def _admit_or_fall_back(self, pend: Pending, problem: str | None, first):
         """Admit the request to the running batch with the prefill worker's first token; on
         a problem, by policy: an error chunk to end the stream with (fail), or recompute
         the prompt here (None)."""
@@ -309,12 +263,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             pend.sent = 1
         elif pend.policy == "fail":
             log.warning("request %s failed (policy fail): %s", pend.request_id, problem)
-            return _error_chunk(pend.request_id, common_pb2.FINISH_REASON_ERROR, problem, pend.usage)
+            return error_chunk(pend.request_id, common_pb2.FINISH_REASON_ERROR, problem, pend.usage)
         else:
             pend.offset = pend.sent = await self._recompute(pend, first, problem)
         return None
 
-    async def _stream(self, pend: _Pending):
+    async def _stream(self, pend: Pending):
         """The engine's outputs as TokenChunks, never repeating a token the client has."""
         async for out in self.ae.stream(pend.request_id, coalesce=True):   # one message per catch-up
             n_client = pend.offset + len(out.token_ids)
@@ -329,7 +283,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             if chunk.tokens or out.finished:
                 yield decode_pb2.DecodeResponse(request_id=pend.request_id, tokens=chunk)
 
-    def _finish(self, pend: _Pending, chunk: decode_pb2.TokenChunk, out: RequestOutput) -> None:
+    def _finish(self, pend: Pending, chunk: decode_pb2.TokenChunk, out: RequestOutput) -> None:
         """The last chunk: finish reason, usage (with energy where measured), metrics, span."""
         usage, span = pend.usage, pend.span
         usage.completion_tokens = pend.sent
@@ -345,7 +299,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         chunk.usage.CopyFrom(usage)
         pend.finished = True
 
-    async def _end(self, pend: _Pending) -> None:
+    async def _end(self, pend: Pending) -> None:
         """Whatever happened: forget the call and its transfer; unless the stream finished,
         abort the engine request (its blocks are freed)."""
         self._pending.pop(pend.request_id, None)
@@ -355,7 +309,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if not pend.finished:
             await asyncio.shield(worker_server.abort_quietly(self.ae, pend.request_id))
 
-    async def _recompute(self, pend: _Pending, first, problem: str) -> int:
+    async def _recompute(self, pend: Pending, first, problem: str) -> int:
         """Policy recompute: drop the reservation, compute the prompt here. Returns how many
         client tokens the engine's token list will not contain (1 if `first` is known)."""
         self.counters.fallbacks += 1
@@ -375,10 +329,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, f"cannot recompute: {e}") from None
         return 0 if first is None else 1
 
-    def _abort_chunk(self, pend: _Pending, sent: int = 0) -> decode_pb2.DecodeResponse:
+    def _abort_chunk(self, pend: Pending, sent: int = 0) -> decode_pb2.DecodeResponse:
         pend.usage.completion_tokens = sent
         pend.finished = True
-        return _error_chunk(pend.request_id, common_pb2.FINISH_REASON_ABORT,
+        return error_chunk(pend.request_id, common_pb2.FINISH_REASON_ABORT,
                             f"aborted: {pend.abort_reason}" if pend.abort_reason else "", pend.usage)
 
 
