@@ -4,6 +4,7 @@
 with "Paris" -- the same answer transformers gives greedily on the same dequantized weights."""
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -82,3 +83,108 @@ def test_capital_of_france_equals_transformers(pdserve_up):
     want = tok.decode(out[0, len(ids):], skip_special_tokens=True)
     assert answer == want
     assert body["usage"]["completion_tokens"] == len(out[0]) - len(ids)
+
+
+# ----------------------------------------------------------------------------- tools
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "the current date and time in a time zone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}, "date": {"type": "string"}},
+                   "required": ["tz", "date"]}}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOLS = [TIME_TOOL, WEATHER_TOOL]
+ASK_TIME = [{"role": "user", "content": "What time is it in UTC?"}]
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+def _sdk(url):
+    import openai
+    return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+
+
+def _streamed(client, **kw):
+    """The stream's deltas after the role one, its tool calls joined, its content, finish."""
+    deltas, calls, content, finish = [], {}, "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            if c.delta.role is None:
+                deltas.append(c.delta)
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "args": ""})
+                assert call["name"], "a call's first delta names it"
+                call["args"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    return deltas, calls, content, finish
+
+
+def _call(choice):
+    calls = choice.message.tool_calls or []
+    return [(c.function.name, c.function.arguments) for c in calls]
+
+
+@pytest.mark.timeout(1800)
+def test_named_tool_choice_streams_the_call(pdserve_up):
+    """A named tool_choice on the default model: unstreamed, a get_time call whose arguments
+    match its schema; streamed, the first delta after the role announces the call (index 0,
+    an id, type function, the name) before any token, then the arguments in pieces that join
+    to the unstreamed ones (greedy); no content; both finish with tool_calls."""
+    import jsonschema
+    url, model = pdserve_up
+    client = _sdk(url)
+    kw = dict(model=model.name, messages=ASK_TIME, tools=TOOLS, tool_choice=NAMED,
+              temperature=0, max_tokens=200)
+    out = client.chat.completions.create(**kw).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content is None
+    (name, args), = _call(out)
+    assert name == "get_time"
+    jsonschema.validate(json.loads(args), TIME_TOOL["function"]["parameters"])
+    deltas, calls, content, finish = _streamed(client, **kw)
+    first = deltas[0].tool_calls[0]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == \
+        (0, "function", "get_time", "") and first.id
+    assert len(deltas) > 3 and content == "" and finish == "tool_calls"
+    assert list(calls) == [0] and (calls[0]["name"], calls[0]["args"]) == (name, args)
+
+
+@pytest.mark.timeout(1800)
+def test_forced_call_cut_by_max_tokens_is_still_a_call(pdserve_up):
+    """Named and required, cut by a small max_tokens, streamed and not: a tool call with the
+    arguments generated so far (the start of the uncut call's, greedy) and finish_reason
+    length; the internal wrapper never comes back as content."""
+    url, model = pdserve_up
+    client = _sdk(url)
+    kw = dict(model=model.name, messages=ASK_TIME, tools=TOOLS, temperature=0)
+    for choice in (NAMED, "required"):
+        (_, full), = _call(client.chat.completions.create(
+            tool_choice=choice, max_tokens=200, **kw).choices[0])
+        out = client.chat.completions.create(tool_choice=choice, max_tokens=16, **kw).choices[0]
+        assert out.finish_reason == "length" and out.message.content is None, out
+        (name, args), = _call(out)
+        assert name == "get_time" and args and full.startswith(args) and args != full
+        _, calls, content, finish = _streamed(client, tool_choice=choice, max_tokens=16, **kw)
+        assert content == "" and finish == "length"
+        assert [(c["name"], c["args"]) for c in calls.values()] == [(name, args)]
+
+
+@pytest.mark.timeout(1800)
+def test_tools_reach_a_prompt_whose_template_has_no_tools_section(pdserve_up):
+    """SmolLM2's template renders no tools: with tools the prompt grows by exactly the generic
+    format's system message (transformers' own tokenizer and template on the same messages),
+    and auto still answers (a call or content, never an error; the model follows the format
+    only loosely)."""
+    import transformers as T
+    from gateway.prompt import with_generic_tools
+    url, model = pdserve_up
+    client = _sdk(url)
+    kw = dict(model=model.name, messages=ASK_TIME, temperature=0, max_tokens=8)
+    plain = client.chat.completions.create(**kw).usage.prompt_tokens
+    out = client.chat.completions.create(tools=TOOLS, tool_choice="auto", **kw)
+    tok = T.AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
+    assert plain == len(tok.apply_chat_template(ASK_TIME, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False))
+    want = tok.apply_chat_template(with_generic_tools(ASK_TIME, TOOLS), add_generation_prompt=True,
+                                   tokenize=True, return_dict=False)
+    assert out.usage.prompt_tokens == len(want) > plain + 50
+    assert out.choices[0].message.content or out.choices[0].message.tool_calls
