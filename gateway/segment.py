@@ -2,10 +2,12 @@
 
     segment = pick D --Decode(prompt)--> KvReady        (D refuses: the next D)
               pick P --Prefill(dest=KvReady)--> first token
-                  P fails (UNAVAILABLE, ...): WARNING, counted; abort D, retry once on
-                  another P with a fresh reservation ("#r1"); when P says D's KV endpoint
-                  failed (trailing metadata KV_DESTINATION_FAULT), D is held out of
-                  routing (KV_FAULT_HOLD_S) and the retry goes to another D instead
+                  P fails (UNAVAILABLE, ...): WARNING, counted; abort D, retry on another
+                  P with a fresh reservation ("#r1", ...): after P's death (UNAVAILABLE)
+                  on each other P in turn, free; after a refusal or other failure once
+                  (worker_errors.PrefillRetries); when P says D's KV endpoint failed
+                  (trailing metadata KV_DESTINATION_FAULT), D is held out of routing
+                  (KV_FAULT_HOLD_S) and the retry goes to another D instead
               first token -> client | SubmitFirstToken -> D  (or Abort D if it finished)
               D's TokenChunks -> OutputProcessor -> events; a stop string matched here:
                   the segment ends, cleanup aborts D
@@ -40,7 +42,8 @@ from .config import GatewayConfig
 from .registry import Worker
 from .request import GatewayError, GenerateEvent, RequestState
 from .routing import Router, no_worker
-from .worker_errors import DECODE_REFUSALS, PREFILL_RETRY, LostCall, blames_destination, rpc_error
+from .worker_errors import (DECODE_REFUSALS, LostCall, PrefillRetries, blames_destination,
+                            rpc_error)
 
 log = logging.getLogger(__name__)
 
@@ -189,34 +192,38 @@ class Segments:
 
     async def _prefill_with_retry(self, seg: Segment, prompt: list[int], params,
                                   req: RequestState):
-        """Open Decode (KvReady), then Prefill; a failed Prefill is retried once on another
-        prefill worker, with a fresh decode reservation. Returns (KvReady, PrefillResponse)."""
-        failed_prefill: list[str] = []
-        for attempt in range(2):
+        """Open Decode (KvReady), then Prefill; a failed Prefill is retried on another
+        prefill worker (PrefillRetries), each time with a fresh decode reservation.
+        Returns (KvReady, PrefillResponse)."""
+        retries = PrefillRetries()
+        for attempt in itertools.count():
             if attempt:
                 self.cleanup(seg)
                 seg.retry(attempt)
             kv = await self._open_decode(seg, prompt, params, req)
             try:
-                return kv, await self._prefill(seg, prompt, params, kv, req.deadline, failed_prefill)
+                return kv, await self._prefill(seg, prompt, params, kv, req.deadline,
+                                               retries.exclude())
             except grpc.aio.AioRpcError as e:
+                failed_on = seg.prefill.address
                 if blames_destination(e):
                     # The decode worker's KV endpoint failed: its fault, not the prefill's.
                     w = seg.decode
                     w.hold(KV_FAULT_HOLD_S, f"KV endpoint: {e.details()}")
                     req.lost.add(w.address)
+                    again = retries.failed(e.code(), None)
                     others = self.router.decode.healthy(req.lost)
                 else:
                     w = seg.prefill
                     if e.code() == grpc.StatusCode.UNAVAILABLE:
                         w.mark_failed(e.details() or "UNAVAILABLE")
-                    failed_prefill.append(w.address)
-                    others = self.router.prefill.healthy(failed_prefill)
-                if not (e.code() in PREFILL_RETRY and attempt == 0 and others):
+                    again = retries.failed(e.code(), w.address)
+                    others = self.router.prefill.healthy(retries.exclude())
+                if not (again and others):
                     raise rpc_error(f"{w.kind} worker {w.address}", e) from None
                 self.metrics.observe_kv_fallback("retry")
-                log.warning("request %s: Prefill on %s failed (%s: %s); retrying once without "
-                            "%s worker %s", seg.rid, seg.prefill.address, e.code().name,
+                log.warning("request %s: Prefill on %s failed (%s: %s); retrying without "
+                            "%s worker %s", seg.rid, failed_on, e.code().name,
                             e.details(), w.kind, w.address)
         raise AssertionError("unreachable")
 

@@ -48,14 +48,20 @@ class _Call:
 
 
 class _Stub:
+    """`outcome`: every call's, or a list: one per call, in order."""
+
     def __init__(self, outcome):
-        self.outcome, self.aborted = outcome, []
+        self.outcome, self.aborted, self.calls = outcome, [], []
+
+    def _next(self, req):
+        self.calls.append(req.request_id)
+        return _Call(self.outcome.pop(0) if isinstance(self.outcome, list) else self.outcome)
 
     def Decode(self, req, **kw):                  # noqa: N802 (the RPC's name)
-        return _Call(self.outcome)
+        return self._next(req)
 
     def Prefill(self, req, **kw):                 # noqa: N802
-        return _Call(self.outcome)
+        return self._next(req)
 
     async def Abort(self, req, **kw):             # noqa: N802
         self.aborted.append(req.request_id)
