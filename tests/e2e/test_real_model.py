@@ -82,3 +82,31 @@ def test_capital_of_france_equals_transformers(pdserve_up):
     want = tok.decode(out[0, len(ids):], skip_special_tokens=True)
     assert answer == want
     assert body["usage"]["completion_tokens"] == len(out[0]) - len(ids)
+
+
+LONG_TEXT = (
+    "Section {i}. The licensor grants each contributor a perpetual, worldwide, royalty-free "
+    "licence to reproduce, prepare derivative works of, display, perform and distribute the "
+    "work, provided that notices of the changes made in file {i} are kept. ")
+
+
+@pytest.mark.timeout(900)
+def test_short_prompts_then_a_long_one_on_an_idle_server(pdserve_up):
+    """The issue's case: a few short requests (each per-request overhead the admission
+    must not read as per-token cost), then a ~1,200-token prompt to the idle server: 200,
+    not 429 (the prefill worker's cost model is fixed + per-token, seeded by its warm-up's
+    long prompt, and an idle worker never refuses on an estimate)."""
+    url, model = pdserve_up
+    with httpx.Client(timeout=600) as client:
+        for i in range(4):
+            r = client.post(f"{url}/chat/completions", json={
+                "model": model.name, "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Say {i}."}]})
+            assert r.status_code == 200, r.text
+        text = "".join(LONG_TEXT.format(i=i) for i in range(24))
+        r = client.post(f"{url}/chat/completions", json={
+            "model": model.name, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": text + "\nSummarize the licence."}]})
+        assert r.status_code == 200, r.text
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        assert 1100 <= prompt_tokens <= 1400, prompt_tokens
