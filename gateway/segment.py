@@ -8,7 +8,9 @@
                   (worker_errors.PrefillRetries); when P says D's KV endpoint failed
                   (trailing metadata KV_DESTINATION_FAULT), D is held out of routing
                   (KV_FAULT_HOLD_S) and the retry goes to another D instead
-              first token -> client | SubmitFirstToken -> D  (or Abort D if it finished)
+              SubmitFirstToken -> D (accepted), then first token -> client  (or Abort D if
+                  it finished); not accepted: the request fails before its first event
+                  (RESOURCE_EXHAUSTED when D's reservation lapsed, REST's 429 before a 200)
               D's TokenChunks -> OutputProcessor -> events; a stop string matched here:
                   the segment ends, cleanup aborts D
     D's stream breaks (UNAVAILABLE, EOF), or D is lost (its probes unanswered: stalled; the
@@ -52,6 +54,7 @@ _SUBMIT_TIMEOUT_S = 10.0
 # A decode worker whose KV endpoint failed stays out of routing this long: its gRPC health
 # does not cover the KV endpoint, so its next probe would bring it back at once.
 KV_FAULT_HOLD_S = 10.0
+_LAPSED = "reservation expired or aborted"
 
 
 class _DecodeLost(Exception):
@@ -184,9 +187,12 @@ class Segments:
             return
         seg.submit_task = asyncio.create_task(self._submit_first(seg, resp.first_token, req.deadline))
         seg.submit_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        # Accepted before the client sees the token (one local RPC): a decode reservation
+        # that lapsed meanwhile fails the request before its 200 (the REST shim answers
+        # when the first event comes), never after the client got its first token.
+        await seg.submit_task
         if ev is not None:
             yield ev
-        await seg.submit_task
         async for ev in self._relay(req, seg):
             yield req.final(ev) if out.finished else ev
 
@@ -284,9 +290,12 @@ class Segments:
                 raise _DecodeLost(w, f"SubmitFirstToken: {e.details()}") from None
             raise rpc_error(f"decode worker {w.address} (SubmitFirstToken)", e) from None
         if not r.accepted:
-            raise GatewayError(grpc.StatusCode.INTERNAL,
-                               f"decode worker {w.address} did not accept the first token of "
-                               f"{seg.rid} ({await self._refusal_reason(seg)})")
+            why = await self._refusal_reason(seg)
+            # no error of its own: the reservation lapsed (an overloaded system): retry later
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if why == _LAPSED
+                    else grpc.StatusCode.INTERNAL)
+            raise GatewayError(code, f"decode worker {w.address} did not accept the first "
+                                     f"token of {seg.rid} ({why})")
 
     @staticmethod
     async def _refusal_reason(seg: Segment) -> str:
@@ -298,7 +307,7 @@ class Segments:
             msg = None
         if msg and msg is not grpc.aio.EOF and msg.HasField("tokens") and msg.tokens.error:
             return msg.tokens.error
-        return "reservation expired or aborted"
+        return _LAPSED
 
     async def _relay(self, req: RequestState, seg: Segment) -> AsyncIterator[GenerateEvent]:
         """The decode worker's TokenChunks as events, until the request finishes."""

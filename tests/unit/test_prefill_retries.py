@@ -81,3 +81,47 @@ def test_the_policy_alone():
     assert not PrefillRetries().failed(grpc.StatusCode.INVALID_ARGUMENT, "p0")
     d = PrefillRetries()
     assert d.failed(DIED, None) and not d.failed(DIED, None)   # a KV destination's fault: once
+
+
+def test_a_lapsed_reservation_fails_the_request_before_its_first_event():
+    """The burst's failures after a 200: the decode worker no longer takes the first token
+    (its reservation lapsed while the prefill ran). The gateway hands the first token to the
+    client only once SubmitFirstToken was accepted, so the request fails before any event
+    (the REST shim's status comes with the first event: a 429, not an error after a 200),
+    RESOURCE_EXHAUSTED (try again later), and lets both workers go."""
+    from engine.output_processor import OutputProcessor
+    from engine.sampling_params import SamplingParams
+    from engine.tiny_model import ensure_default_model
+    from engine.tokenizer import Tokenizer
+    from gateway.config import GatewayConfig
+    from gateway.request import GenerateInput, RequestState
+    from gateway.routing import Router
+    from gateway.segment import Segments
+    from services.metrics import Metrics
+
+    from .test_segment_accounting import _pool
+
+    tok = Tokenizer.from_dir(str(ensure_default_model()))
+
+    async def main():
+        decode, prefill = _pool("decode", [KV_READY]), _pool("prefill", [FIRST])
+        d = decode.workers["decode:0"]
+        d.stub.accept_first = False
+        segs = Segments(Router(prefill, decode, 16, 1.5), GatewayConfig(), Metrics("gateway"))
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        req = RequestState(GenerateInput("r1", [1, 2, 3], params),
+                           OutputProcessor(tok, [1, 2, 3], params, 64),
+                           deadline=asyncio.get_running_loop().time() + 10, timeout_s=10,
+                           timer=None, span=None)
+        events = []
+        with pytest.raises(GatewayError) as e:
+            async for ev in segs.run(req):
+                events.append(ev)
+        await segs.drain()
+        assert events == [] and e.value.code == REFUSED, e.value.message
+        assert "did not accept the first token" in e.value.message
+        _balanced(decode, prefill)
+        assert d.stub.aborted == ["r1"]
+        for w in [*decode.workers.values(), *prefill.workers.values()]:
+            await w.close()
+    asyncio.run(main())

@@ -63,6 +63,12 @@ class _Stub:
     def Prefill(self, req, **kw):                 # noqa: N802
         return self._next(req)
 
+    async def SubmitFirstToken(self, req, **kw):  # noqa: N802
+        self.calls.append(req.request_id)
+        return decode_pb2.SubmitFirstTokenResponse(accepted=self.accept_first)
+
+    accept_first = True
+
     async def Abort(self, req, **kw):             # noqa: N802
         self.aborted.append(req.request_id)
         return common_pb2.AbortResponse(found=True)
