@@ -16,9 +16,11 @@ flags but the gateway's affinity ones):
     none         no affinity: the least-loaded worker (requests in flight, then the worker's
                  queue, then most free KV blocks; fewest requests sent breaks exact ties).
                  Not a strict round robin, but as blind to the prefix cache as one.
-    default      the gateway's defaults (--affinity-slack, --affinity-slack-ratio)
-    SLACK[:R]    the affine worker wins while it has at most SLACK more requests in flight
-                 than the least-loaded one, or at most R times as many (R unset: SLACK alone)
+    default      the gateway's defaults (--affinity-slack, --affinity-slack-ratio; decode
+                 workers: --decode-affinity-slack)
+    SLACK[:R]    the affine prefill worker wins while it has at most SLACK more requests in
+                 flight than the least-loaded one, or at most R times as many (R unset: SLACK
+                 alone); decode workers: the smaller of SLACK and --decode-affinity-slack
     always       affinity that load never overrides
 
 Regimes (the prefill workers' KV cache; decode workers keep their default size):
@@ -75,7 +77,8 @@ def routing(spec: str) -> tuple[str, list[str]]:
         return "no affinity (least loaded)", ["--affinity-slack", "-1000000",
                                               "--affinity-slack-ratio", "0"]
     if spec == "always":
-        return "affinity, never overridden", ["--affinity-slack", "1000000"]
+        return "affinity, never overridden", ["--affinity-slack", "1000000",
+                                              "--decode-affinity-slack", "1000000"]
     if spec == "default":
         d = GatewayConfig(model="")
         ratio = f" or {d.affinity_slack_ratio:g}x" if d.affinity_slack_ratio else ""

@@ -100,6 +100,10 @@ class GatewayConfig:
     affinity_slack_ratio: float = field(default=1.5, metadata={
         "help": "prefix affinity also wins while its worker has at most this many times the "
                 "least loaded one's requests in flight (0: the absolute slack alone)"})
+    decode_affinity_slack: int = field(default=2, metadata={
+        "help": "a decode worker: prefix affinity wins only while its worker has at most this "
+                "many more requests in flight than the least loaded one (decode load sets "
+                "every stream's token rate; a decode-side prefix hit saves only KV transfer)"})
 
     def __post_init__(self):
         if self.health_interval_s <= 0:

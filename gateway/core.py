@@ -97,7 +97,7 @@ class Gateway:
             (WorkerSet(resolver_from_args(cfg.decode, cfg.decode_dns, cfg.discovery_interval_s),
                        name="decode"), self.decode)]
         self._segments = Segments(Router(self.prefill, self.decode, cfg.affinity_slack,
-                                         cfg.affinity_slack_ratio),
+                                         cfg.affinity_slack_ratio, cfg.decode_affinity_slack),
                                   cfg, self.metrics)
         self.drain_rate = DrainRate()
         self.admission = Admission(cfg.max_in_flight, cfg.slo_ttft_ms / 1e3, cfg.slo_itl_ms / 1e3)

@@ -1,10 +1,18 @@
 """Which workers serve a segment: a decode worker, then a prefill worker that can fill it.
 
     decode:   least loaded healthy worker, or the prefix-affine one (the worker that
-              recently served the prompt's first blocks) while it is at most `slack` requests,
-              or at most `slack_ratio` times, busier than the least loaded one
-    prefill:  the same, among workers whose KV layout (KvCompat) matches the decode worker's
-              reservation; none matching while some are healthy -> FAILED_PRECONDITION
+              recently served the prompt's first blocks) while it has at most
+              `decode_slack` (--decode-affinity-slack, 2; --affinity-slack if smaller) more
+              requests in flight than the least loaded one: affinity is a preference, not
+              a pin. A decode worker's load
+              sets the token rate of every stream on it and its share of a fault, while a
+              prefix it holds saves only the KV transfer of those blocks; so moderate load
+              with one shared prefix (a chat template's system prompt) spreads evenly
+    prefill:  least loaded, or the prefix-affine one while it is at most `slack` requests,
+              or at most `slack_ratio` times, busier than the least loaded one (a prefix
+              hit there saves its compute), among workers whose KV layout (KvCompat) matches
+              the decode worker's reservation; none matching while some are healthy ->
+              FAILED_PRECONDITION
 
 Affinity is the gateway's own bookkeeping (registry.PrefixAffinity): prompt block hashes ->
 the worker it sent them to; a worker's actual prefix cache is not consulted.
@@ -21,9 +29,11 @@ from .request import GatewayError
 
 
 class Router:
-    def __init__(self, prefill: WorkerPool, decode: WorkerPool, slack: int, slack_ratio: float):
+    def __init__(self, prefill: WorkerPool, decode: WorkerPool, slack: int, slack_ratio: float,
+                 decode_slack: int = 2):
         self.prefill, self.decode = prefill, decode
         self.slack, self.slack_ratio = slack, slack_ratio
+        self.decode_slack = decode_slack
         self._affinity = {"prefill": PrefixAffinity(), "decode": PrefixAffinity()}
 
     def hashes(self, pool: WorkerPool, prompt: list[int], block_size: int = 0) -> list[bytes]:
@@ -31,8 +41,8 @@ class Router:
         return self._affinity[pool.kind].block_hashes(prompt, block_size or pool.block_size())
 
     def pick_decode(self, tried: set[str], hashes: list[bytes]) -> Worker | None:
-        return self.decode.pick(tried, self._affinity["decode"], hashes, self.slack,
-                                self.slack_ratio)
+        return self.decode.pick(tried, self._affinity["decode"], hashes,
+                                min(self.slack, self.decode_slack), 0.0)
 
     def pick_prefill(self, kv: decode_pb2.KvReady, exclude: list[str],
                      hashes: list[bytes]) -> Worker:

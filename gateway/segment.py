@@ -2,11 +2,12 @@
 
     segment = pick D --Decode(prompt)--> KvReady        (D refuses: the next D)
               pick P --Prefill(dest=KvReady)--> first token
-                  P fails (UNAVAILABLE, ...): WARNING, counted; abort D, retry once on
-                  another P with a fresh reservation ("#r1"); when P says D's KV endpoint
-                  failed (trailing metadata KV_DESTINATION_FAULT), D is held out of
-                  routing (KV_FAULT_HOLD_S) and the retry goes to another D instead
-              first token -> client | SubmitFirstToken -> D  (or Abort D if it finished)
+                  P fails: WARNING, counted; abort D, retry on another P, fresh reservation
+                  ("#r1", ...): P died: each other P in turn, free; else once (PrefillRetries);
+                  when P says D's KV endpoint failed (trailing metadata KV_DESTINATION_FAULT),
+                  D is held out of routing (KV_FAULT_HOLD_S), the retry goes to another D
+              SubmitFirstToken -> D, accepted: first token -> client (or Abort D if it
+                  finished); not: fails before its first event (D's reservation lapsed: 429)
               D's TokenChunks -> OutputProcessor -> events; a stop string matched here:
                   the segment ends, cleanup aborts D
     D's stream breaks (UNAVAILABLE, EOF), or D is lost (its probes unanswered: stalled; the
@@ -40,7 +41,8 @@ from .config import GatewayConfig
 from .registry import Worker
 from .request import GatewayError, GenerateEvent, RequestState
 from .routing import Router, no_worker
-from .worker_errors import DECODE_REFUSALS, PREFILL_RETRY, LostCall, blames_destination, rpc_error
+from .worker_errors import (DECODE_REFUSALS, LostCall, PrefillRetries, blames_destination,
+                            rpc_error)
 
 log = logging.getLogger(__name__)
 
@@ -181,43 +183,45 @@ class Segments:
             return
         seg.submit_task = asyncio.create_task(self._submit_first(seg, resp.first_token, req.deadline))
         seg.submit_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        # accepted before the client sees the token: a lapsed reservation fails before a 200
+        await seg.submit_task
         if ev is not None:
             yield ev
-        await seg.submit_task
         async for ev in self._relay(req, seg):
             yield req.final(ev) if out.finished else ev
 
     async def _prefill_with_retry(self, seg: Segment, prompt: list[int], params,
                                   req: RequestState):
-        """Open Decode (KvReady), then Prefill; a failed Prefill is retried once on another
-        prefill worker, with a fresh decode reservation. Returns (KvReady, PrefillResponse)."""
-        failed_prefill: list[str] = []
-        for attempt in range(2):
+        """Open Decode (KvReady), then Prefill; a failed one is retried (PrefillRetries),
+        each time with a fresh decode reservation. Returns (KvReady, PrefillResponse)."""
+        retries = PrefillRetries()
+        for attempt in itertools.count():
             if attempt:
                 self.cleanup(seg)
                 seg.retry(attempt)
             kv = await self._open_decode(seg, prompt, params, req)
             try:
-                return kv, await self._prefill(seg, prompt, params, kv, req.deadline, failed_prefill)
+                return kv, await self._prefill(seg, prompt, params, kv, req.deadline, retries)
             except grpc.aio.AioRpcError as e:
                 if blames_destination(e):
                     # The decode worker's KV endpoint failed: its fault, not the prefill's.
                     w = seg.decode
                     w.hold(KV_FAULT_HOLD_S, f"KV endpoint: {e.details()}")
                     req.lost.add(w.address)
+                    again = retries.failed(e.code(), None)
                     others = self.router.decode.healthy(req.lost)
                 else:
                     w = seg.prefill
                     if e.code() == grpc.StatusCode.UNAVAILABLE:
                         w.mark_failed(e.details() or "UNAVAILABLE")
-                    failed_prefill.append(w.address)
-                    others = self.router.prefill.healthy(failed_prefill)
-                if not (e.code() in PREFILL_RETRY and attempt == 0 and others):
+                    again = retries.failed(e.code(), w.address)
+                    others = self.router.prefill.healthy(retries.exclude())
+                if not (again and others):
                     raise rpc_error(f"{w.kind} worker {w.address}", e) from None
                 self.metrics.observe_kv_fallback("retry")
-                log.warning("request %s: Prefill on %s failed (%s: %s); retrying once without "
-                            "%s worker %s", seg.rid, seg.prefill.address, e.code().name,
-                            e.details(), w.kind, w.address)
+                log.warning("request %s: Prefill on %s failed (%s: %s); retrying without %s "
+                            "worker %s", seg.rid, seg.prefill.address, e.code().name, e.details(),
+                            w.kind, w.address)
         raise AssertionError("unreachable")
 
     # -- the decode half -------------------------------------------------------------------
@@ -277,21 +281,22 @@ class Segments:
                 raise _DecodeLost(w, f"SubmitFirstToken: {e.details()}") from None
             raise rpc_error(f"decode worker {w.address} (SubmitFirstToken)", e) from None
         if not r.accepted:
-            raise GatewayError(grpc.StatusCode.INTERNAL,
-                               f"decode worker {w.address} did not accept the first token of "
-                               f"{seg.rid} ({await self._refusal_reason(seg)})")
+            code, why = await self._refusal_reason(seg)
+            raise GatewayError(code, f"decode worker {w.address} did not accept the first "
+                                     f"token of {seg.rid} ({why})")
 
     @staticmethod
-    async def _refusal_reason(seg: Segment) -> str:
-        """Why the decode worker ended the request before its first token (a failed KV
-        transfer, ...): the error of its stream's last chunk, if it comes within a second."""
+    async def _refusal_reason(seg: Segment) -> tuple[grpc.StatusCode, str]:
+        """Why the decode worker ended the request before its first token: INTERNAL and
+        the error of its stream's last chunk if one comes within a second (a failed KV
+        transfer, ...), else RESOURCE_EXHAUSTED: the reservation lapsed (overload)."""
         try:
             msg = await asyncio.wait_for(seg.decode_call.read(), 1.0)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError):
             msg = None
         if msg and msg is not grpc.aio.EOF and msg.HasField("tokens") and msg.tokens.error:
-            return msg.tokens.error
-        return "reservation expired or aborted"
+            return grpc.StatusCode.INTERNAL, msg.tokens.error
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, "reservation expired or aborted"
 
     async def _relay(self, req: RequestState, seg: Segment) -> AsyncIterator[GenerateEvent]:
         """The decode worker's TokenChunks as events, until the request finishes."""
@@ -332,9 +337,9 @@ class Segments:
 
     # -- the prefill half ------------------------------------------------------------------
     async def _prefill(self, seg: Segment, prompt: list[int], params, kv: decode_pb2.KvReady,
-                       deadline: float, exclude: list[str]) -> prefill_pb2.PrefillResponse:
+                       deadline: float, retries: PrefillRetries) -> prefill_pb2.PrefillResponse:
         hashes = self.router.hashes(self.router.prefill, prompt, kv.compat.block_size)
-        w = self.router.pick_prefill(kv, exclude, hashes)
+        w = self.router.pick_prefill(kv, retries.exclude(), hashes)
         dest = prefill_pb2.KvDestination(
             decode_worker_id=kv.decode_worker_id, kv_endpoint=kv.kv_endpoint,
             transfer_id=kv.transfer_id, dst_block_ids=kv.block_ids,

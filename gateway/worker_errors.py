@@ -3,10 +3,13 @@
     a worker call fails with              the gateway
       Decode, before KvReady: a code in     takes it as a refusal: another decode worker
       DECODE_REFUSALS                       may take the request
-      Prefill: a code in PREFILL_RETRY      retries it once on another prefill worker, or,
-                                            when the trailing metadata say the decode
-                                            worker's KV endpoint failed
-                                            (blames_destination), on another decode worker
+      Prefill: a code in PREFILL_RETRY      retries it on another prefill worker
+                                            (PrefillRetries: after a worker's death on
+                                            every other one in turn, free; after anything
+                                            else once), or, when the trailing metadata say
+                                            the decode worker's KV endpoint failed
+                                            (blames_destination), once on another decode
+                                            worker
       anything it does not retry            ends the request: rpc_error(), the worker's
                                             code where it is in PASS_THROUGH, else INTERNAL
     LostCall: a call the gateway cut itself (its worker was lost), read as that status.
@@ -50,3 +53,44 @@ def rpc_error(where: str, e: grpc.aio.AioRpcError) -> GatewayError:
     """The request's error for a worker call that failed with `e`, at `where`."""
     code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.INTERNAL
     return GatewayError(code, f"{where}: {e.code().name}: {e.details()}")
+
+
+class PrefillRetries:
+    """One request's Prefill retries: which prefill workers the next attempt may not use,
+    and whether there is a next attempt.
+
+        the worker died (UNAVAILABLE: killed,      free: retried on any other healthy
+        unreachable, draining, or lost)            worker, the ones that refused it before
+                                                   included (their refusal was about a
+                                                   load the death changed); the dead one
+                                                   stays excluded for this request
+        anything else in PREFILL_RETRY (a          once per request (CHARGED): the next
+        refusal, an internal error), or a KV       attempt excludes that worker too
+        destination fault
+
+    Each death excludes one more worker for good and only one retry is charged, so a request
+    makes at most (its pool's size + 2) attempts."""
+    CHARGED = 1
+
+    def __init__(self):
+        self.dead: list[str] = []
+        self.refused: list[str] = []
+        self.charged = 0
+
+    def exclude(self) -> list[str]:
+        """The prefill workers the next attempt may not use."""
+        return self.dead + self.refused
+
+    def failed(self, code: grpc.StatusCode, address: str | None) -> bool:
+        """A Prefill failed with `code` (on prefill worker `address`; None: the decode
+        worker's KV destination failed); whether it may be retried (given another worker)."""
+        if code not in PREFILL_RETRY:
+            return False
+        if code == grpc.StatusCode.UNAVAILABLE and address is not None:
+            self.dead.append(address)
+            self.refused.clear()
+            return True
+        if address is not None:
+            self.refused.append(address)
+        self.charged += 1
+        return self.charged <= self.CHARGED

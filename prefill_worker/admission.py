@@ -2,11 +2,25 @@
 be computed before its decode reservation expires.
 
     queued    prompt tokens of the calls admitted and not yet at their first token
-    rate      prompt tokens computed per busy second (a second with at least one call
-              queued or computing), over the last `window_s`
+    calls     those calls
+    busy s    seconds with at least one call queued or computing (idle time counts for
+              nothing)
+    sample    (tokens, busy seconds) of one completed call: the busy seconds since the
+              previous completion (calls are computed in arrival order, so that interval
+              is this call's work); an interval in which a call was dropped (failed,
+              aborted, expired) gives no sample
+    cost      fixed + per_token x tokens (seconds): a least-squares line through the last
+              `max_samples` samples and the warm-up's (`seed`: a short and a long prompt,
+              always part of the fit, so a run of short prompts cannot pass its per-request
+              overhead off as per-token cost); clamped to per_token >= MIN_PER_TOKEN_S and
+              fixed >= 0; one distinct length only: per_token = time / tokens, fixed 0
+    backlog   cost of the queue (fixed x calls + per_token x queued) less the busy seconds
+              already spent on it (since the last completion), at least 0
     refuse    queued + this prompt > max_queued_tokens (unless nothing is queued: a prompt
-              longer than the bound is served alone), or, once a rate is measured,
-              now + (queued + this prompt) / rate past the reservation's deadline
+              longer than the bound is served alone), or, with calls queued and a cost
+              fitted, backlog + cost(this prompt) past the reservation's deadline.
+              An idle worker admits whatever fits the bound: alone, a prompt has the best
+              chance it can get, so it is never refused on an estimate
 
 Refusals are RESOURCE_EXHAUSTED: the gateway tries another prefill worker, then answers 429.
 Everything runs on the worker's event loop (no locks).
@@ -15,31 +29,63 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Iterable
+
+MIN_PER_TOKEN_S = 1e-7           # 10M tokens/s: a line flatter than this is noise
 
 
 class PrefillAdmission:
-    def __init__(self, max_queued_tokens: int, window_s: float = 10.0):
+    def __init__(self, max_queued_tokens: int, max_samples: int = 32):
         self.max_queued_tokens = max_queued_tokens
-        self.window_s = window_s
         self.queued = 0                  # tokens admitted, not yet computed
         self.refused = 0
         self._calls = 0                  # calls admitted, not yet computed
         self._busy_s = 0.0               # busy seconds before _busy_since
         self._busy_since = 0.0
-        self._computed = 0               # tokens computed, ever
-        # (time, tokens computed, busy seconds) at each completion; the first is the base
-        self._samples: deque[tuple[float, int, float]] = deque([(0.0, 0, 0.0)], maxlen=4096)
+        self._mark = 0.0                 # busy seconds at the last completion (or drop)
+        self._dropped = False            # a call was dropped since the mark: no sample
+        self._seed: list[tuple[int, float]] = []
+        self._samples: deque[tuple[int, float]] = deque(maxlen=max_samples)
+
+    # -- the cost model ------------------------------------------------------------------
+    def seed(self, samples: Iterable[tuple[int, float]]) -> None:
+        """The warm-up's (tokens, seconds): kept in every fit."""
+        self._seed = [(n, s) for n, s in samples if n > 0 and s > 0]
+
+    def cost(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token) fitted; None: nothing measured yet."""
+        pts = self._seed + list(self._samples)
+        if not pts:
+            return None
+        k = len(pts)
+        mx = sum(n for n, _ in pts) / k
+        my = sum(s for _, s in pts) / k
+        sxx = sum((n - mx) ** 2 for n, _ in pts)
+        if sxx < 1e-9 * max(mx * mx, 1.0):           # one distinct length: no slope to fit
+            return 0.0, max(my / mx, MIN_PER_TOKEN_S)
+        per_token = max(sum((n - mx) * (s - my) for n, s in pts) / sxx, MIN_PER_TOKEN_S)
+        fixed = my - per_token * mx
+        if fixed < 0:                                 # the best line through the origin
+            per_token = max(sum(n * s for n, s in pts) / sum(n * n for n, _ in pts),
+                            MIN_PER_TOKEN_S)
+            fixed = 0.0
+        return fixed, per_token
+
+    def estimate(self, tokens: int, calls: int = 1) -> float | None:
+        """Seconds to compute `calls` calls of `tokens` prompt tokens in all (None: no cost
+        fitted yet)."""
+        c = self.cost()
+        return None if c is None else c[0] * calls + c[1] * tokens
+
+    def backlog_s(self, now: float) -> float:
+        """Busy seconds the queued calls still need (0 with none, or no cost fitted)."""
+        est = self.estimate(self.queued, self._calls) if self._calls else None
+        return 0.0 if est is None else max(0.0, est - (self.busy_s(now) - self._mark))
 
     def busy_s(self, now: float) -> float:
         return self._busy_s + (now - self._busy_since if self._calls else 0.0)
 
-    def rate(self, now: float) -> float | None:
-        """Tokens computed per busy second over the window (None: nothing measured)."""
-        while len(self._samples) > 2 and now - self._samples[1][0] > self.window_s:
-            self._samples.popleft()
-        (_, t0, b0), (_, t1, b1) = self._samples[0], self._samples[-1]
-        return (t1 - t0) / (b1 - b0) if t1 > t0 and b1 > b0 else None
-
+    # -- admission -----------------------------------------------------------------------
     def refusal(self, tokens: int, seconds_left: float | None, now: float | None = None) -> str | None:
         """Why a call computing `tokens` prompt tokens, due in `seconds_left` (None: no
         deadline), is refused now; None: admit it."""
@@ -47,13 +93,17 @@ class PrefillAdmission:
         if self.queued and self.queued + tokens > self.max_queued_tokens:
             return (f"prefill queue full: {self.queued} prompt tokens queued, {tokens} more would "
                     f"pass the bound of {self.max_queued_tokens}")
-        rate = self.rate(now)
-        if seconds_left is not None and rate is not None:
-            eta = (self.queued + tokens) / rate
-            if eta > seconds_left:
-                return (f"prefill cannot finish in time: {self.queued} + {tokens} prompt tokens at "
-                        f"{rate:.0f} tokens/s take ~{eta:.1f}s, the reservation expires in "
-                        f"{seconds_left:.1f}s")
+        own = self.estimate(tokens)
+        if seconds_left is None or not self._calls or own is None:
+            return None                  # no deadline, idle (alone is its best chance), no cost
+        backlog = self.backlog_s(now)
+        if backlog + own > seconds_left:
+            fixed, per_token = self.cost()
+            return (f"prefill cannot finish in time: {self._calls} call(s) queued "
+                    f"({self.queued} prompt tokens, ~{backlog:.1f}s left) + {tokens} prompt "
+                    f"tokens (~{own:.1f}s at {fixed * 1e3:.0f} ms + {per_token * 1e3:.2f} ms a "
+                    f"token) take ~{backlog + own:.1f}s, the reservation expires in "
+                    f"{seconds_left:.1f}s")
         return None
 
     def started(self, tokens: int, now: float | None = None) -> None:
@@ -72,6 +122,12 @@ class PrefillAdmission:
         self.queued -= tokens
         if not self._calls:
             self._busy_s, self._busy_since = busy, now
-        if computed:
-            self._computed += tokens
-            self._samples.append((now, self._computed, busy))
+        if not computed:             # its work is somewhere in the interval: unmeasurable
+            if self._calls:
+                self._dropped = True
+            else:
+                self._mark = busy        # idle again: the next call starts a clean interval
+            return
+        if not self._dropped and busy > self._mark:
+            self._samples.append((tokens, busy - self._mark))
+        self._mark, self._dropped = busy, False

@@ -12,9 +12,10 @@ class PrefillWorkerConfig(WorkerConfig):
     kv_connect_timeout_s: float = 5.0    # connect + handshake to a decode KV endpoint
     kv_send_timeout_s: float = 30.0      # all layers sent after compute finished
     max_queued_prefill_tokens: int = field(default=65536, metadata={
-        "help": "prompt tokens queued or computing at once; past it (or when the measured "
-                "prefill rate cannot finish a prompt before its decode reservation expires) "
-                "new work is refused with RESOURCE_EXHAUSTED (a longer prompt runs alone)"})
+        "help": "prompt tokens queued or computing at once; past it (or when a busy worker's "
+                "measured prefill cost cannot finish a prompt before its decode reservation "
+                "expires) new work is refused with RESOURCE_EXHAUSTED (a longer prompt runs "
+                "alone)"})
     decode: str = field(default="", metadata={
         "help": "decode workers (gRPC host:port,...) this worker may push KV to: it sends only "
                 "to the KV endpoints they announce"})

@@ -58,6 +58,9 @@ from .kv_push import DestinationRefused, KVPush, Push, PushFailed
 log = logging.getLogger(__name__)
 DEADLINE_POLL_S = 0.25           # how often a computing call re-reads its moving deadline
 
+WARM_UP_LONG_TOKENS = 256        # the warm-up's long prompt: the per-token cost's first measure
+WARM_UP_SHORT_TOKENS = 8         # and its short one: the fixed cost's
+
 
 class _DestinationFault(RpcStatus):
     """The destination's KV endpoint failed (connect, handshake, send): its decode worker's
@@ -374,6 +377,17 @@ class PrefillRole(worker_server.WorkerRole):
 
     async def open_kv(self, cfg, engine, transport, connector: KVPush) -> KVPush:
         return connector                 # bound to the cache by the engine's construction
+
+    async def warm_up(self, servicer: PrefillServicer, engine) -> None:
+        """A tiny prompt (cold: compiles, caches), then a long and a short one timed: the
+        admission's cost model starts from them (fixed and per-token cost, admission.py)."""
+        await worker_server.warm_up(engine, True)
+        fits = min(engine.max_model_len - 2, (engine.stats().num_total_blocks - 1) * engine.block_size)
+        lengths = (min(WARM_UP_LONG_TOKENS, fits), WARM_UP_SHORT_TOKENS)
+        servicer.admission.seed([(n, await worker_server.warm_up(engine, True, n)) for n in lengths])
+        fixed, per_token = servicer.admission.cost()
+        log.info("prefill cost from the warm-up: %.1f ms + %.3f ms a prompt token", fixed * 1e3,
+                 per_token * 1e3)
 
     config_class, servicer_class = PrefillWorkerConfig, PrefillServicer
     add_to_server = staticmethod(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server)

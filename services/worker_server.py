@@ -9,7 +9,8 @@
     role.open_kv()                 its KV endpoint (prefill: the connector; decode: a receiver)
     AsyncEngine thread started; role.servicer_class(parts) added to the server
     WorkerServer.run:
-      start  -> health NOT_SERVING -> warm-up (one tiny request through the engine)
+      start  -> health NOT_SERVING -> warm-up (role.warm_up: one tiny request through the
+             engine; a prefill worker's also a long one, timed for its admission)
              -> health SERVING, `ready` set; NOT_SERVING while the engine is unhealthy
              (consecutive failed steps, see AsyncEngine.healthy)
       SIGTERM (or `stop` set) -> draining: health NOT_SERVING, new work refused with
@@ -25,6 +26,7 @@ import gc
 import logging
 import os
 import signal
+import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
@@ -247,6 +249,10 @@ class WorkerRole(abc.ABC):
         """This worker's KV endpoint, once the engine (an engine.llm_engine.LLMEngine, not
         stepping yet) and its cache exist."""
 
+    async def warm_up(self, servicer, engine: AsyncEngine) -> None:
+        """Before SERVING: one tiny request through the engine (warm_up below)."""
+        await warm_up(engine, self.prefill_only)
+
     config_class: type           # its config (a services.worker_config.WorkerConfig)
     servicer_class: type         # the gRPC servicer, built from the WorkerParts
     add_to_server: Callable      # the generated add_<Service>Servicer_to_server (a staticmethod)
@@ -286,8 +292,9 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         ae.start()
         tel.metrics.watch_engine(ae.stats)
         parts = WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter, token)
-        role.add_to_server(role.servicer_class(parts), srv.server)
-        await srv.run(lambda: warm_up(ae, role.prefill_only), ready, stop)
+        servicer = role.servicer_class(parts)
+        role.add_to_server(servicer, srv.server)
+        await srv.run(lambda: role.warm_up(servicer, ae), ready, stop)
     finally:
         if ae is not None:
             await ae.shutdown()
@@ -297,17 +304,22 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         log.info("%s worker %s stopped", role.name, worker_id)
 
 
-async def warm_up(ae: AsyncEngine, prefill_only: bool) -> None:
-    """One tiny request through the engine, so the first real one has no cold start (a
-    prefill worker's is prefill-only, then released, as its real ones are)."""
+async def warm_up(ae: AsyncEngine, prefill_only: bool, tokens: int = 0) -> float:
+    """One request of `tokens` prompt tokens (0: a tiny one, under a block) through the
+    engine, so the first real one has no cold start (a prefill worker's is prefill-only, then
+    released, as its real ones are); returns the seconds it took."""
     rid = f"warmup-{uuid.uuid4().hex[:8]}"
-    n = max(1, min(ae.block_size - 3, 8))
+    n = tokens or max(1, min(ae.block_size - 3, 8))
+    prompt = [1 + i % (ae.vocab_size - 1) for i in range(n)]
     params = SamplingParams(temperature=0.0, max_tokens=1 if prefill_only else 2, ignore_eos=True)
-    await ae.add_request(rid, list(range(1, n + 1)), params, prefill_only)
+    t0 = time.perf_counter()
+    await ae.add_request(rid, prompt, params, prefill_only)
     async for _ in ae.stream(rid):
         pass
+    seconds = time.perf_counter() - t0
     if prefill_only:
         await ae.release(rid)
+    return seconds
 
 
 async def abort_quietly(ae: AsyncEngine, rid: str) -> None:

@@ -167,6 +167,28 @@ def test_shared_prefix_transfers_fewer_blocks(system_2p2d, llm):
     assert last.usage.cached_tokens >= 64
 
 
+def test_shared_prefix_under_load_spreads_over_both_decode_workers(system_2p2d, llm):
+    """Eight long streams at once, all with one 4-block prefix (a chat template's system
+    prompt): affinity is a preference, so both decode workers serve some (the default
+    --decode-affinity-slack 2 keeps them within a few of each other; before, all eight
+    went to the affine one). Each output equals the engine's greedy one."""
+    tok = llm.tokenizer
+    base = tok.encode(" ".join(TEXTS))[:64]
+    ps = [base + tok.encode(TEXTS[i])[:8] for i in range(8)]
+    n_tokens = 96
+    want = [o.token_ids for o in llm.generate(ps, SamplingParams(
+        temperature=0.0, max_tokens=n_tokens, ignore_eos=True))]
+    stub = gen_stub(system_2p2d.grpc_address)
+    collect(stub, request(base + [7], 2))              # the prefix is now affine to one
+    before = stats(system_2p2d, "decode")
+    with ThreadPoolExecutor(len(ps)) as pool:
+        got = list(pool.map(lambda ids: collect(stub, request(ids, n_tokens, ignore_eos=True)), ps))
+    assert [ids for ids, _ in got] == want
+    after = stats(system_2p2d, "decode")
+    used = {a: after[a].transfers.transfers_done - before[a].transfers.transfers_done for a in after}
+    assert sum(used.values()) == len(ps) and min(used.values()) >= 2, used
+
+
 def test_cancel_frees_all_blocks_within_2s(system_2p2d, llm):
     stub = gen_stub(system_2p2d.grpc_address)
     call = stub.Generate(request(prompts(llm, 3)[2], 2000, ignore_eos=True), timeout=60)

@@ -188,3 +188,73 @@ def test_tools_reach_a_prompt_whose_template_has_no_tools_section(pdserve_up):
                                    tokenize=True, return_dict=False)
     assert out.usage.prompt_tokens == len(want) > plain + 50
     assert out.choices[0].message.content or out.choices[0].message.tool_calls
+
+
+LONG_TEXT = (
+    "Section {i}. The licensor grants each contributor a perpetual, worldwide, royalty-free "
+    "licence to reproduce, prepare derivative works of, display, perform and distribute the "
+    "work, provided that notices of the changes made in file {i} are kept. ")
+
+
+@pytest.mark.timeout(900)
+def test_short_prompts_then_a_long_one_on_an_idle_server(pdserve_up):
+    """The issue's case: a few short requests (each per-request overhead the admission
+    must not read as per-token cost), then a ~1,200-token prompt to the idle server: 200,
+    not 429 (the prefill worker's cost model is fixed + per-token, seeded by its warm-up's
+    long prompt, and an idle worker never refuses on an estimate)."""
+    url, model = pdserve_up
+    with httpx.Client(timeout=600) as client:
+        for i in range(4):
+            r = client.post(f"{url}/chat/completions", json={
+                "model": model.name, "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Say {i}."}]})
+            assert r.status_code == 200, r.text
+        text = "".join(LONG_TEXT.format(i=i) for i in range(24))
+        r = client.post(f"{url}/chat/completions", json={
+            "model": model.name, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": text + "\nSummarize the licence."}]})
+        assert r.status_code != 429 and "cannot finish in time" not in r.text, r.text
+        if r.status_code == 504 and "reservation expired" in r.text:
+            # admitted, but computed past the decode worker's fixed 30 s reservation (a CPU
+            # busy with other work): the reservation following the work is issue 33 item 1
+            pytest.xfail("admitted; the fixed KV reservation expired first: " + r.text)
+        assert r.status_code == 200, r.text
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        assert 1100 <= prompt_tokens <= 1400, prompt_tokens
+
+
+@pytest.mark.timeout(900)
+def test_a_burst_of_short_streams_never_fails_after_a_200(pdserve_up):
+    """100 short streams at once on one prefill and one decode worker (more than the
+    prefill queue can finish within a reservation): each one is either refused up front
+    (429 with Retry-After, before any byte of a 200) or completes with its finish reason
+    and no error event after its 200. The issue saw ~40 errors after the first token."""
+    import asyncio
+    import json
+    url, model = pdserve_up
+
+    async def one(client, i):
+        body = {"model": model.name, "max_tokens": 8, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}]}
+        async with client.stream("POST", f"{url}/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return r.status_code, r.headers.get("retry-after"), None
+            events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", events[-3:]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not [c for c in chunks if "error" in c], chunks
+        return 200, None, [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+
+    async def burst():
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(100)))
+
+    results = asyncio.run(burst())
+    ok = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] != 200]
+    assert all(fin in ("length", "stop") for _, _, fin in ok), ok
+    assert all(code == 429 and retry and int(retry) >= 1 for code, retry, _ in refused), refused
+    assert ok, "every stream of the burst was refused"
+    print(f"burst of 100: {len(ok)} completed, {len(refused)} refused with 429 before a 200")

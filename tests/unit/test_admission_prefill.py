@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import deque
 
 import grpc
+import numpy as np
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -29,25 +31,105 @@ def test_the_bound_refuses_only_when_something_is_queued():
     assert a.queued == 0 and a.refusal(100, None, now=1.0) is None
 
 
-def test_the_rate_counts_busy_seconds_only_and_refuses_what_cannot_finish_in_time():
-    a = PrefillAdmission(max_queued_tokens=10_000, window_s=10.0)
-    assert a.rate(0.0) is None
+FIXED_S, PER_TOKEN_S = 0.15, 0.008       # a CPU worker: 150 ms a call, 125 tokens/s
+
+
+def _serve(a: PrefillAdmission, tokens: int, now: float, fixed=FIXED_S, per_token=PER_TOKEN_S) -> float:
+    """One call of `tokens` computed alone from `now` at the true cost; returns its end."""
+    a.started(tokens, now=now)
+    end = now + fixed + per_token * tokens
+    a.ended(tokens, computed=True, now=end)
+    return end
+
+
+def test_the_fit_is_numpys_least_squares_line_over_varied_prompts():
+    """Calls of varied length, each with a little noise, then idle gaps (which count for
+    nothing): the fitted (fixed, per-token) cost is numpy.polyfit's line through the same
+    points, and close to the true one."""
+    rng = np.random.default_rng(0)
+    a, now, pts = PrefillAdmission(max_queued_tokens=100_000), 0.0, []
+    for n in rng.integers(5, 1500, size=20):
+        took = (FIXED_S + PER_TOKEN_S * n) * rng.uniform(0.95, 1.05)
+        a.started(int(n), now=now)
+        a.ended(int(n), computed=True, now=now + took)
+        pts.append((n, took))
+        now += took + rng.uniform(0, 30)
+    fixed, per_token = a.cost()
+    slope, intercept = np.polyfit([n for n, _ in pts], [t for _, t in pts], 1)
+    assert (fixed, per_token) == (pytest.approx(intercept), pytest.approx(slope))
+    assert per_token == pytest.approx(PER_TOKEN_S, rel=0.1)
+    assert fixed == pytest.approx(FIXED_S, abs=0.1)
+
+
+def test_short_prompts_then_a_long_one_an_idle_worker_admits_it():
+    """The issue's case: after short prompts only, a 1,201-token prompt on an idle worker.
+    Seeded by the warm-up (a short and a long prompt), the fit prices it at its true cost;
+    without the seed the short prompts alone make the long one look slow (per-request
+    overhead read as per-token), and the idle worker admits it anyway."""
+    warm = [(256, FIXED_S + PER_TOKEN_S * 256), (8, FIXED_S + PER_TOKEN_S * 8)]
+    for seeded in (True, False):
+        a, now = PrefillAdmission(max_queued_tokens=65536), 100.0
+        if seeded:
+            a.seed(warm)
+        for _ in range(40):                       # more than max_samples: only shorts kept
+            now = _serve(a, 20, now) + 1.0
+        assert a.refusal(1201, seconds_left=30.0, now=now) is None
+        true_s = FIXED_S + PER_TOKEN_S * 1201     # 9.8 s
+        if seeded:
+            assert a.estimate(1201) == pytest.approx(true_s, rel=0.02)
+        else:
+            assert a.estimate(1201) > 1.5 * true_s          # the old mistake, kept harmless
+        assert a.refusal(1201, seconds_left=1.0, now=now) is None   # idle: alone, never refused
+
+
+def test_a_busy_worker_refuses_what_its_real_queue_cannot_finish_in_time():
+    """Three 1,201-token prompts queued (~29.4 s of work at the true cost): another long
+    prompt would finish at ~39 s, past a 30 s reservation, and is refused with the figures;
+    a short one (~29.7 s) still fits. Once the worker has spent 10 busy seconds on the
+    queue, the long one fits again (the backlog counts only the work left)."""
+    a, now = PrefillAdmission(max_queued_tokens=65536), 0.0
+    for n in (8, 256, 1000, 40, 600):
+        now = _serve(a, n, now) + 5.0
+    for _ in range(3):
+        a.started(1201, now=now)
+    assert a.backlog_s(now) == pytest.approx(3 * (FIXED_S + PER_TOKEN_S * 1201), rel=0.01)
+    why = a.refusal(1201, seconds_left=30.0, now=now)
+    assert why is not None and "cannot finish in time" in why and "3 call(s) queued" in why
+    assert a.refusal(20, seconds_left=30.0, now=now) is None
+    assert a.refusal(1201, seconds_left=30.0, now=now + 10.0) is None
+    assert a.refusal(1201, seconds_left=None, now=now) is None      # no deadline: bound only
+
+
+def test_the_fit_is_clamped_to_a_positive_cost():
+    """Noise that makes longer prompts look faster cannot give a negative per-token cost,
+    and a steep line cannot give a negative fixed one."""
+    a = PrefillAdmission(max_queued_tokens=100_000)
+    a.seed([(10, 0.5), (1000, 0.4)])
+    fixed, per_token = a.cost()
+    assert per_token > 0 and fixed == pytest.approx(0.45, rel=1e-3)
+    a.seed([(10, 0.001), (1000, 2.0)])
+    fixed, per_token = a.cost()
+    assert fixed == 0.0 and per_token > 0
+    assert a.estimate(1000) == pytest.approx(2.0, rel=0.01)
+
+
+def test_samples_count_busy_seconds_only_and_skip_an_interval_with_a_dropped_call():
+    a = PrefillAdmission(max_queued_tokens=10_000)
+    assert a.cost() is None and a.refusal(5000, seconds_left=0.1, now=0.0) is None
     a.started(100, now=0.0)
     a.started(100, now=0.5)
-    a.ended(100, computed=True, now=1.0)
-    a.ended(100, computed=True, now=2.0)          # 200 tokens in 2 busy seconds
-    assert a.rate(2.0) == pytest.approx(100.0)
+    a.ended(100, computed=True, now=1.0)          # 1 busy second
+    a.ended(100, computed=True, now=2.0)          # 1 more (queued behind it)
     a.started(300, now=50.0)                      # 48 idle seconds count for nothing
-    a.ended(300, computed=True, now=53.0)         # 300 tokens in 3 more busy seconds
-    assert a.rate(53.0) == pytest.approx(100.0)
-    a.started(50, now=53.0)
-    a.ended(50, computed=False, now=60.0)         # dropped: no sample (its busy time counts
-    assert a.rate(60.0) == pytest.approx(100.0)   # in the next one)
-    a.started(300, now=60.0)
-    assert a.refusal(300, seconds_left=7.0, now=60.0) is None      # 600 tokens at 100/s: 6 s
-    why = a.refusal(300, seconds_left=5.0, now=60.0)
-    assert why is not None and "cannot finish in time" in why
-    assert a.refusal(300, seconds_left=None, now=60.0) is None     # no deadline: bound only
+    a.ended(300, computed=True, now=53.0)
+    assert a._samples == deque([(100, 1.0), (100, 1.0), (300, 3.0)])
+    a.started(50, now=60.0)
+    a.started(70, now=60.0)
+    a.ended(50, computed=False, now=61.0)         # dropped: its work is in the interval
+    a.ended(70, computed=True, now=65.0)          # so this one gives no sample
+    a.started(30, now=70.0)
+    a.ended(30, computed=True, now=71.0)
+    assert list(a._samples)[3:] == [(30, 1.0)]
 
 
 @pytest.fixture(scope="module")

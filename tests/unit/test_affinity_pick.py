@@ -61,3 +61,44 @@ def test_negative_slack_without_ratio_ignores_affinity():
 def test_negative_ratio_is_refused():
     with pytest.raises(ValueError, match="affinity_slack_ratio"):
         GatewayConfig(model="m", affinity_slack_ratio=-1)
+
+
+def _spread(router_args: tuple, n: int) -> dict[str, int]:
+    """Requests in flight per decode worker after `n` requests sharing one prefix (a chat
+    template's system prompt) arrived one after another and stayed open (moderate load),
+    routed by a Router built with `router_args` (slack, slack_ratio[, decode_slack])."""
+    from gateway.routing import Router
+
+    async def main():
+        pools = {k: registry.WorkerPool(k, prefill_pb2_grpc.PrefillWorkerStub, 3600, 1)
+                 for k in ("prefill", "decode")}
+        for name in ("a", "b"):
+            w = registry.Worker("decode", name, prefill_pb2_grpc.PrefillWorkerStub)
+            w.healthy = True
+            pools["decode"].workers[name] = w
+        router = Router(pools["prefill"], pools["decode"], *router_args)
+        prefix = list(range(100, 164))                          # 4 blocks of 16
+        for i in range(n):
+            hashes = router.hashes(pools["decode"], prefix + [i] * 20)
+            w = router.pick_decode(set(), hashes)
+            w.attach(object())                                  # its stream stays open
+            router.served(w, hashes)
+        try:
+            return {a: w.in_flight for a, w in pools["decode"].workers.items()}
+        finally:
+            for w in pools["decode"].workers.values():
+                await w.channel.close()
+
+    return asyncio.run(main())
+
+
+def test_decode_affinity_is_a_preference_moderate_load_spreads():
+    """The gateway's defaults (slack 16, ratio 1.5, decode slack 2): ten open streams with
+    one shared prefix split evenly over two decode workers (within the decode slack), not
+    all ten on the affine one, which is what the prefill rule alone would do."""
+    cfg = GatewayConfig(model="m")
+    default = (cfg.affinity_slack, cfg.affinity_slack_ratio, cfg.decode_affinity_slack)
+    loads = _spread(default, 10)
+    assert sum(loads.values()) == 10 and abs(loads["a"] - loads["b"]) <= cfg.decode_affinity_slack + 1
+    assert _spread(default[:2] + (16,), 10) == {"a": 10, "b": 0}     # a pin, as before
+    assert _spread(default, 2) == {"a": 2, "b": 0}     # light load: the affine one still wins

@@ -48,14 +48,26 @@ class _Call:
 
 
 class _Stub:
+    """`outcome`: every call's, or a list: one per call, in order."""
+
     def __init__(self, outcome):
-        self.outcome, self.aborted = outcome, []
+        self.outcome, self.aborted, self.calls = outcome, [], []
+
+    def _next(self, req):
+        self.calls.append(req.request_id)
+        return _Call(self.outcome.pop(0) if isinstance(self.outcome, list) else self.outcome)
 
     def Decode(self, req, **kw):                  # noqa: N802 (the RPC's name)
-        return _Call(self.outcome)
+        return self._next(req)
 
     def Prefill(self, req, **kw):                 # noqa: N802
-        return _Call(self.outcome)
+        return self._next(req)
+
+    async def SubmitFirstToken(self, req, **kw):  # noqa: N802
+        self.calls.append(req.request_id)
+        return decode_pb2.SubmitFirstTokenResponse(accepted=self.accept_first)
+
+    accept_first = True
 
     async def Abort(self, req, **kw):             # noqa: N802
         self.aborted.append(req.request_id)
