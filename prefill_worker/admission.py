@@ -106,6 +106,17 @@ class PrefillAdmission:
                     f"{seconds_left:.1f}s")
         return None
 
+    def wait_refusal(self, seconds_left: float, now: float | None = None) -> str | None:
+        """Why a call whose first KV is due in `seconds_left` is refused: the work queued
+        ahead of it takes longer than that (None: admit it; an idle worker never refuses)."""
+        now = time.monotonic() if now is None else now
+        backlog = self.backlog_s(now)
+        if self._calls and backlog > seconds_left:
+            return (f"prefill queue too long: {self._calls} call(s) ahead ({self.queued} prompt "
+                    f"tokens) take ~{backlog:.1f}s, this call's first KV is due in "
+                    f"{seconds_left:.1f}s")
+        return None
+
     def started(self, tokens: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         if not self._calls:

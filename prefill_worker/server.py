@@ -79,6 +79,7 @@ class _Call:
     final: RequestOutput | None = None    # the prefill-only output holding the first token
     transfer: TransferStats | None = None
     queued: int = 0                   # prompt tokens it holds in the admission queue
+    admitted: bool = False            # in the admission queue (also with 0 tokens to compute)
     expires: float | None = None      # time.monotonic() the reservation expires unless extended
     idle_s: float = 0.0               # each layer pushed extends it to then + idle_s (0: fixed)
     bound: float | None = None        # ... up to this hard bound (time.monotonic())
@@ -212,17 +213,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         now = time.monotonic()
         why = self.admission.refusal(tokens, None if call.bound is None else call.bound - now)
         if why is None and call.idle_s:
-            why = self.admission.refusal(0, call.expires - now)
+            why = self.admission.wait_refusal(call.expires - now, now)
         if why is not None:
             self.admission.refused += 1
             raise RpcStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         self.admission.started(tokens)
-        call.queued = tokens
+        call.queued, call.admitted = tokens, True
 
     def _dequeue(self, call: _Call, computed: bool) -> None:
-        if call.queued:
+        if call.admitted:
             self.admission.ended(call.queued, computed)
-            call.queued = 0
+            call.queued, call.admitted = 0, False
 
     async def _open_transfer(self, call: _Call) -> None:
         """Connect to the decoder and register the transfer before the request can run."""
