@@ -7,6 +7,7 @@ from pathlib import Path
 
 from engine.gguf import find_gguf, open_gguf
 from engine.tokenizer import has_tokenizer
+from services.cli_args import check_ports
 from services.security import mtls_triple, tls_pair
 
 
@@ -114,8 +115,8 @@ class GatewayConfig:
             raise ValueError("api_key_rpm and api_key_concurrency must be >= 0")
         tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
-        if not all(0 <= p < 65536 for p in (self.grpc_port, self.http_port, self.metrics_port)):
-            raise ValueError("ports must be in 0-65535")
+        check_ports(grpc_port=self.grpc_port, http_port=self.http_port,
+                    metrics_port=self.metrics_port)
 
     def resolved_model_dir(self) -> Path:
         """The model directory (the launcher fills in the embedded default: making it needs

@@ -68,27 +68,32 @@ def _run_up(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
     p.add_argument("--parent-pid", type=int, default=0, help="`pdserve up` sets it for the "
                    "processes it starts: the launcher's pid; this process gets SIGTERM when "
                    "that one dies (0: none)")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("make-tiny-model", help="write the tiny random Llama model used by default")
+    t = sub.add_parser("make-tiny-model", help="write the tiny random Llama model used by default",
+                       allow_abbrev=False)
     t.add_argument("dir")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--vocab-size", type=int, default=0,
                    help="tokens in the vocabulary (0: the default model's, 1024)")
     t.set_defaults(func=_make_tiny_model)
     for role, (help_, cls, runner) in ROLES.items():
-        r = sub.add_parser(role, help=help_)
+        r = sub.add_parser(role, help=help_, allow_abbrev=False)
         add_role_args(r, cls)
         r.set_defaults(func=lambda args, cls=cls, runner=runner: runner(role_config(cls, args)))
-    up = sub.add_parser("up", help="run gateway + N prefill + M decode workers locally")
+    up = sub.add_parser("up", help="run gateway + N prefill + M decode workers locally",
+                        allow_abbrev=False)
     dataclass_args(up, launcher.UpConfig)
     up.set_defaults(func=_run_up)
-    ev = sub.add_parser("eval", help="accuracy checks on your own data").add_subparsers(
+    ev = sub.add_parser("eval", help="accuracy checks on your own data",
+                        allow_abbrev=False).add_subparsers(
         dest="check", required=True)
-    pp = ev.add_parser("perplexity", help="perplexity of a text file (sliding windows)")
+    pp = ev.add_parser("perplexity", help="perplexity of a text file (sliding windows)",
+                       allow_abbrev=False)
     pp.add_argument("--model", required=True,
                     help="model directory or .gguf file (with --url: only its tokenizer is used)")
     pp.add_argument("--data", required=True, help="a UTF-8 text file")

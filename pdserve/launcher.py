@@ -42,7 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineOptions
 from services import service_names
-from services.cli_args import config_argv
+from services.cli_args import check_ports, config_argv
 from services.security import exposed, mtls_triple, tls_pair
 
 from .processes import Child, ModelPools, free_port
@@ -261,7 +261,7 @@ class UpConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
     grpc_port: int = field(default=50051, metadata={"help": "gateway gRPC port (0: any free)"})
     http_port: int = field(default=8000, metadata={
-        "help": "gateway OpenAI-compatible REST port (-1: off)"})
+        "help": "gateway OpenAI-compatible REST port (0: off)"})
     ready_timeout: float = field(default=300.0, metadata={
         "help": "seconds to wait for every process to be SERVING"})
     api_key: str = field(default="", metadata={"help": "the gateway's --api-key"})
@@ -286,6 +286,7 @@ class UpConfig:
             raise ValueError("give --model or --models-file, not both")
         tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
+        check_ports(grpc_port=self.grpc_port, http_port=self.http_port)
         if self.restart_backoff <= 0 or self.max_restarts < 0:
             raise ValueError("--restart-backoff must be > 0 and --max-restarts >= 0")
 
@@ -319,7 +320,7 @@ def main(cfg: UpConfig) -> int:
         model = str(resolve_default_model())
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    http_port = 0 if cfg.http_port < 0 else cfg.http_port
+    http_port = cfg.http_port
     gateway_args = [*(["--api-key", cfg.api_key] if cfg.api_key else []),
                     *(["--api-key-file", cfg.api_key_file] if cfg.api_key_file else [])]
     launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
