@@ -27,7 +27,9 @@ class GatewayConfig:
     http_port: int = field(default=0, metadata={"help": "OpenAI REST port (0: disabled)"})
     api_key: str = field(default="", metadata={
         "help": "an accepted API key: REST 'Authorization: Bearer KEY', gRPC metadata "
-                "'authorization: Bearer KEY' (no key and no key file: open)"})
+                "'authorization: Bearer KEY' (no key and no key file: open); it shows in "
+                "`ps`: the PDSERVE_API_KEY environment variable (read when this is empty) "
+                "or --api-key-file does not"})
     api_key_file: str = field(default="", metadata={
         "help": "API keys, one a line ('KEY [rpm=N] [concurrency=N]', # comments), re-read "
                 "when the file changes"})

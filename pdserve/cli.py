@@ -7,6 +7,7 @@ server module (which may import torch) is imported only when that role runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from decode_worker.config import DecodeWorkerConfig
@@ -28,6 +29,8 @@ def _make_tiny_model(args) -> int:
 
 
 def _run_gateway(cfg: GatewayConfig) -> int:
+    from gateway.auth import API_KEY_ENV
+    cfg.api_key = cfg.api_key or os.environ.get(API_KEY_ENV, "")   # a key kept out of `ps`
     if not cfg.model and not cfg.models_file:   # the default model, as `pdserve up` resolves it
         from .default_model import resolve_default_model
         cfg.model = str(resolve_default_model())

@@ -36,16 +36,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineOptions
+from engine.gguf import model_name
 from services import service_names
+from gateway.auth import API_KEY_ENV
 from services.cli_args import check_ports, config_argv
 from services.security import exposed, mtls_triple, tls_pair
 
-from .processes import Child, ModelPools, free_port
+from .processes import Child, ModelPools, free_port, ports_in_use
 
 
 
@@ -76,6 +79,9 @@ class Launcher:
     max_restarts: int = 5                   # crashes within the window before giving up
     # several models, each with its own pools (replaces model_dir and the two counts)
     models: list[ModelPools] = field(default_factory=list)
+    gateway_env: dict[str, str] = field(default_factory=dict)   # the gateway's alone (a key)
+    say: Callable[[str], None] = field(default=lambda line: _say(f"pdserve up: {line}"),
+                                       repr=False)   # a line a person follows start-up by
     children: list[Child] = field(default_factory=list)
     _models_file: str = field(default="", init=False, repr=False)   # the gateway's, if several
 
@@ -87,17 +93,22 @@ class Launcher:
         return [c for c in self.children if c.role == role and model in (None, c.model)]
 
     def start(self, timeout_s: float = 300.0, cancel: threading.Event | None = None) -> None:
-        """Start everything and wait until it is all SERVING; stops all on any failure
-        (or when `cancel` is set)."""
+        """Check the fixed ports are free, start everything and wait until it is all
+        SERVING, a line per process as it loads, warms up and is ready (`say`); stops all
+        on any failure (or when `cancel` is set)."""
         deadline = time.monotonic() + timeout_s
         self._cancel = cancel or threading.Event()
+        busy = ports_in_use(self.host, {"the gateway's gRPC (--grpc-port)": self.grpc_port,
+                                        "the gateway's REST (--http-port)": self.http_port})
+        if busy:
+            raise LaunchError(f"{' and '.join(busy)} on {self.host} already in use (another "
+                              f"pdserve?); nothing was started")
         engine_args = config_argv(self.engine)   # before extra: a role's own args win
         try:
             for m in self.models or [ModelPools("", self.model_dir, self.num_prefill,
                                                 self.num_decode)]:
                 self._spawn_workers(m, engine_args)
-            for c in list(self.children):
-                self._wait_serving(c, deadline)
+            self._wait_serving(list(self.children), deadline)
             port = self.grpc_port or free_port(self.host)
             gw = [
                 "gateway", *self._gateway_models(), "--host", self.host,
@@ -105,8 +116,8 @@ class Launcher:
                 *self._mtls_args(),
                 *(["--tls-cert", self.tls_cert, "--tls-key", self.tls_key] if self.tls_cert else []),
                 *self.gateway_args]
-            self._spawn(Child("gateway", f"{self.host}:{port}", gw))
-            self._wait_serving(self.children[-1], deadline)
+            self._spawn(Child("gateway", f"{self.host}:{port}", gw, env=self.gateway_env))
+            self._wait_serving([self.children[-1]], deadline)
         except BaseException:
             self.stop()
             raise
@@ -122,7 +133,8 @@ class Launcher:
                 self._spawn(Child(role, f"{self.host}:{port}", [
                     role, "--model-dir", str(m.model_dir), "--host", self.host,
                     "--port", str(port), "--worker-id", worker_id, *engine_args,
-                    *self._mtls_args(), *extra], model=m.name))
+                    *self._mtls_args(), *extra], model=m.name,
+                    env={k: None for k in {API_KEY_ENV, *self.gateway_env}}))  # not theirs
 
     def _gateway_models(self) -> list[str]:
         """The gateway's model and pool options: one model's, or a models file of several."""
@@ -145,6 +157,9 @@ class Launcher:
             c.log = open(Path(self.log_dir) / f"{c.role}-{n}.log", "ab")
         c.start()
         self.children.append(c)
+        self.say(f"{c.label}: loading {model_name(c.argv[c.argv.index('--model-dir') + 1])} "
+                 f"on {c.address} ..." if c.role != "gateway" else
+                 f"gateway: starting on {c.address} ...")
 
     def _mtls_args(self) -> list[str]:
         if self.mtls is None:
@@ -163,31 +178,49 @@ class Launcher:
                 read(ca), private_key=read(key), certificate_chain=read(cert)))
         return grpc.insecure_channel(c.address)
 
-    def _wait_serving(self, c: Child, deadline: float) -> None:
-        with self.probe_channel(c) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while True:
-                if self._cancel.is_set():
-                    raise LaunchError("interrupted while starting")
-                if c.popen.poll() is not None:
-                    raise LaunchError(f"{c.role} on {c.address} exited with code "
-                                      f"{c.popen.returncode} before it was ready")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise LaunchError(f"{c.role} on {c.address} not SERVING in time")
-                try:
-                    r = stub.Check(health_pb2.HealthCheckRequest(service=service_names.BY_ROLE[c.role]),
-                                   timeout=min(1.0, left))
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                # a bounded pause between probes (the probe itself has its own deadline)
-                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    def _wait_serving(self, children: list[Child], deadline: float) -> None:
+        """Probe each of `children` in turn until all are SERVING: one line when a worker
+        answers NOT_SERVING (loaded, warming up), one when it is ready, with its time."""
+        waiting = {id(c): c for c in children}
+        warming: set[int] = set()
+        channels = {id(c): self.probe_channel(c) for c in children}
+        try:
+            while waiting:
+                for key, c in list(waiting.items()):
+                    status = self._probe(c, channels[key], deadline)
+                    took = time.monotonic() - c.started_at
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        del waiting[key]
+                        self.say(f"{c.label}: ready in {took:.1f} s")
+                    elif status is not None and key not in warming and c.role != "gateway":
+                        warming.add(key)
+                        self.say(f"{c.label}: loaded in {took:.1f} s, warming up ...")
+                # a bounded pause between rounds (each probe has its own deadline)
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())) if waiting else 0)
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+    def _probe(self, c: Child, ch: grpc.Channel, deadline: float):
+        """`c`'s health status now (None: no answer); LaunchError if it exited, the
+        deadline passed or the start was cancelled."""
+        if self._cancel.is_set():
+            raise LaunchError("interrupted while starting")
+        if c.popen.poll() is not None:
+            raise LaunchError(f"{c.label} on {c.address} exited with code "
+                              f"{c.popen.returncode} before it was ready")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise LaunchError(f"{c.label} on {c.address} not SERVING in time")
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(
+                service=service_names.BY_ROLE[c.role]), timeout=min(1.0, left)).status
+        except grpc.RpcError:
+            return None
 
     def supervise(self, stop: threading.Event, interval_s: float = 0.2) -> int:
-        """Restart crashed workers until `stop` is set (returns 0) or the gateway dies or a
-        worker crash-loops (returns 1; the caller stops everything)."""
+        """Restart crashed processes (the gateway too) until `stop` is set (returns 0) or
+        one crash-loops (returns 1; the caller stops everything)."""
         while not stop.wait(interval_s):
             problem = self.check_children(time.monotonic())
             if problem is not None:
@@ -196,29 +229,27 @@ class Launcher:
         return 0
 
     def check_children(self, now: float) -> str | None:
-        """One supervision pass: note new crashes, restart workers whose backoff is over.
+        """One supervision pass: note new crashes, restart processes whose backoff is over.
         Returns why everything must stop, or None."""
         for c in self.children:
             if c.restart_at is not None:
                 if now >= c.restart_at:
                     c.restart_at = None
                     c.restarts += 1
-                    _say(f"pdserve up: restarting {c.role} on {c.address} (restart #{c.restarts})")
+                    self.say(f"restarting {c.label} on {c.address} (restart #{c.restarts})")
                     c.start()
                 continue
             code = c.popen.poll()
             if code is None:
                 continue
-            if c.role == "gateway":
-                return f"the gateway on {c.address} exited with code {code}"
             c.crashes = [t for t in c.crashes if now - t < self.restart_window_s] + [now]
             if len(c.crashes) > self.max_restarts:
-                return (f"{c.role} on {c.address} crashed {len(c.crashes)} times within "
+                return (f"{c.label} on {c.address} crashed {len(c.crashes)} times within "
                         f"{self.restart_window_s:g}s (last exit code {code})")
             delay = min(self.restart_backoff_s * 2 ** (len(c.crashes) - 1), self.max_backoff_s)
             c.restart_at = now + delay
-            _say(f"pdserve up: {c.role} on {c.address} exited with code {code}; restart "
-                 f"#{c.restarts + 1} in {delay:g}s")
+            self.say(f"{c.label} on {c.address} exited with code {code}; restart "
+                     f"#{c.restarts + 1} in {delay:g}s")
         return None
 
     def stop(self, grace_s: float = 35.0) -> None:
@@ -264,7 +295,9 @@ class UpConfig:
         "help": "gateway OpenAI-compatible REST port (0: off)"})
     ready_timeout: float = field(default=300.0, metadata={
         "help": "seconds to wait for every process to be SERVING"})
-    api_key: str = field(default="", metadata={"help": "the gateway's --api-key"})
+    api_key: str = field(default="", metadata={
+        "help": "an accepted API key (shows in `ps`: prefer --api-key-file or the "
+                f"{API_KEY_ENV} environment variable); the gateway gets it by its environment"})
     api_key_file: str = field(default="", metadata={"help": "the gateway's --api-key-file"})
     tls_cert: str = field(default="", metadata={"help": "the gateway's --tls-cert (public ports)"})
     tls_key: str = field(default="", metadata={"help": "the gateway's --tls-key"})
@@ -313,6 +346,12 @@ def main(cfg: UpConfig) -> int:
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr, flush=True)
         return 2
+    busy = ports_in_use(cfg.host, {"the gateway's gRPC (--grpc-port)": cfg.grpc_port,
+                                   "the gateway's REST (--http-port)": cfg.http_port})
+    if busy:          # before a model is fetched or any process started
+        print(f"pdserve up: {' and '.join(busy)} on {cfg.host} already in use (another "
+              f"pdserve?); nothing was started", file=sys.stderr, flush=True)
+        return 1
     if cfg.model or models:
         model = cfg.model
     else:
@@ -321,10 +360,11 @@ def main(cfg: UpConfig) -> int:
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port = cfg.http_port
-    gateway_args = [*(["--api-key", cfg.api_key] if cfg.api_key else []),
-                    *(["--api-key-file", cfg.api_key_file] if cfg.api_key_file else [])]
+    gateway_args = ["--api-key-file", cfg.api_key_file] if cfg.api_key_file else []
     launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
-                        gateway_args=gateway_args, engine=cfg.engine,
+                        gateway_args=gateway_args, engine=cfg.engine,   # the key: by env,
+                        gateway_env={API_KEY_ENV: cfg.api_key} if cfg.api_key else {},  # not ps
+
                         mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
                         tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
                         restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts,
@@ -349,6 +389,11 @@ def main(cfg: UpConfig) -> int:
             print(f"pdserve up: WARNING: {line}", file=sys.stderr, flush=True)
         return launcher.supervise(stop)
     finally:
+        began, alive = time.monotonic(), sum(c.popen.poll() is None for c in launcher.children)
+        if alive:
+            _say(f"pdserve up: stopping {alive} process(es) (requests in flight may finish) ...")
         launcher.stop()
         for s, h in previous.items():
             signal.signal(s, h)
+        if alive:
+            _say(f"pdserve up: stopped in {time.monotonic() - began:.1f} s")
