@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,9 @@ class GatewayConfig:
         "help": "HF model directory (only its tokenizer and config.json are read); "
                 "`pdserve gateway` without it: the embedded tiny model"})
     served_model_name: str = field(default="", metadata={
-        "help": "model id clients use; empty: the model directory's name"})
+        "help": "model id clients use; empty: the model directory's name, or a GGUF file's "
+                "less .gguf and its weight type (SmolLM2-135M-Instruct.Q4_1.gguf -> "
+                "SmolLM2-135M-Instruct)"})
     models_file: str = field(default="", metadata={
         "help": "serve several models, each with its own pools: a JSON list of {name, model, "
                 "prefill|prefill_dns, decode|decode_dns} (gateway/models.py); replaces "
@@ -132,7 +135,8 @@ class GatewayConfig:
         return d
 
     def model_name(self, model_dir: Path) -> str:
-        return self.served_model_name or model_dir.name
+        """The id clients send: --served-model-name, else `default_model_id`."""
+        return self.served_model_name or default_model_id(model_dir)
 
     def context_length(self, model_dir: Path) -> int:
         """max_model_len, else config.json's max_position_embeddings (0: unknown)."""
@@ -142,6 +146,20 @@ class GatewayConfig:
         """config.json's vocab_size: prompt ids must be below it (0: unknown). The tokenizer's
         own count may be smaller (models pad their embedding table)."""
         return int(_model_config(model_dir).get("vocab_size") or 0)
+
+
+# llama.cpp's weight-type tags as GGUF file names end in them: .Q4_1, -Q4_K_M, .IQ4_XS, .F16
+_GGUF_TYPE = re.compile(r"[.-](?:I?Q\d\w*|BF16|FP?16|FP?32)$", re.IGNORECASE)
+
+
+def default_model_id(model_dir: Path) -> str:
+    """A model's id without --served-model-name: its directory's name, or a GGUF file's name
+    less `.gguf` and its weight-type tag (SmolLM2-135M-Instruct.Q4_1.gguf ->
+    SmolLM2-135M-Instruct), as Ollama and LM Studio name such files."""
+    name = Path(model_dir).name
+    if not name.lower().endswith(".gguf"):
+        return name
+    return _GGUF_TYPE.sub("", name[:-len(".gguf")]) or name[:-len(".gguf")]
 
 
 def _model_config(model_dir: Path) -> dict:

@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="check", required=True)
     pp = ev.add_parser("perplexity", help="perplexity of a text file (sliding windows)",
                        allow_abbrev=False)
-    pp.add_argument("--model", required=True,
-                    help="model directory or .gguf file (with --url: only its tokenizer is used)")
+    pp.add_argument("--model", default="", help="model directory or .gguf file (with --url: "
+                    "not needed; given, only its tokenizer is used)")
     pp.add_argument("--data", required=True, help="a UTF-8 text file")
     pp.add_argument("--context", type=int, default=1024, help="tokens per window")
     pp.add_argument("--stride", type=int, default=0, help="tokens between windows (0: context/2)")

@@ -45,6 +45,7 @@ from engine.config import EngineOptions
 from engine.gguf import model_name
 from services import service_names
 from gateway.auth import API_KEY_ENV
+from gateway.config import default_model_id
 from services.cli_args import check_ports, config_argv
 from services.security import exposed, mtls_triple, tls_pair
 
@@ -287,6 +288,9 @@ class UpConfig:
     models_file: str = field(default="", metadata={
         "help": "serve several models, each with its own workers: a JSON list of {name, model, "
                 "prefill, decode} (worker counts); replaces --model, --prefill, --decode"})
+    served_model_name: str = field(default="", metadata={
+        "help": "the model id clients send (empty: the model directory's name, or a GGUF "
+                "file's less .gguf and its weight type, e.g. SmolLM2-135M-Instruct)"})
     prefill: int = field(default=1, metadata={"help": "number of prefill workers"})
     decode: int = field(default=1, metadata={"help": "number of decode workers"})
     host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
@@ -315,8 +319,9 @@ class UpConfig:
     def __post_init__(self):
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("--prefill and --decode must be >= 1")
-        if self.models_file and self.model:
-            raise ValueError("give --model or --models-file, not both")
+        if self.models_file and (self.model or self.served_model_name):
+            raise ValueError("--models-file names each model: give no --model or "
+                             "--served-model-name with it")
         tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
         check_ports(grpc_port=self.grpc_port, http_port=self.http_port)
@@ -360,7 +365,9 @@ def main(cfg: UpConfig) -> int:
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port = cfg.http_port
-    gateway_args = ["--api-key-file", cfg.api_key_file] if cfg.api_key_file else []
+    gateway_args = [*(["--api-key-file", cfg.api_key_file] if cfg.api_key_file else []),
+                    *(["--served-model-name", cfg.served_model_name]
+                      if cfg.served_model_name else [])]
     launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
                         gateway_args=gateway_args, engine=cfg.engine,   # the key: by env,
                         gateway_env={API_KEY_ENV: cfg.api_key} if cfg.api_key else {},  # not ps
@@ -383,7 +390,8 @@ def main(cfg: UpConfig) -> int:
                   f"model={m.model_dir}", flush=True)
         w = {r: ",".join(c.address for c in launcher.workers(r)) for r in ("prefill", "decode")}
         print(f"pdserve ready: grpc={launcher.grpc_address}{http} prefill={w['prefill']} "
-              f"decode={w['decode']} model={model or ','.join(m.name for m in models)}",
+              f"decode={w['decode']} model={model or ','.join(m.name for m in models)}"
+              + ("" if models else f" id={cfg.served_model_name or default_model_id(model)}"),
               flush=True)
         for line in plain_text_ports(cfg, launcher):
             print(f"pdserve up: WARNING: {line}", file=sys.stderr, flush=True)

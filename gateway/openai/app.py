@@ -3,6 +3,8 @@
 
     POST /v1/chat/completions   chat.py: chat template -> token ids -> n x generate() -> JSON | SSE
     POST /v1/completions        completions.py: prompt(s) -> n x generate() per prompt, echo
+    POST /tokenize              vLLM's: {model, prompt, add_special_tokens} -> {tokens, count,
+                                max_model_len} (`pdserve eval --url` tokenizes with it)
     GET  /v1/models, /v1/models/{id}, /health, /metrics
 
 endpoint.py holds what both endpoints share (how n choices run, and why a stream first waits
@@ -26,7 +28,13 @@ from .chat import Chat
 from .completions import Completion
 from .disconnect import CancelOnDisconnect
 from .errors import OpenAIError, install_handlers, unknown_model
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, _Body
+
+
+class TokenizeRequest(_Body):
+    model: str
+    prompt: str
+    add_special_tokens: bool = True
 
 
 def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
@@ -75,6 +83,12 @@ def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def get_model(model_id: str):
         return card(model(model_id))
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest):
+        gw = model(body.model)
+        ids = gw.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": gw.max_model_len}
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
