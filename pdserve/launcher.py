@@ -39,22 +39,16 @@ from pathlib import Path
 from typing import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineOptions
 from engine.gguf import model_name
-from services import service_names
 from gateway.auth import API_KEY_ENV
 from gateway.config import default_model_id
 from services.cli_args import check_ports, config_argv
 from services.security import exposed, mtls_triple, tls_pair
 
-from .processes import Child, ModelPools, free_port, ports_in_use
-
-
-
-class LaunchError(RuntimeError):
-    pass
+from .processes import (Child, LaunchError, ModelPools, free_port, ports_in_use,  # noqa: F401
+                        wait_serving)
 
 
 @dataclass
@@ -180,44 +174,7 @@ class Launcher:
         return grpc.insecure_channel(c.address)
 
     def _wait_serving(self, children: list[Child], deadline: float) -> None:
-        """Probe each of `children` in turn until all are SERVING: one line when a worker
-        answers NOT_SERVING (loaded, warming up), one when it is ready, with its time."""
-        waiting = {id(c): c for c in children}
-        warming: set[int] = set()
-        channels = {id(c): self.probe_channel(c) for c in children}
-        try:
-            while waiting:
-                for key, c in list(waiting.items()):
-                    status = self._probe(c, channels[key], deadline)
-                    took = time.monotonic() - c.started_at
-                    if status == health_pb2.HealthCheckResponse.SERVING:
-                        del waiting[key]
-                        self.say(f"{c.label}: ready in {took:.1f} s")
-                    elif status is not None and key not in warming and c.role != "gateway":
-                        warming.add(key)
-                        self.say(f"{c.label}: loaded in {took:.1f} s, warming up ...")
-                # a bounded pause between rounds (each probe has its own deadline)
-                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())) if waiting else 0)
-        finally:
-            for ch in channels.values():
-                ch.close()
-
-    def _probe(self, c: Child, ch: grpc.Channel, deadline: float):
-        """`c`'s health status now (None: no answer); LaunchError if it exited, the
-        deadline passed or the start was cancelled."""
-        if self._cancel.is_set():
-            raise LaunchError("interrupted while starting")
-        if c.popen.poll() is not None:
-            raise LaunchError(f"{c.label} on {c.address} exited with code "
-                              f"{c.popen.returncode} before it was ready")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise LaunchError(f"{c.label} on {c.address} not SERVING in time")
-        try:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(
-                service=service_names.BY_ROLE[c.role]), timeout=min(1.0, left)).status
-        except grpc.RpcError:
-            return None
+        wait_serving(children, deadline, self.probe_channel, self._cancel, self.say)
 
     def supervise(self, stop: threading.Event, interval_s: float = 0.2) -> int:
         """Restart crashed processes (the gateway too) until `stop` is set (returns 0) or

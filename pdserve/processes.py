@@ -28,6 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services import service_names
+
+
+class LaunchError(RuntimeError):
+    pass
+
 
 def _ephemeral_range() -> tuple[int, int]:
     try:
@@ -137,6 +146,48 @@ class Child:
         self.popen = subprocess.Popen(self.command(os.getpid()), env=env, stdout=self.log,
                                       stderr=subprocess.STDOUT if self.log else None,
                                       stdin=subprocess.DEVNULL)
+
+
+def wait_serving(children: list[Child], deadline: float, channel, cancel, say) -> None:
+    """Probe each of `children` in turn (over `channel(child)`) until all are SERVING: a line
+    (`say`) when a worker answers NOT_SERVING (loaded, warming up), one when it is ready, with
+    its time. LaunchError when one exits, the deadline passes or `cancel` is set."""
+    waiting = {id(c): c for c in children}
+    warming: set[int] = set()
+    channels = {id(c): channel(c) for c in children}
+    try:
+        while waiting:
+            for key, c in list(waiting.items()):
+                status = _probe(c, channels[key], deadline, cancel)
+                took = time.monotonic() - c.started_at
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    del waiting[key]
+                    say(f"{c.label}: ready in {took:.1f} s")
+                elif status is not None and key not in warming and c.role != "gateway":
+                    warming.add(key)
+                    say(f"{c.label}: loaded in {took:.1f} s, warming up ...")
+            # a bounded pause between rounds (each probe has its own deadline)
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())) if waiting else 0)
+    finally:
+        for ch in channels.values():
+            ch.close()
+
+
+def _probe(c: Child, ch, deadline: float, cancel):
+    """`c`'s health status now (None: no answer)."""
+    if cancel.is_set():
+        raise LaunchError("interrupted while starting")
+    if c.popen.poll() is not None:
+        raise LaunchError(f"{c.label} on {c.address} exited with code "
+                          f"{c.popen.returncode} before it was ready")
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise LaunchError(f"{c.label} on {c.address} not SERVING in time")
+    try:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(
+            service=service_names.BY_ROLE[c.role]), timeout=min(1.0, left)).status
+    except grpc.RpcError:
+        return None
 
 
 @dataclass

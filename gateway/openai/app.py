@@ -84,12 +84,7 @@ def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
     async def get_model(model_id: str):
         return card(model(model_id))
 
-    @app.post("/tokenize", dependencies=auth)
-    async def tokenize(body: TokenizeRequest):
-        gw = model(body.model)
-        ids = gw.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": gw.max_model_len}
-
+    _add_tokenize(app, model, auth)
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         trace = tracing.extract_context(dict(request.headers))
@@ -101,6 +96,14 @@ def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
         return await Completion(model(body.model), body, trace).run()
 
     return app
+
+
+def _add_tokenize(app: FastAPI, model, auth) -> None:
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest):
+        gw = model(body.model)
+        ids = gw.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": gw.max_model_len}
 
 
 def _limit_body(app):
