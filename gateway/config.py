@@ -53,6 +53,12 @@ class GatewayConfig:
     metrics_port: int = field(default=0, metadata={
         "help": "serve Prometheus /metrics (plain text) on this port (0: off; the REST app "
                 "serves /metrics too)"})
+    worker_metrics: str = field(default="", metadata={
+        "help": "workers' /metrics to include in this gateway's, each labelled worker=ID: "
+                "ID=URL,ID=URL (`pdserve up` passes its workers')"})
+    metrics_prefix: str = field(default="pdserve", metadata={
+        "help": "metric name prefix: pdserve (pdserve:...) or vllm (vllm:..., the names "
+                "vLLM's dashboards query)"})
     trace_file: str = field(default="", metadata={
         "help": "append finished trace spans as JSON lines to this file (tests); OTLP export "
                 "is enabled by OTEL_EXPORTER_OTLP_ENDPOINT"})
@@ -120,8 +126,15 @@ class GatewayConfig:
             raise ValueError("api_key_rpm and api_key_concurrency must be >= 0")
         tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
+        if self.metrics_prefix not in ("pdserve", "vllm"):
+            raise ValueError(f"--metrics-prefix must be pdserve or vllm, got {self.metrics_prefix!r}")
+        if any("=" not in x for x in self.worker_metrics.split(",") if x.strip()):
+            raise ValueError(f"--worker-metrics: expected ID=URL,ID=URL, got {self.worker_metrics!r}")
         check_ports(grpc_port=self.grpc_port, http_port=self.http_port,
                     metrics_port=self.metrics_port)
+
+    def worker_metrics_urls(self) -> dict[str, str]:
+        return dict(x.strip().split("=", 1) for x in self.worker_metrics.split(",") if x.strip())
 
     def resolved_model_dir(self) -> Path:
         """The model directory (the launcher fills in the embedded default: making it needs

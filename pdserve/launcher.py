@@ -79,6 +79,7 @@ class Launcher:
                                        repr=False)   # a line a person follows start-up by
     children: list[Child] = field(default_factory=list)
     _models_file: str = field(default="", init=False, repr=False)   # the gateway's, if several
+    _worker_metrics: list[str] = field(default_factory=list, init=False, repr=False)  # ID=URL
 
     @property
     def grpc_address(self) -> str:
@@ -108,6 +109,7 @@ class Launcher:
             gw = [
                 "gateway", *self._gateway_models(), "--host", self.host,
                 "--grpc-port", str(port), "--http-port", str(self.http_port),
+                "--worker-metrics", ",".join(self._worker_metrics),
                 *self._mtls_args(),
                 *(["--tls-cert", self.tls_cert, "--tls-key", self.tls_key] if self.tls_cert else []),
                 *self.gateway_args]
@@ -125,9 +127,12 @@ class Launcher:
                             ("decode", self.decode_args)):
             for i, port in enumerate(ports[role]):
                 worker_id = f"{m.name}-{role}-{i}" if m.name else f"{role}-{i}"
+                metrics = free_port(self.host)     # the gateway's /metrics includes it
+                self._worker_metrics.append(f"{worker_id}=http://{self.host}:{metrics}/metrics")
                 self._spawn(Child(role, f"{self.host}:{port}", [
                     role, "--model-dir", str(m.model_dir), "--host", self.host,
-                    "--port", str(port), "--worker-id", worker_id, *engine_args,
+                    "--port", str(port), "--worker-id", worker_id, "--metrics-port", str(metrics),
+                    *engine_args,
                     *self._mtls_args(), *extra], model=m.name,
                     env={k: None for k in {API_KEY_ENV, *self.gateway_env}}))  # not theirs
 
@@ -267,6 +272,8 @@ class UpConfig:
     mtls_cert: str = field(default="", metadata={
         "help": "the certificate every process presents (signed by --mtls-ca)"})
     mtls_key: str = field(default="", metadata={"help": "PEM private key of --mtls-cert"})
+    metrics_prefix: str = field(default="pdserve", metadata={
+        "help": "the gateway's --metrics-prefix: pdserve or vllm (vllm:..., vLLM's names)"})
     restart_backoff: float = field(default=1.0, metadata={
         "help": "seconds before a crashed worker is restarted (doubles per recent crash)"})
     max_restarts: int = field(default=5, metadata={
@@ -282,6 +289,8 @@ class UpConfig:
         tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
         check_ports(grpc_port=self.grpc_port, http_port=self.http_port)
+        if self.metrics_prefix not in ("pdserve", "vllm"):
+            raise ValueError(f"--metrics-prefix must be pdserve or vllm, got {self.metrics_prefix!r}")
         if self.restart_backoff <= 0 or self.max_restarts < 0:
             raise ValueError("--restart-backoff must be > 0 and --max-restarts >= 0")
 
@@ -300,6 +309,13 @@ def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
         lines.append(f"decode workers' KV (UCX) ports on {cfg.host} are never encrypted: "
                      "keep them on a private network")
     return lines
+
+
+def gateway_argv(cfg: UpConfig) -> list[str]:
+    """The gateway's own options from `up`'s (its key goes by environment: gateway_env)."""
+    values = {"--api-key-file": cfg.api_key_file, "--served-model-name": cfg.served_model_name,
+              "--metrics-prefix": "" if cfg.metrics_prefix == "pdserve" else cfg.metrics_prefix}
+    return [x for flag, value in values.items() if value for x in (flag, value)]
 
 
 def main(cfg: UpConfig) -> int:
@@ -322,13 +338,9 @@ def main(cfg: UpConfig) -> int:
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port = cfg.http_port
-    gateway_args = [*(["--api-key-file", cfg.api_key_file] if cfg.api_key_file else []),
-                    *(["--served-model-name", cfg.served_model_name]
-                      if cfg.served_model_name else [])]
     launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
-                        gateway_args=gateway_args, engine=cfg.engine,   # the key: by env,
+                        gateway_args=gateway_argv(cfg), engine=cfg.engine,   # the key: by env,
                         gateway_env={API_KEY_ENV: cfg.api_key} if cfg.api_key else {},  # not ps
-
                         mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
                         tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
                         restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts,

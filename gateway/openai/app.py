@@ -12,6 +12,7 @@ for every first event); errors.py the OpenAI error shape and the exception handl
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import Depends, FastAPI, Request
@@ -74,7 +75,8 @@ def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        return PlainTextResponse(generate_latest(models.registry), media_type=CONTENT_TYPE_LATEST)
+        text = await asyncio.to_thread(generate_latest, models.registry)   # scrapes workers
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models():

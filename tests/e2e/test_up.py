@@ -111,7 +111,8 @@ def gateway_pid(up: Up) -> int:
 def up(model_dir):
     grpc_port, http_port = free_port(), free_port()
     u = Up(["--model", model_dir, "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-            "--restart-backoff", "0.5", "--served-model-name", "tiny", "--api-key", KEY])
+            "--restart-backoff", "0.5", "--served-model-name", "tiny", "--api-key", KEY,
+            "--metrics-prefix", "vllm"])
     ready = u.wait_line(r"^pdserve ready: (.*)", READY_TIMEOUT_S).group(1)
     u.fields = dict(kv.split("=", 1) for kv in ready.split())
     u.grpc_port, u.http_port = grpc_port, http_port
@@ -179,6 +180,39 @@ def test_the_api_key_is_on_no_childs_command_line(up):
     assert not [p for p in kids if any(KEY in a for a in cmdline(p))]
     environ = {p: (Path("/proc") / str(p) / "environ").read_bytes() for p in kids}
     assert [p for p, e in environ.items() if KEY.encode() in e] == [gateway_pid(up)]
+
+
+# series a vLLM dashboard queries (vLLM's docs, "Production Metrics")
+VLLM_NAMES = ("vllm:num_requests_running", "vllm:time_to_first_token_seconds",
+              "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens", "vllm:kv_cache_usage_perc")
+
+
+def scrape(url: str) -> dict:
+    """{(sample name, frozen labels): value} of a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(url, timeout=30).text
+    return {(x.name, frozenset(x.labels.items())): x.value
+            for f in text_string_to_metric_families(text) for x in f.samples}
+
+
+def test_the_gateways_metrics_hold_every_workers_under_vllms_names(up):
+    assert chat(up).status_code == 200
+    merged = scrape(f"http://127.0.0.1:{up.http_port}/metrics")
+    names = {n for n, _ in merged}
+    assert all(n.startswith("vllm:") for n in names), sorted(names)
+    assert all(any(n.startswith(want) for n in names) for want in VLLM_NAMES), sorted(names)
+    for pid in children(up.proc.pid):
+        argv = cmdline(pid)
+        if "gateway" in argv:
+            continue
+        worker = argv[argv.index("--worker-id") + 1]
+        own = scrape(f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}/metrics")
+        assert merged[("vllm:worker_metrics_up", frozenset({("worker", worker)}))] == 1.0
+        counters = {k: v for k, v in own.items() if k[0].endswith("prefix_cache_queries_total")}
+        assert counters and any(counters.values())          # the chat above was counted
+        for (name, labels), value in counters.items():      # the same series, relabelled
+            assert merged[("vllm:" + name.removeprefix("pdserve:"),
+                           labels | {("worker", worker)})] == value
 
 
 def test_a_sigkilled_gateway_is_restarted_and_nothing_leaks(up):
