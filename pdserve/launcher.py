@@ -1,8 +1,16 @@
 """`pdserve up`: N prefill + M decode workers and a gateway, as separate local processes.
 
-    pick free ports -> start workers -> each worker SERVING (gRPC health; workers report it
-    only after loading and warm-up) -> start gateway with their addresses -> gateway SERVING
-    -> print one line "pdserve ready: grpc=HOST:PORT ..." -> supervise
+    the gateway's fixed ports free? (else one line, nothing started) -> pick free ports ->
+    start workers -> each worker SERVING (gRPC health; workers report it only after loading
+    and warm-up) -> start gateway with their addresses -> gateway SERVING -> print one line
+    "pdserve ready: grpc=HOST:PORT ... id=MODEL-ID" -> supervise
+
+Start-up is told a line per process on stderr (`say`): "prefill 0: loading M on ADDR ...",
+"loaded in 3.1 s, warming up ..." (its health answers NOT_SERVING), "ready in 4.1 s"; and
+shutdown by "stopping N process(es) ..." and "stopped in 0.8 s". The API key reaches the
+gateway in its environment (PDSERVE_API_KEY), never on a command line (`ps`), and no worker
+gets it. Each worker serves /metrics on a port of its own, which the gateway's /metrics
+merges (`--worker-metrics`, labelled worker=ID).
 
 Several models (`--models-file`, `ModelPools`): each model gets its own prefill and decode
 workers (a model's prefill workers send KV only to its own decode workers), and the one
@@ -18,8 +26,9 @@ ports and arguments after an exponential backoff (restart_backoff_s, doubling pe
 to max_backoff_s; a worker that then ran for restart_window_s starts over), logged with its
 restart count, which the worker gets as `--restarts N` and exports as the
 `pdserve:process_restarts` gauge; the gateway probes it back in while the others keep
-serving. Only the gateway's death, or a worker crashing more than max_restarts times within
-restart_window_s (a crash loop), stops everything and exits non-zero. Children also get
+serving. The gateway is restarted the same way (on the same ports; the workers abort what
+its dead streams held). Only a process crashing more than max_restarts times within
+restart_window_s (a crash loop) stops everything and exits non-zero. Children also get
 SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, set by each child
 at its start from `--parent-pid`: `processes.die_with_parent`), so none is ever orphaned.
 Every wait has a deadline. Each child's spec and command line: processes.py.
