@@ -136,14 +136,14 @@ class Launcher:
                             ("decode", self.decode_args)):
             for i, port in enumerate(ports[role]):
                 worker_id = f"{m.name}-{role}-{i}" if m.name else f"{role}-{i}"
-                metrics = free_port(self.host)     # the gateway's /metrics includes it
+                argv = [role, "--model-dir", str(m.model_dir), "--host", self.host,
+                        "--port", str(port), "--worker-id", worker_id,
+                        "--metrics-port", str(free_port(self.host)), *engine_args,
+                        *self._mtls_args(), *extra]
+                metrics = argv[len(argv) - argv[::-1].index("--metrics-port")]   # the last wins
                 self._worker_metrics.append(f"{worker_id}=http://{self.host}:{metrics}/metrics")
-                self._spawn(Child(role, f"{self.host}:{port}", [
-                    role, "--model-dir", str(m.model_dir), "--host", self.host,
-                    "--port", str(port), "--worker-id", worker_id, "--metrics-port", str(metrics),
-                    *engine_args,
-                    *self._mtls_args(), *extra], model=m.name,
-                    env={k: None for k in {API_KEY_ENV, *self.gateway_env}}))  # not theirs
+                self._spawn(Child(role, f"{self.host}:{port}", argv, model=m.name,
+                                  env={k: None for k in {API_KEY_ENV, *self.gateway_env}}))  # no key
 
     def _gateway_models(self) -> list[str]:
         """The gateway's model and pool options: one model's, or a models file of several."""
