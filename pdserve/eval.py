@@ -13,8 +13,10 @@ Two ways to get the log-probabilities, which must agree:
   * the engine in this process: prompt logprobs (SamplingParams.prompt_logprobs=0);
   * `--url`: a running server's POST /v1/completions with the window's token ids as the
     prompt, `echo` and `logprobs=0`, `max_tokens=0` -- the request lm-eval's
-    `local-completions` model makes for loglikelihoods. `--model` then only gives the
-    tokenizer (torch is not imported).
+    `local-completions` model makes for loglikelihoods. The server tokenizes the text too
+    (POST /tokenize, vLLM's), and the model id is the first of its /v1/models unless
+    `--served-model-name` says; no `--model` is needed (given, its tokenizer is used;
+    torch is not imported either way).
 """
 from __future__ import annotations
 
@@ -94,10 +96,26 @@ def llm_logprobs(llm):
     return logprobs_of
 
 
+def served_model_id(url: str, served_model: str = "") -> str:
+    """`served_model`, else the first model of the server's /v1/models."""
+    return served_model or _get(f"{_base(url)}/v1/models")["data"][0]["id"]
+
+
+def url_text_ids(url: str, model: str, data: str | Path, limit: int | None = None) -> list[int]:
+    """The text's token ids by the server's own tokenizer (POST /tokenize)."""
+    text = Path(data).read_text(encoding="utf-8")
+    ids = _post(f"{_base(url)}/tokenize", {"model": model, "prompt": text})["tokens"]
+    return ids[:limit] if limit else ids
+
+
+def _base(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")
+
+
 def url_logprobs(url: str, served_model: str = ""):
     """A logprobs_of for windows scored by a server's /v1/completions (echo + logprobs)."""
-    base = url.rstrip("/").removesuffix("/v1")
-    model = served_model or _get(f"{base}/v1/models")["data"][0]["id"]
+    base = _base(url)
+    model = served_model_id(url, served_model)
 
     def one(prompt):
         body = {"model": model, "prompt": prompt, "max_tokens": 0, "echo": True,
@@ -226,6 +244,9 @@ def main(args) -> int:
     """`pdserve eval perplexity` (args from pdserve.cli)."""
     stride = args.stride or max(1, args.context // 2)
     quants, kvs = getattr(args, "quantization", None), getattr(args, "kv_cache_dtype", None)
+    if not args.model and not args.url:
+        raise SystemExit("pdserve eval perplexity: give --model (a local engine) or --url "
+                         "(a running server)")
     if (quants or kvs) and not args.url:
         try:
             rows = variants(args.model, text_ids(args.model, args.data, args.limit), args.context,
@@ -236,10 +257,13 @@ def main(args) -> int:
         print(variant_table(rows, args.data), flush=True)
         return 0
     try:
-        ids = text_ids(args.model, args.data, args.limit)
         if args.url:
-            source, fn = f"url {args.url}", url_logprobs(args.url, args.served_model_name)
+            model = served_model_id(args.url, args.served_model_name)
+            ids = (text_ids(args.model, args.data, args.limit) if args.model else
+                   url_text_ids(args.url, model, args.data, args.limit))
+            source, fn = f"url {args.url}", url_logprobs(args.url, model)
         else:
+            ids = text_ids(args.model, args.data, args.limit)
             source, fn = f"engine {Path(args.model).name}", engine_logprobs(
                 args.model, device=args.device, dtype=args.dtype)
         result = perplexity(ids, args.context, stride, fn, source)

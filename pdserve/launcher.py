@@ -1,8 +1,17 @@
-"""`pdserve up`: N prefill + M decode workers and a gateway, as separate local processes.
+"""`Launcher`: N prefill + M decode workers and a gateway, as separate local processes (what
+`pdserve up`, pdserve/up.py, runs; also the e2e fixtures).
 
-    pick free ports -> start workers -> each worker SERVING (gRPC health; workers report it
-    only after loading and warm-up) -> start gateway with their addresses -> gateway SERVING
-    -> print one line "pdserve ready: grpc=HOST:PORT ..." -> supervise
+    the gateway's fixed ports free? (else one line, nothing started) -> pick free ports ->
+    start workers -> each worker SERVING (gRPC health; workers report it only after loading
+    and warm-up) -> start gateway with their addresses -> gateway SERVING -> print one line
+    "pdserve ready: grpc=HOST:PORT ... id=MODEL-ID" -> supervise
+
+Start-up is told a line per process on stderr (`say`): "prefill 0: loading M on ADDR ...",
+"loaded in 3.1 s, warming up ..." (its health answers NOT_SERVING), "ready in 4.1 s"; and
+shutdown by "stopping N process(es) ..." and "stopped in 0.8 s". The API key reaches the
+gateway in its environment (PDSERVE_API_KEY), never on a command line (`ps`), and no worker
+gets it. Each worker serves /metrics on a port of its own, which the gateway's /metrics
+merges (`--worker-metrics`, labelled worker=ID).
 
 Several models (`--models-file`, `ModelPools`): each model gets its own prefill and decode
 workers (a model's prefill workers send KV only to its own decode workers), and the one
@@ -18,8 +27,9 @@ ports and arguments after an exponential backoff (restart_backoff_s, doubling pe
 to max_backoff_s; a worker that then ran for restart_window_s starts over), logged with its
 restart count, which the worker gets as `--restarts N` and exports as the
 `pdserve:process_restarts` gauge; the gateway probes it back in while the others keep
-serving. Only the gateway's death, or a worker crashing more than max_restarts times within
-restart_window_s (a crash loop), stops everything and exits non-zero. Children also get
+serving. The gateway is restarted the same way (on the same ports; the workers abort what
+its dead streams held). Only a process crashing more than max_restarts times within
+restart_window_s (a crash loop) stops everything and exits non-zero. Children also get
 SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, set by each child
 at its start from `--parent-pid`: `processes.die_with_parent`), so none is ever orphaned.
 Every wait has a deadline. Each child's spec and command line: processes.py.
@@ -40,22 +50,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineOptions
-from services import service_names
+from engine.gguf import model_name
+from gateway.auth import API_KEY_ENV
 from services.cli_args import config_argv
-from services.security import exposed, mtls_triple, tls_pair, write_token
-from services.worker_config import available_cores
+from services.security import write_token
 
-from .processes import Child, ModelPools, free_port
-
-
-
-class LaunchError(RuntimeError):
-    pass
+from .processes import (Child, LaunchError, ModelPools, free_port, ports_in_use,  # noqa: F401
+                        wait_serving)
 
 
 @dataclass
@@ -83,9 +89,13 @@ class Launcher:
     max_restarts: int = 5                   # crashes within the window before giving up
     # several models, each with its own pools (replaces model_dir and the two counts)
     models: list[ModelPools] = field(default_factory=list)
+    gateway_env: dict[str, str] = field(default_factory=dict)   # the gateway's alone (a key)
+    say: Callable[[str], None] = field(default=lambda line: _say(f"pdserve up: {line}"),
+                                       repr=False)   # a line a person follows start-up by
     children: list[Child] = field(default_factory=list)
     _models_file: str = field(default="", init=False, repr=False)   # the gateway's, if several
     token_file: str = field(default="", init=False, repr=False)     # with internal_token
+    _worker_metrics: list[str] = field(default_factory=list, init=False, repr=False)  # ID=URL
 
     @property
     def grpc_address(self) -> str:
@@ -95,10 +105,16 @@ class Launcher:
         return [c for c in self.children if c.role == role and model in (None, c.model)]
 
     def start(self, timeout_s: float = 300.0, cancel: threading.Event | None = None) -> None:
-        """Start everything and wait until it is all SERVING; stops all on any failure
-        (or when `cancel` is set)."""
+        """Check the fixed ports are free, start everything and wait until it is all
+        SERVING, a line per process as it loads, warms up and is ready (`say`); stops all
+        on any failure (or when `cancel` is set)."""
         deadline = time.monotonic() + timeout_s
         self._cancel = cancel or threading.Event()
+        busy = ports_in_use(self.host, {"the gateway's gRPC (--grpc-port)": self.grpc_port,
+                                        "the gateway's REST (--http-port)": self.http_port})
+        if busy:
+            raise LaunchError(f"{' and '.join(busy)} on {self.host} already in use (another "
+                              f"pdserve?); nothing was started")
         engine_args = config_argv(self.engine)   # before extra: a role's own args win
         try:
             if self.internal_token:      # a file: the token itself never shows in `ps`
@@ -108,17 +124,17 @@ class Launcher:
             for m in self.models or [ModelPools("", self.model_dir, self.num_prefill,
                                                 self.num_decode)]:
                 self._spawn_workers(m, engine_args)
-            for c in list(self.children):
-                self._wait_serving(c, deadline)
+            self._wait_serving(list(self.children), deadline)
             port = self.grpc_port or free_port(self.host)
             gw = [
                 "gateway", *self._gateway_models(), "--host", self.host,
                 "--grpc-port", str(port), "--http-port", str(self.http_port),
+                "--worker-metrics", ",".join(self._worker_metrics),
                 *self._mtls_args(), *self._token_args(),
                 *(["--tls-cert", self.tls_cert, "--tls-key", self.tls_key] if self.tls_cert else []),
                 *self.gateway_args]
-            self._spawn(Child("gateway", f"{self.host}:{port}", gw))
-            self._wait_serving(self.children[-1], deadline)
+            self._spawn(Child("gateway", f"{self.host}:{port}", gw, env=self.gateway_env))
+            self._wait_serving([self.children[-1]], deadline)
         except BaseException:
             self.stop()
             raise
@@ -131,10 +147,14 @@ class Launcher:
                             ("decode", self.decode_args)):
             for i, port in enumerate(ports[role]):
                 worker_id = f"{m.name}-{role}-{i}" if m.name else f"{role}-{i}"
-                self._spawn(Child(role, f"{self.host}:{port}", [
-                    role, "--model-dir", str(m.model_dir), "--host", self.host,
-                    "--port", str(port), "--worker-id", worker_id, *engine_args,
-                    *self._mtls_args(), *self._token_args(), *extra], model=m.name))
+                argv = [role, "--model-dir", str(m.model_dir), "--host", self.host,
+                        "--port", str(port), "--worker-id", worker_id,
+                        "--metrics-port", str(free_port(self.host)), *engine_args,
+                        *self._mtls_args(), *self._token_args(), *extra]
+                metrics = argv[len(argv) - argv[::-1].index("--metrics-port")]   # the last wins
+                self._worker_metrics.append(f"{worker_id}=http://{self.host}:{metrics}/metrics")
+                self._spawn(Child(role, f"{self.host}:{port}", argv, model=m.name,
+                                  env={k: None for k in {API_KEY_ENV, *self.gateway_env}}))  # no key
 
     def _gateway_models(self) -> list[str]:
         """The gateway's model and pool options: one model's, or a models file of several."""
@@ -157,6 +177,9 @@ class Launcher:
             c.log = open(Path(self.log_dir) / f"{c.role}-{n}.log", "ab")
         c.start()
         self.children.append(c)
+        self.say(f"{c.label}: loading {model_name(c.argv[c.argv.index('--model-dir') + 1])} "
+                 f"on {c.address} ..." if c.role != "gateway" else
+                 f"gateway: starting on {c.address} ...")
 
     def _mtls_args(self) -> list[str]:
         if self.mtls is None:
@@ -178,31 +201,12 @@ class Launcher:
                 read(ca), private_key=read(key), certificate_chain=read(cert)))
         return grpc.insecure_channel(c.address)
 
-    def _wait_serving(self, c: Child, deadline: float) -> None:
-        with self.probe_channel(c) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while True:
-                if self._cancel.is_set():
-                    raise LaunchError("interrupted while starting")
-                if c.popen.poll() is not None:
-                    raise LaunchError(f"{c.role} on {c.address} exited with code "
-                                      f"{c.popen.returncode} before it was ready")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise LaunchError(f"{c.role} on {c.address} not SERVING in time")
-                try:
-                    r = stub.Check(health_pb2.HealthCheckRequest(service=service_names.BY_ROLE[c.role]),
-                                   timeout=min(1.0, left))
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                # a bounded pause between probes (the probe itself has its own deadline)
-                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    def _wait_serving(self, children: list[Child], deadline: float) -> None:
+        wait_serving(children, deadline, self.probe_channel, self._cancel, self.say)
 
     def supervise(self, stop: threading.Event, interval_s: float = 0.2) -> int:
-        """Restart crashed workers until `stop` is set (returns 0) or the gateway dies or a
-        worker crash-loops (returns 1; the caller stops everything)."""
+        """Restart crashed processes (the gateway too) until `stop` is set (returns 0) or
+        one crash-loops (returns 1; the caller stops everything)."""
         while not stop.wait(interval_s):
             problem = self.check_children(time.monotonic())
             if problem is not None:
@@ -211,29 +215,27 @@ class Launcher:
         return 0
 
     def check_children(self, now: float) -> str | None:
-        """One supervision pass: note new crashes, restart workers whose backoff is over.
+        """One supervision pass: note new crashes, restart processes whose backoff is over.
         Returns why everything must stop, or None."""
         for c in self.children:
             if c.restart_at is not None:
                 if now >= c.restart_at:
                     c.restart_at = None
                     c.restarts += 1
-                    _say(f"pdserve up: restarting {c.role} on {c.address} (restart #{c.restarts})")
+                    self.say(f"restarting {c.label} on {c.address} (restart #{c.restarts})")
                     c.start()
                 continue
             code = c.popen.poll()
             if code is None:
                 continue
-            if c.role == "gateway":
-                return f"the gateway on {c.address} exited with code {code}"
             c.crashes = [t for t in c.crashes if now - t < self.restart_window_s] + [now]
             if len(c.crashes) > self.max_restarts:
-                return (f"{c.role} on {c.address} crashed {len(c.crashes)} times within "
+                return (f"{c.label} on {c.address} crashed {len(c.crashes)} times within "
                         f"{self.restart_window_s:g}s (last exit code {code})")
             delay = min(self.restart_backoff_s * 2 ** (len(c.crashes) - 1), self.max_backoff_s)
             c.restart_at = now + delay
-            _say(f"pdserve up: {c.role} on {c.address} exited with code {code}; restart "
-                 f"#{c.restarts + 1} in {delay:g}s")
+            self.say(f"{c.label} on {c.address} exited with code {code}; restart "
+                     f"#{c.restarts + 1} in {delay:g}s")
         return None
 
     def stop(self, grace_s: float = 35.0) -> None:
@@ -261,145 +263,3 @@ class Launcher:
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-@dataclass
-class UpConfig:
-    """`pdserve up`: the system's shape and ports, and the engine options of every worker."""
-    model: str = field(default="", metadata={
-        "help": "HF model directory, or a .gguf file (empty: SmolLM2-135M-Instruct, fetched "
-                "on first use; see pdserve/default_model.py)"})
-    models_file: str = field(default="", metadata={
-        "help": "serve several models, each with its own workers: a JSON list of {name, model, "
-                "prefill, decode} (worker counts); replaces --model, --prefill, --decode"})
-    prefill: int = field(default=1, metadata={"help": "number of prefill workers"})
-    decode: int = field(default=1, metadata={"help": "number of decode workers"})
-    host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
-    grpc_port: int = field(default=50051, metadata={"help": "gateway gRPC port (0: any free)"})
-    http_port: int = field(default=8000, metadata={
-        "help": "gateway OpenAI-compatible REST port (-1: off)"})
-    ready_timeout: float = field(default=300.0, metadata={
-        "help": "seconds to wait for every process to be SERVING"})
-    api_key: str = field(default="", metadata={"help": "the gateway's --api-key"})
-    api_key_file: str = field(default="", metadata={"help": "the gateway's --api-key-file"})
-    tls_cert: str = field(default="", metadata={"help": "the gateway's --tls-cert (public ports)"})
-    tls_key: str = field(default="", metadata={"help": "the gateway's --tls-key"})
-    mtls_ca: str = field(default="", metadata={
-        "help": "internal mTLS for every process: the operator's CA (PEM)"})
-    mtls_cert: str = field(default="", metadata={
-        "help": "the certificate every process presents (signed by --mtls-ca)"})
-    mtls_key: str = field(default="", metadata={"help": "PEM private key of --mtls-cert"})
-    restart_backoff: float = field(default=1.0, metadata={
-        "help": "seconds before a crashed worker is restarted (doubles per recent crash)"})
-    max_restarts: int = field(default=5, metadata={
-        "help": "crashes of one worker within a minute before `up` gives up (a crash loop)"})
-    prefill_threads: int = field(default=0, metadata={
-        "help": "torch threads of each prefill worker (0: its share of this process's cores, "
-                "all of them split among the prefill workers: prefill is the compute-bound burst)"})
-    decode_threads: int = field(default=0, metadata={
-        "help": "torch threads of each decode worker (0: half the cores split among the "
-                "decode workers, at least 1)"})
-    kv_expiry_s: float = field(default=30.0, metadata={
-        "help": "the decode workers' --kv-expiry-s: a KV reservation expires this long without "
-                "KV arriving"})
-    kv_max_reservation_s: float = field(default=600.0, metadata={
-        "help": "the decode workers' --kv-max-reservation-s: the hard bound on a reservation "
-                "(a prompt that cannot be computed in this long is refused up front)"})
-    engine: EngineOptions = field(default_factory=EngineOptions)
-
-    def __post_init__(self):
-        if self.prefill < 1 or self.decode < 1:
-            raise ValueError("--prefill and --decode must be >= 1")
-        if self.models_file and self.model:
-            raise ValueError("give --model or --models-file, not both")
-        tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
-        mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
-        if self.restart_backoff <= 0 or self.max_restarts < 0:
-            raise ValueError("--restart-backoff must be > 0 and --max-restarts >= 0")
-        if self.prefill_threads < 0 or self.decode_threads < 0:
-            raise ValueError("--prefill-threads and --decode-threads must be >= 0 (0: a share)")
-        if not 0 < self.kv_expiry_s <= self.kv_max_reservation_s:
-            raise ValueError("--kv-expiry-s must be > 0 and at most --kv-max-reservation-s")
-
-    def threads(self, models: list[ModelPools] = (), cores: int | None = None) -> tuple[int, int]:
-        """(prefill, decode) torch threads per worker: as given, else each role's share of
-        `cores` (default: the cores this process may run on)."""
-        cores = available_cores() if cores is None else cores
-        n_prefill = sum(m.num_prefill for m in models) or self.prefill
-        n_decode = sum(m.num_decode for m in models) or self.decode
-        return (self.prefill_threads or max(1, cores // n_prefill),
-                self.decode_threads or max(1, cores // (2 * n_decode)))
-
-
-def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
-    """One warning per port that listens beyond loopback without TLS (none on loopback)."""
-    tls, mtls = bool(cfg.tls_cert), bool(cfg.mtls_ca)
-    ports = {"gateway gRPC": (int(launcher.grpc_address.rpartition(":")[2]), tls),
-             "gateway REST": (launcher.http_port, tls)}
-    for c in launcher.children:
-        if c.role != "gateway":
-            ports[f"{c.role} worker gRPC ({c.argv[c.argv.index('--worker-id') + 1]})"] = \
-                (int(c.address.rpartition(":")[2]), mtls)
-    lines = [f"{p} listens in plain text beyond loopback" for p in exposed(cfg.host, ports)]
-    if lines:    # UCX carries KV without encryption: the KV ports too
-        lines.append(f"decode workers' KV (UCX) ports on {cfg.host} are never encrypted: "
-                     "keep them on a private network")
-    return lines
-
-
-def worker_args(cfg: UpConfig, models: list[ModelPools] = ()) -> tuple[list[str], list[str]]:
-    """The options `up` hands every (prefill, decode) worker of its own: threads and the
-    decode workers' reservation deadlines."""
-    prefill_threads, decode_threads = cfg.threads(models)
-    return (["--threads", str(prefill_threads)],
-            ["--threads", str(decode_threads), "--kv-expiry-s", str(cfg.kv_expiry_s),
-             "--kv-max-reservation-s", str(cfg.kv_max_reservation_s)])
-
-
-def main(cfg: UpConfig) -> int:
-    try:
-        models = ModelPools.read(cfg.models_file) if cfg.models_file else []
-    except ValueError as e:
-        print(f"pdserve up: {e}", file=sys.stderr, flush=True)
-        return 2
-    if cfg.model or models:
-        model = cfg.model
-    else:
-        from .default_model import resolve_default_model
-        model = str(resolve_default_model())
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    http_port = 0 if cfg.http_port < 0 else cfg.http_port
-    gateway_args = [*(["--api-key", cfg.api_key] if cfg.api_key else []),
-                    *(["--api-key-file", cfg.api_key_file] if cfg.api_key_file else [])]
-    prefill_args, decode_args = worker_args(cfg, models)
-    launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
-                        prefill_args=prefill_args, decode_args=decode_args,
-                        gateway_args=gateway_args, engine=cfg.engine,
-                        mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
-                        tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, internal_token=True,
-                        restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts,
-                        models=models)
-    try:
-        try:
-            launcher.start(cfg.ready_timeout, cancel=stop)
-        except LaunchError as e:
-            print(f"pdserve up: {e}", file=sys.stderr, flush=True)
-            return 1
-        http = f" http=http://{cfg.host}:{http_port}/v1" if http_port else ""
-        for m in models:    # each model's pools on a line of its own, before the ready line
-            w = {r: ",".join(c.address for c in launcher.workers(r, m.name))
-                 for r in ("prefill", "decode")}
-            print(f"pdserve model {m.name}: prefill={w['prefill']} decode={w['decode']} "
-                  f"model={m.model_dir}", flush=True)
-        w = {r: ",".join(c.address for c in launcher.workers(r)) for r in ("prefill", "decode")}
-        print(f"pdserve ready: grpc={launcher.grpc_address}{http} prefill={w['prefill']} "
-              f"decode={w['decode']} model={model or ','.join(m.name for m in models)}",
-              flush=True)
-        for line in plain_text_ports(cfg, launcher):
-            print(f"pdserve up: WARNING: {line}", file=sys.stderr, flush=True)
-        return launcher.supervise(stop)
-    finally:
-        launcher.stop()
-        for s, h in previous.items():
-            signal.signal(s, h)

@@ -23,9 +23,19 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services import service_names
+
+
+class LaunchError(RuntimeError):
+    pass
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -57,6 +67,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def ports_in_use(host: str, ports: dict[str, int]) -> list[str]:
+    """The ports of `ports` (what -> port; 0: none asked for) that something already listens
+    on at `host`, as "WHAT port P": checked before `pdserve up` starts anything, so a busy
+    port is a one-line error, not a health probe answered by whoever holds it."""
+    busy = []
+    for what, port in ports.items():
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT is no owner
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(f"{what} port {port}")
+    return busy
+
+
 def die_with_parent(parent_pid: int) -> None:
     """In a launcher's child (`pdserve --parent-pid PID`; 0: not one, nothing to do): SIGTERM
     from the kernel when the launcher dies (PR_SET_PDEATHSIG), and exit at once if it
@@ -85,6 +112,17 @@ class Child:
     restarts: int = 0                       # by the supervisor, in all
     crashes: list[float] = field(default_factory=list)   # monotonic times, within the window
     restart_at: float | None = None         # a restart is due then (the child is dead)
+    env: dict[str, str] = field(default_factory=dict)   # added to (or, None: removed from)
+    #                                          the launcher's environment, e.g. a secret
+    started_at: float = 0.0                 # monotonic time of its last start
+
+    @property
+    def label(self) -> str:
+        """How the launcher's lines name it: "gateway", "prefill 0", "small decode 1"."""
+        if self.role == "gateway" or "--worker-id" not in self.argv:
+            return self.role
+        index = self.argv[self.argv.index("--worker-id") + 1].rpartition("-")[2]
+        return " ".join(x for x in (self.model, self.role, index) if x)
 
     @property
     def pid(self) -> int:
@@ -93,17 +131,63 @@ class Child:
     def command(self, parent_pid: int) -> list[str]:
         """Its command line: `pdserve` told its launcher's pid, its own arguments, and once
         the supervisor restarted it, how often (a worker's --restarts)."""
-        again = ["--restarts", str(self.restarts)] if self.restarts else []
+        again = ["--restarts", str(self.restarts)] if self.restarts and self.role != "gateway" else []
         return [sys.executable, "-m", "pdserve.cli", "--parent-pid", str(parent_pid),
                 *self.argv, *again]
 
     def start(self) -> None:
         """Run it (again): its command line, one intra-op thread, output to its log (None:
         the launcher's stdout/stderr)."""
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{
+            k: v for k, v in self.env.items() if v is not None})
+        for k in [k for k, v in self.env.items() if v is None]:
+            env.pop(k, None)
+        self.started_at = time.monotonic()
         self.popen = subprocess.Popen(self.command(os.getpid()), env=env, stdout=self.log,
                                       stderr=subprocess.STDOUT if self.log else None,
                                       stdin=subprocess.DEVNULL)
+
+
+def wait_serving(children: list[Child], deadline: float, channel, cancel, say) -> None:
+    """Probe each of `children` in turn (over `channel(child)`) until all are SERVING: a line
+    (`say`) when a worker answers NOT_SERVING (loaded, warming up), one when it is ready, with
+    its time. LaunchError when one exits, the deadline passes or `cancel` is set."""
+    waiting = {id(c): c for c in children}
+    warming: set[int] = set()
+    channels = {id(c): channel(c) for c in children}
+    try:
+        while waiting:
+            for key, c in list(waiting.items()):
+                status = _probe(c, channels[key], deadline, cancel)
+                took = time.monotonic() - c.started_at
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    del waiting[key]
+                    say(f"{c.label}: ready in {took:.1f} s")
+                elif status is not None and key not in warming and c.role != "gateway":
+                    warming.add(key)
+                    say(f"{c.label}: loaded in {took:.1f} s, warming up ...")
+            # a bounded pause between rounds (each probe has its own deadline)
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())) if waiting else 0)
+    finally:
+        for ch in channels.values():
+            ch.close()
+
+
+def _probe(c: Child, ch, deadline: float, cancel):
+    """`c`'s health status now (None: no answer)."""
+    if cancel.is_set():
+        raise LaunchError("interrupted while starting")
+    if c.popen.poll() is not None:
+        raise LaunchError(f"{c.label} on {c.address} exited with code "
+                          f"{c.popen.returncode} before it was ready")
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise LaunchError(f"{c.label} on {c.address} not SERVING in time")
+    try:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(
+            service=service_names.BY_ROLE[c.role]), timeout=min(1.0, left)).status
+    except grpc.RpcError:
+        return None
 
 
 @dataclass

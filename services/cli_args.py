@@ -88,6 +88,19 @@ def config_argv(config) -> list[str]:
     return argv
 
 
+def check_ports(**ports: int) -> None:
+    """Every port option means the same: a port number, 0 for off (an optional listener:
+    --http-port, --metrics-port, --health-port) or any free port (one that cannot be off:
+    --grpc-port, --port). ValueError naming the option otherwise; -1 (the old "off" of
+    `pdserve up --http-port`) says what to give instead."""
+    for name, port in ports.items():
+        flag = "--" + name.replace("_", "-")
+        if port == -1:
+            raise ValueError(f"{flag} -1: give 0 for off (-1 no longer means off)")
+        if not 0 <= port < 65536:
+            raise ValueError(f"{flag} must be a port in 0-65535 (0: off or any free), got {port}")
+
+
 def add_role_args(parser: argparse.ArgumentParser, cls) -> None:
     """A server role's options: its config's, and --log-level."""
     dataclass_args(parser, cls)
@@ -108,6 +121,6 @@ def role_config(cls, args: argparse.Namespace):
 def config_from_argv(cls, argv: list[str] | None, description: str):
     """A worker's config from the command line (`python -m prefill_worker.server`): the
     options `pdserve prefill|decode` has."""
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
     add_role_args(p, cls)
     return role_config(cls, p.parse_args(argv))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineOptions
 
+from .cli_args import check_ports
 from .security import mtls_triple
 
 
@@ -80,9 +81,7 @@ class WorkerConfig:
         for name in self._positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in self._ports:
-            if not 0 <= getattr(self, name) < 65536:
-                raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
+        check_ports(**{name: getattr(self, name) for name in self._ports})
         if self.kv_staging not in ("host", "device"):
             raise ValueError(f"kv_staging must be 'host' or 'device', got {self.kv_staging!r}")
         if self.num_threads < 0:

@@ -3,6 +3,8 @@
 
     POST /v1/chat/completions   chat.py: chat template -> token ids -> n x generate() -> JSON | SSE
     POST /v1/completions        completions.py: prompt(s) -> n x generate() per prompt, echo
+    POST /tokenize              vLLM's: {model, prompt, add_special_tokens} -> {tokens, count,
+                                max_model_len} (`pdserve eval --url` tokenizes with it)
     GET  /v1/models, /v1/models/{id}, /health, /metrics
 
 endpoint.py holds what both endpoints share (how n choices run, and why a stream first waits
@@ -10,6 +12,7 @@ for every first event); errors.py the OpenAI error shape and the exception handl
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import Depends, FastAPI, Request
@@ -26,7 +29,13 @@ from .chat import Chat
 from .completions import Completion
 from .disconnect import CancelOnDisconnect
 from .errors import OpenAIError, install_handlers, unknown_model
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, _Body
+
+
+class TokenizeRequest(_Body):
+    model: str
+    prompt: str
+    add_special_tokens: bool = True
 
 
 def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
@@ -66,7 +75,8 @@ def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        return PlainTextResponse(generate_latest(models.registry), media_type=CONTENT_TYPE_LATEST)
+        text = await asyncio.to_thread(generate_latest, models.registry)   # scrapes workers
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models():
@@ -76,6 +86,7 @@ def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
     async def get_model(model_id: str):
         return card(model(model_id))
 
+    _add_tokenize(app, model, auth)
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         trace = tracing.extract_context(dict(request.headers))
@@ -87,6 +98,14 @@ def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
         return await Completion(model(body.model), body, trace).run()
 
     return app
+
+
+def _add_tokenize(app: FastAPI, model, auth) -> None:
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest):
+        gw = model(body.model)
+        ids = gw.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": gw.max_model_len}
 
 
 def _limit_body(app):

@@ -8,7 +8,8 @@ import pytest
 
 from gateway import auth
 from gateway.auth import AuthError, KeyStore, parse_key_file
-from pdserve.launcher import Child, Launcher, UpConfig, plain_text_ports
+from pdserve.launcher import Child, Launcher
+from pdserve.up import UpConfig, plain_text_ports
 from services.security import exposed
 
 

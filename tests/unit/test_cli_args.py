@@ -158,3 +158,42 @@ def test_the_cli_does_not_import_torch():
     code = "import sys, pdserve.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["up", "--prefil", "2"],                              # `up`'s own option
+    ["up", "--block-siz", "32"],                          # an engine option, flattened
+    ["gateway", "--grpc-por", "0"],
+    ["prefill", "--model", "m", "--drain-timeout", "5"],
+    ["eval", "perplexity", "--model", "m", "--data", "x", "--contex", "8"],
+])
+def test_abbreviated_options_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_a_worker_module_refuses_abbreviations_too():
+    from services.cli_args import config_from_argv
+    with pytest.raises(SystemExit):
+        config_from_argv(PrefillWorkerConfig, ["--model", "m", "--drain-timeout", "5"], "x")
+
+
+@pytest.mark.parametrize("argv", [
+    ["up", "--http-port", "-1"], ["gateway", "--http-port", "-1"],
+    ["gateway", "--metrics-port", "-1"], ["up", "--grpc-port", "-1"],
+])
+def test_minus_one_is_not_off_and_says_what_is(argv):
+    args = build_parser().parse_args(argv)
+    cls = UpConfig if argv[0] == "up" else __import__("gateway.config").config.GatewayConfig
+    with pytest.raises(ValueError, match=r"--\w+-port -1: give 0 for off"):
+        config_from_args(cls, args)
+
+
+def test_zero_is_off_for_up_and_gateway_alike():
+    up = config_from_args(UpConfig, build_parser().parse_args(["up", "--http-port", "0"]))
+    assert up.http_port == 0
+    launcher = Launcher("m", http_port=up.http_port)
+    assert launcher.http_port == 0     # what the gateway gets: its own 0, off
+    with pytest.raises(ValueError, match="0-65535"):
+        config_from_args(UpConfig, build_parser().parse_args(["up", "--http-port", "70000"]))

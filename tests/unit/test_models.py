@@ -4,6 +4,7 @@ lookup by the request's model, and one metrics exposition telling the models apa
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import GatewayConfig
 from gateway.models import Models, model_configs
 from gateway.request import GatewayError
-from pdserve.launcher import ModelPools, UpConfig
+from pdserve.launcher import ModelPools
+from pdserve.up import UpConfig
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +59,9 @@ def test_bad_models_file_is_a_clear_error(tmp_path, entries, words):
 def test_models_file_excludes_the_single_model_options(tmp_path):
     with pytest.raises(ValueError, match="--models-file"):
         GatewayConfig(models_file=write(tmp_path, []), prefill="127.0.0.1:1")
-    with pytest.raises(ValueError, match="not both"):
-        UpConfig(model="m", models_file="f")
+    for single in ({"model": "m"}, {"served_model_name": "x"}):
+        with pytest.raises(ValueError, match="--models-file names each model"):
+            UpConfig(models_file="f", **single)
 
 
 def test_up_models_file(tmp_path):
@@ -112,3 +115,18 @@ def test_one_exposition_labels_every_series_with_its_model(tmp_path, tiny):
     assert value("pdserve:request_errors_total", model_name="b", code="NOT_FOUND") == 1
     assert value("pdserve:time_to_first_token_seconds_count", model_name="a") == 1
     assert all(dict(k[1]).get("model_name") in ("a", "b") for k in samples)
+
+
+@pytest.mark.parametrize("path, want", [
+    ("/c/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+    ("Meta-Llama-3-8B-Instruct.Q4_K_M.gguf", "Meta-Llama-3-8B-Instruct"),   # hub file names
+    ("qwen2.5-0.5b-instruct-q8_0.gguf", "qwen2.5-0.5b-instruct"),
+    ("gemma-2-2b-it-IQ4_XS.gguf", "gemma-2-2b-it"),
+    ("Phi-3-mini-4k-instruct-fp16.gguf", "Phi-3-mini-4k-instruct"),
+    ("model.gguf", "model"),
+    ("/models/Qwen2.5-0.5B-Instruct", "Qwen2.5-0.5B-Instruct"),   # a directory: its name
+])
+def test_the_default_model_id_drops_gguf_and_the_weight_type(path, want):
+    from gateway.config import default_model_id
+    assert default_model_id(path) == want
+    assert GatewayConfig(served_model_name="mine").model_name(Path(path)) == "mine"

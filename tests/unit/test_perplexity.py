@@ -80,16 +80,25 @@ def test_url_path_agrees_with_the_engine(model, engine_result, tmp_path, capsys)
     system.start(120)
     try:
         port = system.children[-1].argv[system.children[-1].argv.index("--http-port") + 1]
-        assert cli.main(["eval", "perplexity", "--model", model, "--data", str(DATA),
-                         "--context", str(CONTEXT), "--stride", str(STRIDE), "--limit", str(LIMIT),
-                         "--url", f"http://127.0.0.1:{port}"]) == 0
+        rows = []
+        for local in (["--model", model], []):    # without --model: the server's tokenizer
+            assert cli.main(["eval", "perplexity", *local, "--data", str(DATA),
+                             "--context", str(CONTEXT), "--stride", str(STRIDE),
+                             "--limit", str(LIMIT), "--url", f"http://127.0.0.1:{port}"]) == 0
+            out = capsys.readouterr().out
+            rows.append(next(line for line in out.splitlines() if line.startswith("url ")))
     finally:
         system.stop()
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.startswith("url "))
-    tokens, wins, ctx, stride, _, ppl = row.split()[-6:]
-    assert (int(tokens), int(wins), int(ctx), int(stride)) == (r.tokens, r.windows, CONTEXT, STRIDE)
-    assert float(ppl) == pytest.approx(r.value, rel=1e-3)
+    for row in rows:
+        tokens, wins, ctx, stride, _, ppl = row.split()[-6:]
+        assert (int(tokens), int(wins), int(ctx), int(stride)) == (r.tokens, r.windows, CONTEXT,
+                                                                   STRIDE)
+        assert float(ppl) == pytest.approx(r.value, rel=1e-3)
+
+
+def test_eval_needs_a_model_or_a_url():
+    with pytest.raises(SystemExit, match="give --model .* or --url"):
+        cli.main(["eval", "perplexity", "--data", str(DATA)])
 
 
 TASK = """task: pdserve_gpl

@@ -10,7 +10,8 @@ import pytest
 
 from decode_worker.config import DecodeWorkerConfig
 from pdserve.cli import build_parser
-from pdserve.launcher import Launcher, UpConfig, worker_args
+from pdserve.launcher import Launcher
+from pdserve.up import UpConfig, worker_args
 from pdserve.processes import ModelPools
 from prefill_worker.config import PrefillWorkerConfig
 from services.cli_args import config_from_args

@@ -1,0 +1,194 @@
+"""The `pdserve up` command: its options (`UpConfig`: the system's shape and ports plus every
+engine option), what it hands each process (`worker_args`, `gateway_argv`), and `main`: check
+the ports, fetch the default model if none is given, start everything through
+`pdserve.launcher.Launcher` (its docstring draws the start-up, supervision and shutdown),
+print the ready line and supervise until SIGINT/SIGTERM.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine.config import EngineOptions
+from gateway.auth import API_KEY_ENV
+from gateway.config import default_model_id
+from services.cli_args import check_ports
+from services.security import exposed, mtls_triple, tls_pair
+from services.worker_config import available_cores
+
+from .launcher import Launcher, _say
+from .processes import LaunchError, ModelPools, ports_in_use
+
+
+@dataclass
+class UpConfig:
+    """`pdserve up`: the system's shape and ports, and the engine options of every worker."""
+    model: str = field(default="", metadata={
+        "help": "HF model directory, or a .gguf file (empty: SmolLM2-135M-Instruct, fetched "
+                "on first use; see pdserve/default_model.py)"})
+    models_file: str = field(default="", metadata={
+        "help": "serve several models, each with its own workers: a JSON list of {name, model, "
+                "prefill, decode} (worker counts); replaces --model, --prefill, --decode"})
+    served_model_name: str = field(default="", metadata={
+        "help": "the model id clients send (empty: the model directory's name, or a GGUF "
+                "file's less .gguf and its weight type, e.g. SmolLM2-135M-Instruct)"})
+    prefill: int = field(default=1, metadata={"help": "number of prefill workers"})
+    decode: int = field(default=1, metadata={"help": "number of decode workers"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
+    grpc_port: int = field(default=50051, metadata={"help": "gateway gRPC port (0: any free)"})
+    http_port: int = field(default=8000, metadata={
+        "help": "gateway OpenAI-compatible REST port (0: off)"})
+    ready_timeout: float = field(default=300.0, metadata={
+        "help": "seconds to wait for every process to be SERVING"})
+    api_key: str = field(default="", metadata={
+        "help": "an accepted API key (shows in `ps`: prefer --api-key-file or the "
+                f"{API_KEY_ENV} environment variable); the gateway gets it by its environment"})
+    api_key_file: str = field(default="", metadata={"help": "the gateway's --api-key-file"})
+    tls_cert: str = field(default="", metadata={"help": "the gateway's --tls-cert (public ports)"})
+    tls_key: str = field(default="", metadata={"help": "the gateway's --tls-key"})
+    mtls_ca: str = field(default="", metadata={
+        "help": "internal mTLS for every process: the operator's CA (PEM)"})
+    mtls_cert: str = field(default="", metadata={
+        "help": "the certificate every process presents (signed by --mtls-ca)"})
+    mtls_key: str = field(default="", metadata={"help": "PEM private key of --mtls-cert"})
+    metrics_prefix: str = field(default="pdserve", metadata={
+        "help": "the gateway's --metrics-prefix: pdserve or vllm (vllm:..., vLLM's names)"})
+    restart_backoff: float = field(default=1.0, metadata={
+        "help": "seconds before a crashed worker is restarted (doubles per recent crash)"})
+    max_restarts: int = field(default=5, metadata={
+        "help": "crashes of one worker within a minute before `up` gives up (a crash loop)"})
+    prefill_threads: int = field(default=0, metadata={
+        "help": "torch threads of each prefill worker (0: its share of this process's cores, "
+                "all of them split among the prefill workers: prefill is the compute-bound burst)"})
+    decode_threads: int = field(default=0, metadata={
+        "help": "torch threads of each decode worker (0: half the cores split among the "
+                "decode workers, at least 1)"})
+    kv_expiry_s: float = field(default=30.0, metadata={
+        "help": "the decode workers' --kv-expiry-s: a KV reservation expires this long without "
+                "KV arriving"})
+    kv_max_reservation_s: float = field(default=600.0, metadata={
+        "help": "the decode workers' --kv-max-reservation-s: the hard bound on a reservation "
+                "(a prompt that cannot be computed in this long is refused up front)"})
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+    def __post_init__(self):
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError("--prefill and --decode must be >= 1")
+        if self.models_file and (self.model or self.served_model_name):
+            raise ValueError("--models-file names each model: give no --model or "
+                             "--served-model-name with it")
+        tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
+        mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
+        check_ports(grpc_port=self.grpc_port, http_port=self.http_port)
+        if self.metrics_prefix not in ("pdserve", "vllm"):
+            raise ValueError(f"--metrics-prefix must be pdserve or vllm, got {self.metrics_prefix!r}")
+        if self.restart_backoff <= 0 or self.max_restarts < 0:
+            raise ValueError("--restart-backoff must be > 0 and --max-restarts >= 0")
+        if self.prefill_threads < 0 or self.decode_threads < 0:
+            raise ValueError("--prefill-threads and --decode-threads must be >= 0 (0: a share)")
+        if not 0 < self.kv_expiry_s <= self.kv_max_reservation_s:
+            raise ValueError("--kv-expiry-s must be > 0 and at most --kv-max-reservation-s")
+
+    def threads(self, models: list[ModelPools] = (), cores: int | None = None) -> tuple[int, int]:
+        """(prefill, decode) torch threads per worker: as given, else each role's share of
+        `cores` (default: the cores this process may run on)."""
+        cores = available_cores() if cores is None else cores
+        n_prefill = sum(m.num_prefill for m in models) or self.prefill
+        n_decode = sum(m.num_decode for m in models) or self.decode
+        return (self.prefill_threads or max(1, cores // n_prefill),
+                self.decode_threads or max(1, cores // (2 * n_decode)))
+
+
+def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
+    """One warning per port that listens beyond loopback without TLS (none on loopback)."""
+    tls, mtls = bool(cfg.tls_cert), bool(cfg.mtls_ca)
+    ports = {"gateway gRPC": (int(launcher.grpc_address.rpartition(":")[2]), tls),
+             "gateway REST": (launcher.http_port, tls)}
+    for c in launcher.children:
+        if c.role != "gateway":
+            ports[f"{c.role} worker gRPC ({c.argv[c.argv.index('--worker-id') + 1]})"] = \
+                (int(c.address.rpartition(":")[2]), mtls)
+    lines = [f"{p} listens in plain text beyond loopback" for p in exposed(cfg.host, ports)]
+    if lines:    # UCX carries KV without encryption: the KV ports too
+        lines.append(f"decode workers' KV (UCX) ports on {cfg.host} are never encrypted: "
+                     "keep them on a private network")
+    return lines
+
+
+def worker_args(cfg: UpConfig, models: list[ModelPools] = ()) -> tuple[list[str], list[str]]:
+    """The options `up` hands every (prefill, decode) worker of its own: threads and the
+    decode workers' reservation deadlines."""
+    prefill_threads, decode_threads = cfg.threads(models)
+    return (["--threads", str(prefill_threads)],
+            ["--threads", str(decode_threads), "--kv-expiry-s", str(cfg.kv_expiry_s),
+             "--kv-max-reservation-s", str(cfg.kv_max_reservation_s)])
+
+
+def gateway_argv(cfg: UpConfig) -> list[str]:
+    """The gateway's own options from `up`'s (its key goes by environment: gateway_env)."""
+    values = {"--api-key-file": cfg.api_key_file, "--served-model-name": cfg.served_model_name,
+              "--metrics-prefix": "" if cfg.metrics_prefix == "pdserve" else cfg.metrics_prefix}
+    return [x for flag, value in values.items() if value for x in (flag, value)]
+
+
+def main(cfg: UpConfig) -> int:
+    try:
+        models = ModelPools.read(cfg.models_file) if cfg.models_file else []
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr, flush=True)
+        return 2
+    busy = ports_in_use(cfg.host, {"the gateway's gRPC (--grpc-port)": cfg.grpc_port,
+                                   "the gateway's REST (--http-port)": cfg.http_port})
+    if busy:          # before a model is fetched or any process started
+        print(f"pdserve up: {' and '.join(busy)} on {cfg.host} already in use (another "
+              f"pdserve?); nothing was started", file=sys.stderr, flush=True)
+        return 1
+    if cfg.model or models:
+        model = cfg.model
+    else:
+        from .default_model import resolve_default_model
+        model = str(resolve_default_model())
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    http_port = cfg.http_port
+    prefill_args, decode_args = worker_args(cfg, models)
+    launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
+                        prefill_args=prefill_args, decode_args=decode_args,
+                        gateway_args=gateway_argv(cfg), engine=cfg.engine,   # the key: by env,
+                        gateway_env={API_KEY_ENV: cfg.api_key} if cfg.api_key else {},  # not ps
+                        mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
+                        tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, internal_token=True,
+                        restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts,
+                        models=models)
+    try:
+        try:
+            launcher.start(cfg.ready_timeout, cancel=stop)
+        except LaunchError as e:
+            print(f"pdserve up: {e}", file=sys.stderr, flush=True)
+            return 1
+        http = f" http=http://{cfg.host}:{http_port}/v1" if http_port else ""
+        for m in models:    # each model's pools on a line of its own, before the ready line
+            w = {r: ",".join(c.address for c in launcher.workers(r, m.name))
+                 for r in ("prefill", "decode")}
+            print(f"pdserve model {m.name}: prefill={w['prefill']} decode={w['decode']} "
+                  f"model={m.model_dir}", flush=True)
+        w = {r: ",".join(c.address for c in launcher.workers(r)) for r in ("prefill", "decode")}
+        print(f"pdserve ready: grpc={launcher.grpc_address}{http} prefill={w['prefill']} "
+              f"decode={w['decode']} model={model or ','.join(m.name for m in models)}"
+              + ("" if models else f" id={cfg.served_model_name or default_model_id(model)}"),
+              flush=True)
+        for line in plain_text_ports(cfg, launcher):
+            print(f"pdserve up: WARNING: {line}", file=sys.stderr, flush=True)
+        return launcher.supervise(stop)
+    finally:
+        began, alive = time.monotonic(), sum(c.popen.poll() is None for c in launcher.children)
+        if alive:
+            _say(f"pdserve up: stopping {alive} process(es) (requests in flight may finish) ...")
+        launcher.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if alive:
+            _say(f"pdserve up: stopped in {time.monotonic() - began:.1f} s")
