@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0
 _SUBMIT_TIMEOUT_S = 10.0
+_DESTINATION_FIELDS = ("decode_worker_id", "kv_endpoint", "transfer_id", "num_cached_tokens",
+                       "compat", "expires_at_unix_ms", "idle_timeout_ms", "max_expires_at_unix_ms")
 # A decode worker whose KV endpoint failed stays out of routing this long: its gRPC health
 # does not cover the KV endpoint, so its next probe would bring it back at once.
 KV_FAULT_HOLD_S = 10.0
@@ -340,12 +342,8 @@ class Segments:
                        deadline: float, retries: PrefillRetries) -> prefill_pb2.PrefillResponse:
         hashes = self.router.hashes(self.router.prefill, prompt, kv.compat.block_size)
         w = self.router.pick_prefill(kv, retries.exclude(), hashes)
-        dest = prefill_pb2.KvDestination(
-            decode_worker_id=kv.decode_worker_id, kv_endpoint=kv.kv_endpoint,
-            transfer_id=kv.transfer_id, dst_block_ids=kv.block_ids,
-            num_cached_tokens=kv.num_cached_tokens, compat=kv.compat,
-            expires_at_unix_ms=kv.expires_at_unix_ms, idle_timeout_ms=kv.idle_timeout_ms,
-            max_expires_at_unix_ms=kv.max_expires_at_unix_ms)
+        dest = prefill_pb2.KvDestination(**{f: getattr(kv, f) for f in _DESTINATION_FIELDS},
+                                         dst_block_ids=kv.block_ids)
         req = prefill_pb2.PrefillRequest(request_id=seg.rid, prompt_token_ids=prompt,
                                          sampling=sampling_to_proto(params), destination=dest)
         seg.attach_prefill(w, w.stub.Prefill(req, timeout=_remaining(deadline), metadata=seg.metadata))

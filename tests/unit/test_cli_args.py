@@ -12,7 +12,8 @@ import pytest
 from decode_worker.config import DecodeWorkerConfig
 from engine.config import CacheConfig, EngineOptions, SchedulerConfig
 from pdserve.cli import build_parser
-from pdserve.launcher import Launcher, UpConfig
+from pdserve.launcher import Launcher
+from pdserve.up import UpConfig
 from prefill_worker.config import PrefillWorkerConfig
 from services.cli_args import config_argv, config_from_args, dataclass_args
 
