@@ -25,11 +25,13 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -64,9 +66,13 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
-                await r.aread()
+                body = (await r.aread()).decode(errors="replace")
+                try:
+                    why = json.loads(body)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    why = body
                 return {"kind": str(r.status_code), "retry_after": "retry-after" in r.headers,
-                        "s": time.perf_counter() - t0}
+                        "why": f"{r.status_code}: {why}"[:160], "s": time.perf_counter() - t0}
             got_200 = True
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
@@ -169,7 +175,13 @@ def row(name: str, results: list[dict], migrated: float, leaked: int, wall: floa
             "migrated": int(migrated), "e2e p50 s": pct([r["s"] for r in ok], 50),
             "e2e p90 s": pct([r["s"] for r in ok], 90),
             "tok/s": sum(r["tokens"] for r in ok) / wall if wall else 0.0, "leaked blocks": leaked,
-            "why": sorted({r.get("why", "") for r in results if r["kind"] == "after_200"})[:3]}
+            "why": Counter(_shape(r["why"]) for r in results if r["kind"] != "ok"
+                           ).most_common(4)}
+
+
+def _shape(why: str) -> str:
+    """An error message without its numbers and ids, so alike ones are counted together."""
+    return re.sub(r"[0-9a-f]{8,}|\d+(\.\d+)?", "N", why)[:120]
 
 
 async def closed_loop(sys_, prompts, concurrency, duration_s, max_tokens):
@@ -273,8 +285,8 @@ def main() -> int:
     for r in rows:
         print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
     for r in rows:
-        if r["why"]:
-            print(f"{r['case']}: failed after 200 because {r['why']}")
+        for why, n in r["why"]:
+            print(f"{r['case']}: {n} x {why}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
