@@ -247,7 +247,7 @@ class CacheConfig:
         "help": "reuse the KV of prompt prefixes already in the cache"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto (the model dtype) | fp8_e4m3 | int8: 8-bit KV with a scale per block and "
-                "KV head"})
+                "KV head, K stored minus a calibrated per-layer mean (engine/kv_calibration.py)"})
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .cuda_graph import DecodeGraphs
+from .kv_calibration import bind_k_shift, k_shift, wants_shift
 from .kv_connector import KVConnector
 from .models.base import CausalLM
 from .models.layers import AttentionMetadata
@@ -47,7 +48,8 @@ class ModelRunner:
         """`decode_graphs`: replay decode steps from CUDA graphs (None: on CUDA with the Triton
         kernels, whose launches never wait on the device, unlike the torch references; True
         on CPU runs the same padded static-buffer path eagerly, for tests). `kv_dtype`: the
-        cache's dtype (default `dtype`); an 8-bit one comes with per-(block, head) scales."""
+        cache's dtype (default `dtype`); an 8-bit one comes with per-(block, head) scales and,
+        for K and V without attention sinks, a K shift (kv_calibration.py)."""
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         self.num_blocks = num_blocks
@@ -62,6 +64,11 @@ class ModelRunner:
         self.kv_scales = None if kv_dtype.is_floating_point and kv_dtype.itemsize > 1 else \
             torch.zeros(c.num_layers, parts, num_blocks, heads, device=device)
         model.bind_kv_cache(self.kv_cache, self.kv_scales)
+        # [layers, kv heads, head_dim] fp32 subtracted from K before it is quantized
+        self.k_shift = None
+        if wants_shift(model, self.kv_cache, self.kv_scales):
+            self.k_shift = k_shift(model, self.kv_cache, self.kv_scales)
+            bind_k_shift(model, self.k_shift)
         if decode_graphs is None:   # the 8-bit cache's write path and quantized experts sync
             decode_graphs = (torch.device(device).type == "cuda" and model.backend != "torch"
                              and self.kv_scales is None

@@ -29,7 +29,7 @@ BODY by msg_type
   LAYER      int32 dst block ids [num_blocks], zero-padded to a multiple of 64 bytes, then
              the payload: K and V of those blocks for one layer, shape
              [2, num_blocks, block_size, num_kv_heads, head_dim] in the cache dtype; for an
-             8-bit cache (CompatKey.kv_scales "block_head_fp32") followed by the blocks'
+             8-bit cache (CompatKey.kv_scales SCALE_LAYOUT) followed by the blocks'
              scales, [2, num_blocks, num_kv_heads] float32.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ class CompatKey:
     num_kv_heads: int
     head_dim: int
     protocol_version: int = PROTOCOL_VERSION
-    kv_scales: str = "none"  # "none" | "block_head_fp32": a scale per block, K|V and KV head
+    kv_scales: str = "none"  # "none" | SCALE_LAYOUT: scales per block, K|V and KV head, K shift
     # the cache layout by name (engine.config.ModelConfig.kv_layout): "gqa(kv_heads=8, ..)"
     # or "mla(kv_lora_rank=512, rope_dim=64)"; equal shapes of different layouts never mix
     layout: str = ""
@@ -155,7 +155,9 @@ def parse_hello(data) -> tuple[CompatKey, str]:
     return key, staging
 
 
-SCALE_LAYOUT = "block_head_fp32"
+# a scale per block, K|V and KV head; K stored minus the engine's calibrated K shift
+# (engine/kv_calibration.py) where the layout allows one (K and V, no attention sinks)
+SCALE_LAYOUT = "block_head_fp32+k_shift_v1"
 
 
 def check_cache_shape(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:

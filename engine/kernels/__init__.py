@@ -60,16 +60,17 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scales=None, v_scales=None,
-                   backend: str = "auto") -> None:
-    """`k_scales`/`v_scales` [num_blocks, H_kv] fp32: the cache is 8-bit (see reference.py)."""
+                   k_shift=None, backend: str = "auto") -> None:
+    """`k_scales`/`v_scales` [num_blocks, H_kv] fp32: the cache is 8-bit (see reference.py);
+    `k_shift` [H_kv, D] fp32 (8-bit only): subtracted from K before it is quantized."""
     if use_triton(k_cache, backend):
         if k_scales is not None:
             return _triton_op("kv_cache", "write_kv_cache_quant")(k, v, k_cache, v_cache, k_scales,
-                                                                  v_scales, slot_mapping)
+                                                                  v_scales, slot_mapping, k_shift)
         return _triton_op("kv_cache", "write_kv_cache")(k, v, k_cache, v_cache, slot_mapping)
     if k_scales is not None:
         return reference.write_kv_cache_quant(k, v, k_cache, v_cache, k_scales, v_scales,
-                                              slot_mapping)
+                                              slot_mapping, k_shift)
     return reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -162,12 +163,13 @@ def rope_rows(positions, cos_sin_cache, *, backend: str = "auto"):
 
 
 def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                              *, q_out=None, k_scales=None, v_scales=None, rows=None,
-                              backend: str = "auto"):
+                              *, q_out=None, k_scales=None, v_scales=None, k_shift=None,
+                              rows=None, backend: str = "auto"):
     """rotary_embedding on q and k, then write_kv_cache of the rotated k and v: one kernel
     on the Triton path. The cos/sin table's width is the rotary dimension: a table narrower
     than the head rotates its first values and passes the rest through (partial rotary), on
-    every backend. Returns the rotated q. With `k_scales`/`v_scales` the cache is 8-bit:
+    every backend. Returns the rotated q. With `k_scales`/`v_scales` the cache is 8-bit
+    (and `k_shift`, if given, is subtracted from the rotated K: write_kv_cache):
     on the Triton path the rotary kernel, then the quantized write (a kernel of its own, its
     tokens grouped by block on the host). `rows`: rope_rows(positions, cos_sin_cache) (the
     torch path; ignored by Triton)."""
@@ -175,7 +177,7 @@ def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cach
         qr, kr = _triton_op("rotary", "rotary_embedding")(positions, q, k, cos_sin_cache,
                                                           q_out=q_out)
         _triton_op("kv_cache", "write_kv_cache_quant")(kr, v, k_cache, v_cache, k_scales,
-                                                       v_scales, slot_mapping)
+                                                       v_scales, slot_mapping, k_shift)
         return qr
     if use_triton(q, backend):
         return _triton_op("rotary_kv", "rotary_embedding_write_kv")(
@@ -184,7 +186,7 @@ def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cach
         return cpu.rope_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
     qr, kr = reference.rotary_embedding(positions, q, k, cos_sin_cache, rows)
     write_kv_cache(kr, v, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales,
-                   backend=backend)
+                   k_shift=k_shift, backend=backend)
     return _into(q_out, qr)
 
 

@@ -1,6 +1,7 @@
 """write_kv_cache: scatter this step's K/V rows into their paged-cache slots.
 write_kv_cache_quant: the same into an 8-bit cache, keeping each (block, KV head)'s scale
-exactly as reference.write_kv_cache_quant does (codes and scales equal bit for bit)."""
+exactly as reference.write_kv_cache_quant does (codes and scales equal bit for bit), K
+minus its layer's K shift when one is given."""
 from __future__ import annotations
 
 import torch
@@ -94,11 +95,12 @@ def _to_code(x, QMAX: tl.constexpr, IS_INT: tl.constexpr):
 
 
 @triton.jit
-def _write_block_head(x_ptr, stride_xt, stride_xh, cache_ptr, scale_ptr, toks, offs, tmask, fresh,
-                      blk, h, stride_cb, stride_co, stride_ch, stride_sb, block_size, D,
-                      QMAX: tl.constexpr, IS_INT: tl.constexpr, BLOCK_S: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
-    # x[toks, h] (this call's tokens of block blk, at offsets offs) -> codes, and the scale:
+def _write_block_head(x_ptr, stride_xt, stride_xh, cache_ptr, scale_ptr, shift_ptr, toks, offs,
+                      tmask, fresh, blk, h, stride_cb, stride_co, stride_ch, stride_sb,
+                      block_size, D, QMAX: tl.constexpr, IS_INT: tl.constexpr,
+                      HAS_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    # x[toks, h] (this call's tokens of block blk, at offsets offs; minus shift[h] with
+    # HAS_SHIFT) -> codes, and the scale:
     #   old = 0 if the block is fresh else scale[blk, h];  new = max(old, amax / QMAX)
     #   new > old > 0: the block's other slots are requantized, code * (old / new)
     #   the tokens: code(x / max(new, tiny))
@@ -106,6 +108,9 @@ def _write_block_head(x_ptr, stride_xt, stride_xh, cache_ptr, scale_ptr, toks, o
     dmask = d[None, :] < D
     x = tl.load(x_ptr + toks[:, None] * stride_xt + h * stride_xh + d[None, :],
                 mask=tmask[:, None] & dmask, other=0.0).to(tl.float32)
+    if HAS_SHIFT:           # padding rows stay 0: they must not count in amax
+        m = tl.load(shift_ptr + h * D + d[None, :], mask=dmask, other=0.0)
+        x = tl.where(tmask[:, None], x - m, 0.0)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     sptr = scale_ptr + blk * stride_sb + h
     old = tl.where(fresh, 0.0, tl.load(sptr))
@@ -127,11 +132,11 @@ def _write_block_head(x_ptr, stride_xt, stride_xh, cache_ptr, scale_ptr, toks, o
 
 
 @triton.jit
-def _write_kv_cache_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
+def _write_kv_cache_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, shift_ptr, slot_ptr,
                                  order_ptr, start_ptr, count_ptr,
                                  stride_kt, stride_kh, stride_vt, stride_vh,
                                  stride_cb, stride_co, stride_ch, stride_sb, block_size, D,
-                                 QMAX: tl.constexpr, IS_INT: tl.constexpr,
+                                 QMAX: tl.constexpr, IS_INT: tl.constexpr, HAS_SHIFT: tl.constexpr,
                                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     # grid (runs, H_kv): run r = the count[r] tokens order[start[r]:][:count[r]] of this call
     # that land in one block (at most block_size of them: slots are distinct)
@@ -144,25 +149,30 @@ def _write_kv_cache_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s
     blk = tl.max(tl.where(tmask, slots // block_size, 0), axis=0)
     offs = slots % block_size
     fresh = tl.max(((offs == 0) & tmask).to(tl.int32), axis=0) > 0   # its first slot: new block
-    _write_block_head(k_ptr, stride_kt, stride_kh, kc_ptr, ks_ptr, toks, offs, tmask, fresh, blk, h,
-                      stride_cb, stride_co, stride_ch, stride_sb, block_size, D,
-                      QMAX, IS_INT, BLOCK_S, BLOCK_D)
-    _write_block_head(v_ptr, stride_vt, stride_vh, vc_ptr, vs_ptr, toks, offs, tmask, fresh, blk, h,
-                      stride_cb, stride_co, stride_ch, stride_sb, block_size, D,
-                      QMAX, IS_INT, BLOCK_S, BLOCK_D)
+    _write_block_head(k_ptr, stride_kt, stride_kh, kc_ptr, ks_ptr, shift_ptr, toks, offs, tmask,
+                      fresh, blk, h, stride_cb, stride_co, stride_ch, stride_sb, block_size, D,
+                      QMAX, IS_INT, HAS_SHIFT, BLOCK_S, BLOCK_D)
+    _write_block_head(v_ptr, stride_vt, stride_vh, vc_ptr, vs_ptr, shift_ptr, toks, offs, tmask,
+                      fresh, blk, h, stride_cb, stride_co, stride_ch, stride_sb, block_size, D,
+                      QMAX, IS_INT, False, BLOCK_S, BLOCK_D)
 
 
 def write_kv_cache_quant(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, k_scales: torch.Tensor, v_scales: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> None:
+                         slot_mapping: torch.Tensor, k_shift: torch.Tensor | None = None) -> None:
     """write_kv_cache into an 8-bit cache (float8_e4m3fn or int8) with scales [num_blocks, H_kv]
-    fp32 (reference.py). The host groups this call's tokens by block (a device sync: the
+    fp32 (reference.py), K minus `k_shift` [H_kv, D] contiguous fp32 when given. The host groups this call's tokens by block (a device sync: the
     8-bit cache runs without CUDA graphs); one program per (block, KV head) then sets the
     scale, requantizes what the block holds when the scale grows, and writes the codes.
     Slots must be distinct."""
     _check_write(k, v, k_cache, v_cache, slot_mapping, KV8_DTYPES)
     check_kv_scales(k_cache, k_scales, v_scales)
     _, bs, h, d = k_cache.shape
+    if k_shift is not None:
+        check_tensor("k_shift", k_shift, 2, (torch.float32,), k_cache.device)
+        check_shape("k_shift", k_shift, (h, d))
+        if not k_shift.is_contiguous():
+            raise ValueError("k_shift must be contiguous")
     toks = torch.nonzero(slot_mapping >= 0).flatten()
     if toks.numel() == 0:
         return
@@ -171,8 +181,9 @@ def write_kv_cache_quant(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor
     order = toks[torch.argsort(inv, stable=True)]
     starts = counts.cumsum(0) - counts
     _write_kv_cache_quant_kernel[(blocks.numel(), h)](
-        k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping, order, starts, counts,
+        k, v, k_cache, v_cache, k_scales, v_scales, k_scales if k_shift is None else k_shift,
+        slot_mapping, order, starts, counts,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scales.stride(0), bs, d,
         QMAX=KV_QMAX[k_cache.dtype], IS_INT=k_cache.dtype == torch.int8,
-        BLOCK_S=triton.next_power_of_2(bs), BLOCK_D=triton.next_power_of_2(d))
+        HAS_SHIFT=k_shift is not None, BLOCK_S=triton.next_power_of_2(bs), BLOCK_D=triton.next_power_of_2(d))

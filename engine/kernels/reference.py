@@ -21,6 +21,14 @@ slot is written and raised (the block's earlier entries requantized) when a late
 exceeds it. No calibration; a block that is never rewritten keeps its first quantization.
 The Triton path reads and writes the same cache: kv_cache.write_kv_cache_quant keeps these
 codes and scales bit for bit, and both paged attention kernels apply the scales per tile.
+
+K shift: an 8-bit cache may store K minus a constant `k_shift` [num_kv_heads, head_dim] fp32
+per layer (engine.kv_calibration: the mean K of a fixed calibration prompt). Attention needs
+no correction: every key a query sees carries the same shift m, so its logits all move by
+the same q.m, which softmax ignores (not so with attention sinks, whose logit does not move:
+such models get no shift). It matters for fp8, whose error is relative to each value: some
+of SmolLM2's K channels sit on a large offset that the error then scales with (measured
+with and without it: bench/RESULTS.md, "KV cache quantization accuracy").
 """
 from __future__ import annotations
 
@@ -62,9 +70,12 @@ def _rows(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def write_kv_cache_quant(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, k_scales: torch.Tensor, v_scales: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> None:
-    """write_kv_cache into an 8-bit cache, keeping each (block, head)'s scale (see above)."""
+                         slot_mapping: torch.Tensor, k_shift: torch.Tensor | None = None) -> None:
+    """write_kv_cache into an 8-bit cache, keeping each (block, head)'s scale (see above);
+    `k_shift` [H_kv, D] fp32 is subtracted from K first (the K shift above)."""
     nb, bs, h, d = k_cache.shape
+    if k_shift is not None:
+        k = k.float() - k_shift
     slots = slot_mapping.long()
     keep = slots >= 0
     if not bool(keep.all()):

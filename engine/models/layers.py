@@ -71,6 +71,7 @@ class Attention(nn.Module):
         self.scale = self.hd ** -0.5
         self.k_cache = self.v_cache = None   # [num_blocks, block_size, nkv, hd], bound later
         self.k_scales = self.v_scales = None # [num_blocks, nkv] fp32 for an 8-bit cache
+        self.k_shift = None                  # [nkv, hd] fp32: subtracted from K (8-bit cache)
 
     @property
     def input_dtype(self) -> torch.dtype | None:
@@ -97,7 +98,8 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         scales = dict(k_scales=self.k_scales, v_scales=self.v_scales, backend=self.backend)
         q = K.rotary_embedding_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
-                                        meta.slot_mapping, rows=rope_rows, **scales)
+                                        meta.slot_mapping, rows=rope_rows, k_shift=self.k_shift,
+                                        **scales)
         sinks = None if self.sinks is None else self.sinks.float()
         if meta.decode_only:
             o = K.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,

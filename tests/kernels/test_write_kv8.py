@@ -1,8 +1,8 @@
 """The Triton 8-bit KV-cache write (kv_cache.write_kv_cache_quant) against
 reference.write_kv_cache_quant: after every write of a sequence -- fresh blocks, chunks that
 continue a block, decode tokens that grow a block's scale (its earlier codes requantized),
-skipped slots (-1), one block's tokens scattered through a batch, rounding ties -- the codes
-and the scales are equal bit for bit."""
+skipped slots (-1), one block's tokens scattered through a batch, rounding ties, K minus a
+K shift -- the codes and the scales are equal bit for bit."""
 import pytest
 import torch
 
@@ -35,10 +35,14 @@ def _close_all(got, want, seed, what):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"{what} seed={seed}: {name}"
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_sequence_bit_exact(kv_dtype, dtype):
+@pytest.mark.parametrize("kv_dtype,dtype,shifted", [
+    (torch.float8_e4m3fn, torch.float32, False), (torch.float8_e4m3fn, torch.bfloat16, False),
+    (torch.int8, torch.float32, False), (torch.int8, torch.bfloat16, False),
+    (torch.float8_e4m3fn, torch.bfloat16, True), (torch.int8, torch.float32, True)])
+def test_write_sequence_bit_exact(kv_dtype, dtype, shifted):
     gen, seed = fresh_generator()
+    # the K shift (reference.py): an offset per (head, channel) as large as the values
+    shift = randn(gen, H, D, scale=3.0) if shifted else None
     # stale contents (a reused pool): random codes and scales
     codes = torch.randint(-100, 100, (2, NB, BS, H, D), generator=gen, dtype=torch.int8)
     rkc, rvc = (c.to(kv_dtype) if kv_dtype == torch.int8 else (c.float() / 4).to(kv_dtype)
@@ -51,12 +55,18 @@ def test_write_sequence_bit_exact(kv_dtype, dtype):
         k = randn(gen, len(slots), H, D, dtype=dtype, scale=mag)
         v = randn(gen, len(slots), H, D, dtype=dtype, scale=mag)
         before = rks.clone()
-        reference.write_kv_cache_quant(k, v, rkc, rvc, rks, rvs, slot_mapping)
-        write_kv_cache_quant(*on_device(k, v), kc, vc, ks, vs, slot_mapping.to(DEVICE))
+        reference.write_kv_cache_quant(k, v, rkc, rvc, rks, rvs, slot_mapping, shift)
+        write_kv_cache_quant(*on_device(k, v), kc, vc, ks, vs, slot_mapping.to(DEVICE),
+                             None if shift is None else on_device(shift)[0])
         _close_all((kc, vc, ks, vs), (rkc, rvc, rks, rvs), seed, f"{kv_dtype} {dtype} step {i}")
         written = {s // BS for s in slots if s >= 0}
         fresh = {s // BS for s in slots if s >= 0 and s % BS == 0}
         grew += sum(int((rks[b] > before[b]).any()) for b in written - fresh)
+        if shift is not None and i == len(STEPS) - 1:   # the codes stand for k - shift, v
+            at = slot_mapping.long()
+            deq = rkc.float().view(-1, H, D)[at] * rks.repeat_interleave(BS, 0)[at][..., None]
+            err = (deq - (k.float() - shift)).abs().max() / (k.float() - shift).abs().max()
+            assert err < 0.07, f"seed={seed}: K codes are not of k - shift ({err:.3f})"
     assert grew >= 3            # the requantizing branch ran (blocks 0, 1, 5 at least)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from engine.kernels import reference as R
 from kvtransfer import CompatKey, IncompatibleKV, KVReceiver, KVSender, LoopbackTransport
-from kvtransfer.wire import block_bytes
+from kvtransfer.wire import SCALE_LAYOUT, block_bytes
 
 KV_DTYPES = [torch.int8, torch.float8_e4m3fn]
 
@@ -123,11 +123,11 @@ def test_compat_key_names_kv_dtype_and_scale_layout():
     c8 = torch.zeros(2, 2, 4, 4, 2, 8, dtype=torch.float8_e4m3fn)
     k8 = CompatKey.from_cache(c8, "m", torch.zeros(2, 2, 4, 2))
     kb = CompatKey.from_cache(torch.zeros(2, 2, 4, 4, 2, 8, dtype=torch.bfloat16), "m")
-    assert (k8.dtype, k8.kv_scales, kb.kv_scales) == ("float8_e4m3fn", "block_head_fp32", "none")
+    assert (k8.dtype, k8.kv_scales, kb.kv_scales) == ("float8_e4m3fn", SCALE_LAYOUT, "none")
     with pytest.raises(IncompatibleKV) as e:
         k8.check(kb, "prefill", "decode")
     assert "dtype: prefill='float8_e4m3fn' decode='bfloat16'" in str(e.value)
-    assert "kv_scales: prefill='block_head_fp32' decode='none'" in str(e.value)
+    assert f"kv_scales: prefill={SCALE_LAYOUT!r} decode='none'" in str(e.value)
     with pytest.raises(ValueError, match="needs its kv_scales"):
         CompatKey.from_cache(c8, "m")
     with pytest.raises(ValueError, match="kv_scales must be"):
