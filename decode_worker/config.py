@@ -21,10 +21,12 @@ class DecodeWorkerConfig(WorkerConfig):
         "help": "hard bound on a KV reservation, however steadily its KV arrives: a prompt the "
                 "prefill workers cannot compute in this long is refused before any compute"})
     kv_failure_policy: str = "fail"      # fail | recompute (requests may override)
-    max_reservations_per_caller: int = field(default=64, metadata={
+    max_reservations_per_caller: int = field(default=0, metadata={
         "help": "KV reservations (Decode calls waiting for their prompt's KV) one caller may "
                 "hold at once: its certificate's name under mTLS, else its address; past it "
-                "RESOURCE_EXHAUSTED (0: no cap; max_num_seqs caps them all)"})
+                "RESOURCE_EXHAUSTED (0, the default: no cap of its own, max_num_seqs caps them "
+                "all; set it when several gateways share the decode workers, so that one cannot "
+                "hold every slot: with the internal credential nobody else can call)"})
 
     _positive = ("kv_expiry_s", "kv_max_reservation_s", "drain_timeout_s")
     _ports = ("port", "kv_port", "metrics_port", "health_port")

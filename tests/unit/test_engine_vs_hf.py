@@ -87,9 +87,9 @@ def test_prefix_cache_hit_computes_only_new_tokens(models):
     computed = []
     orig = engine.runner.execute
 
-    def spy(sched, kv_connector=None):
+    def spy(sched, *args):
         computed.append(sched.num_tokens)
-        return orig(sched, kv_connector)
+        return orig(sched, *args)
     engine.runner.execute = spy
     longer = base + [5, 6, 7, 8, 9]            # shares all 15 full blocks of `base` (60 tokens)
     b = first.generate([longer], GREEDY)[0]
