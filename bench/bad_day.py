@@ -3,7 +3,8 @@ against `pdserve up`'s own supervisor, with what each client saw counted.
 
     python bench/bad_day.py [--model FILE.gguf] [--prefill 2] [--decode 2] [--overload-s 60]
 
-Cases (one system, in order; every KV block must be back after each):
+The system is started as `pdserve up` starts it (its threads per role, the internal token,
+the supervisor). Cases (one system, in order; every KV block must be back after each):
     capacity      closed loop of --capacity-streams (16) for --capacity-s: the completion rate
                   it sustains
     overload 3x   open-loop Poisson at 3x that rate for --overload-s
@@ -105,10 +106,15 @@ def pct(xs, p):
 class System:
     def __init__(self, model, num_prefill, num_decode, log_dir):
         self.port = free_port()
-        self.launcher = Launcher(model, num_prefill, num_decode, http_port=self.port,
-                                 log_dir=log_dir, restart_backoff_s=0.5,
+        from pdserve.up import UpConfig, worker_args
+        from services.security import read_token
+        prefill_args, decode_args = worker_args(UpConfig(prefill=num_prefill, decode=num_decode))
+        self.launcher = Launcher(model, num_prefill, num_decode, http_port=self.port,  # as up
+                                 log_dir=log_dir, restart_backoff_s=0.5, internal_token=True,
+                                 prefill_args=prefill_args, decode_args=decode_args,
                                  gateway_args=["--health-interval-s", "0.5"])
         self.launcher.start(900)
+        self.metadata = (("authorization", f"Bearer {read_token(self.launcher.token_file)}"),)
         self.stop = threading.Event()
         self.sup = threading.Thread(target=self.launcher.supervise, args=(self.stop, 0.1),
                                     daemon=True)
@@ -131,8 +137,7 @@ class System:
                 try:
                     with self.launcher.probe_channel(c) as ch:
                         out[c.address] = stub_cls(ch).Stats(common_pb2.StatsRequest(), timeout=5,
-                                                            metadata=self.launcher.internal_metadata()
-                                                            if hasattr(self.launcher, "internal_metadata") else None)
+                                                            metadata=self.metadata)
                 except grpc.RpcError:
                     pass                   # restarting
         return out
