@@ -46,21 +46,29 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+_handed: set[int] = set()        # ports free_port gave out (at most its 12,000-port range)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free now, chosen BELOW the kernel's ephemeral range.
 
     The port is handed to a child that binds it seconds later (after loading a model). A
     port from the ephemeral range (what bind(0) returns) can be taken in that window by any
-    outgoing connection or port-0 listener on the machine; one below it cannot."""
+    outgoing connection or port-0 listener on the machine; one below it cannot. Nor is a port
+    handed out twice by this process (one launcher picks every port of its children before
+    any of them binds one)."""
     lo, _ = _ephemeral_range()
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(max(1024, lo - 12000), lo)
+        if port in _handed:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _handed.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:   # crowded: any free port
         s.bind((host, 0))
