@@ -12,6 +12,16 @@ from services.cli_args import check_ports
 from services.security import mtls_triple, tls_pair
 
 
+METRICS_PREFIXES = ("pdserve", "vllm")      # pdserve:... or vLLM's own names (vllm:...)
+
+
+def check_metrics_prefix(prefix: str) -> None:
+    """--metrics-prefix of the gateway and of `pdserve up` (ValueError unless one of them)."""
+    if prefix not in METRICS_PREFIXES:
+        raise ValueError(f"--metrics-prefix must be one of {', '.join(METRICS_PREFIXES)}, "
+                         f"got {prefix!r}")
+
+
 @dataclass
 class GatewayConfig:
     model: str = field(default="", metadata={
@@ -143,8 +153,7 @@ class GatewayConfig:
             raise ValueError("api_key_rpm and api_key_concurrency must be >= 0")
         tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
-        if self.metrics_prefix not in ("pdserve", "vllm"):
-            raise ValueError(f"--metrics-prefix must be pdserve or vllm, got {self.metrics_prefix!r}")
+        check_metrics_prefix(self.metrics_prefix)
         if any("=" not in x for x in self.worker_metrics.split(",") if x.strip()):
             raise ValueError(f"--worker-metrics: expected ID=URL,ID=URL, got {self.worker_metrics!r}")
         check_ports(grpc_port=self.grpc_port, http_port=self.http_port,

@@ -38,7 +38,7 @@ from .models import Models, model_configs
 from .prompt import chat_prompt_ids, encode
 from .redact import public_message
 from .request import GatewayError, GenerateEvent, GenerateInput, Usage
-from .validate import MAX_BODY_BYTES, check_request, check_role
+from .validate import MAX_BODY_BYTES, check_request, template_role
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +132,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                            "GenerateRequest needs a prompt: text, token_ids or chat")
 
     async def _chat_ids(self, chat, context_length: int = 0) -> list[int]:
-        for m in chat.messages:
-            check_role(m.role)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
-                    for m in chat.messages]
+        messages = [{"role": template_role(m.role), "content": m.content} for m in chat.messages]
         return await chat_prompt_ids(self.gw.tokenizer, messages, chat.add_generation_prompt,
                                      context_length=context_length)
 

@@ -126,10 +126,13 @@ def _token_list(name: str, ids: list[int], vocab_size: int) -> None:
                            name)
 
 
-def check_role(role: str, param: str = "messages") -> None:
+def template_role(role: str, param: str = "messages") -> str:
+    """A message's role as chat templates know it (OpenAI's "developer" is "system");
+    InvalidInput unless one of CHAT_ROLES."""
     if role not in CHAT_ROLES:
         raise InvalidInput(f"message role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                            param)
+    return "system" if role == "developer" else role
 
 
 class GrammarCheck:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineOptions
 from gateway.auth import API_KEY_ENV
-from gateway.config import default_model_id
+from gateway.config import check_metrics_prefix, default_model_id
 from services.cli_args import check_ports
 from services.security import exposed, mtls_triple, tls_pair
 from services.worker_config import available_cores
@@ -83,8 +83,7 @@ class UpConfig:
         tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
         mtls_triple(self.mtls_ca, self.mtls_cert, self.mtls_key)
         check_ports(grpc_port=self.grpc_port, http_port=self.http_port)
-        if self.metrics_prefix not in ("pdserve", "vllm"):
-            raise ValueError(f"--metrics-prefix must be pdserve or vllm, got {self.metrics_prefix!r}")
+        check_metrics_prefix(self.metrics_prefix)
         if self.restart_backoff <= 0 or self.max_restarts < 0:
             raise ValueError("--restart-backoff must be > 0 and --max-restarts >= 0")
         if self.prefill_threads < 0 or self.decode_threads < 0:

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from engine.structured import StructuredOutput
 
 from ..prompt import PromptError, chat_prompt_ids, check_template_kwargs
+from ..validate import template_role
 from . import tools as toolkit
 from .endpoint import (ChoiceOut, Endpoint, Run, check_structured, finite, response_format_spec,
                        sampling_params, sse, usage)
@@ -213,7 +214,7 @@ class Chat(Endpoint):
 
 
 def _message_dict(m) -> dict:
-    d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+    d: dict[str, Any] = {"role": template_role(m.role)}
     content = m.content
     if isinstance(content, list):
         parts = []
