@@ -40,10 +40,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.real_model import TEXT, pct  # noqa: E402
 from pdserve.launcher import Launcher, free_port  # noqa: E402
-
-TEXT = Path("/usr/share/common-licenses/GPL-3")
-
 
 def make_prompts(model: str, n: int, tokens: int, seed: int) -> list[str]:
     from engine.tokenizer import Tokenizer
@@ -96,11 +94,6 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
     if not done:
         return {"kind": "after_200", "why": "stream ended without [DONE]", "s": time.perf_counter() - t0}
     return {"kind": "ok", "tokens": tokens, "s": time.perf_counter() - t0}
-
-
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
 class System:
@@ -177,8 +170,8 @@ def row(name: str, results: list[dict], migrated: float, leaked: int, wall: floa
             "5xx": sum(1 for k in kinds if k.isdigit() and k.startswith("5")),
             "failed after 200": kinds.count("after_200"),
             "other": sum(1 for k in kinds if k not in ("ok", "429", "after_200") and not k.startswith("5")),
-            "migrated": int(migrated), "e2e p50 s": pct([r["s"] for r in ok], 50),
-            "e2e p90 s": pct([r["s"] for r in ok], 90),
+            "migrated": int(migrated), "e2e p50 s": pct(sorted(r["s"] for r in ok), 50),
+            "e2e p90 s": pct(sorted(r["s"] for r in ok), 90),
             "tok/s": sum(r["tokens"] for r in ok) / wall if wall else 0.0, "leaked blocks": leaked,
             "why": Counter(_shape(r["why"]) for r in results if r["kind"] != "ok"
                            ).most_common(4)}
