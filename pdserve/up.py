@@ -20,7 +20,7 @@ from services.security import exposed, mtls_triple, tls_pair
 from services.worker_config import available_cores
 
 from .launcher import Launcher, _say
-from .processes import LaunchError, ModelPools, ports_in_use
+from .processes import LaunchError, ModelPools
 
 
 @dataclass
@@ -139,22 +139,11 @@ def main(cfg: UpConfig) -> int:
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr, flush=True)
         return 2
-    busy = ports_in_use(cfg.host, {"the gateway's gRPC (--grpc-port)": cfg.grpc_port,
-                                   "the gateway's REST (--http-port)": cfg.http_port})
-    if busy:          # before a model is fetched or any process started
-        print(f"pdserve up: {' and '.join(busy)} on {cfg.host} already in use (another "
-              f"pdserve?); nothing was started", file=sys.stderr, flush=True)
-        return 1
-    if cfg.model or models:
-        model = cfg.model
-    else:
-        from .default_model import resolve_default_model
-        model = str(resolve_default_model())
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port = cfg.http_port
     prefill_args, decode_args = worker_args(cfg, models)
-    launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
+    launcher = Launcher(cfg.model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
                         prefill_args=prefill_args, decode_args=decode_args,
                         gateway_args=gateway_argv(cfg), engine=cfg.engine,   # the key: by env,
                         gateway_env={API_KEY_ENV: cfg.api_key} if cfg.api_key else {},  # not ps
@@ -175,6 +164,7 @@ def main(cfg: UpConfig) -> int:
             print(f"pdserve model {m.name}: prefill={w['prefill']} decode={w['decode']} "
                   f"model={m.model_dir}", flush=True)
         w = {r: ",".join(c.address for c in launcher.workers(r)) for r in ("prefill", "decode")}
+        model = launcher.model_dir       # the default model's, fetched by start() if not given
         print(f"pdserve ready: grpc={launcher.grpc_address}{http} prefill={w['prefill']} "
               f"decode={w['decode']} model={model or ','.join(m.name for m in models)}"
               + ("" if models else f" id={cfg.served_model_name or default_model_id(model)}"),
