@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from typing import Any
 
 import grpc
@@ -42,7 +43,12 @@ GENERIC_TOOLS_REPLY = (
     "If no tool is needed, reply to the user as usual.")
 _PROBE = ([{"role": "user", "content": "x"}],
           [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}])
-_renders_tools: dict[tuple, bool] = {}     # (templates, chat_template kwarg) -> has a section
+# (tokenizer, its chat_template kwarg) -> whether that template has a tools section: keyed by
+# the tokenizer's identity (its templates never change), not their text; the oldest entry goes
+# past RENDERS_TOOLS_MAX (a client's own template sources are keys too)
+_renders_tools: dict[tuple[Tokenizer, str], bool] = {}
+_renders_tools_lock = threading.Lock()      # _render runs in worker threads
+RENDERS_TOOLS_MAX = 64
 
 
 # template variables a request sets through its own fields (or a template source: not a kwarg)
@@ -157,13 +163,21 @@ def _render(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool,
 def _template_renders_tools(tok: Tokenizer, template_kwargs: dict) -> bool:
     """Whether the template has a tools section: a probe conversation rendered with and
     without a tool differs. Found once per template (a WARNING when it has none)."""
-    key = (tuple(sorted(tok.chat_templates.items())), str(template_kwargs.get("chat_template")))
-    if key not in _renders_tools:
-        messages, tools = _PROBE
-        with_tools = tok.apply_chat_template(messages, tools=tools, **template_kwargs)
-        _renders_tools[key] = with_tools != tok.apply_chat_template(messages, **template_kwargs)
-        if not _renders_tools[key]:
-            log.warning("the model's chat template has no tools section: requests with tools "
-                        "get them in the system prompt in pdserve's generic format "
-                        "(gateway/README.md, 'Tool calls')")
-    return _renders_tools[key]
+    key = (tok, str(template_kwargs.get("chat_template")))
+    with _renders_tools_lock:
+        known = _renders_tools.get(key)
+    if known is not None:
+        return known
+    messages, tools = _PROBE
+    with_tools = tok.apply_chat_template(messages, tools=tools, **template_kwargs)
+    renders = with_tools != tok.apply_chat_template(messages, **template_kwargs)
+    with _renders_tools_lock:
+        first = key not in _renders_tools
+        while len(_renders_tools) >= RENDERS_TOOLS_MAX:
+            del _renders_tools[next(iter(_renders_tools))]
+        _renders_tools[key] = renders
+    if first and not renders:
+        log.warning("the model's chat template has no tools section: requests with tools "
+                    "get them in the system prompt in pdserve's generic format "
+                    "(gateway/README.md, 'Tool calls')")
+    return renders

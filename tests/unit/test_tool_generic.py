@@ -105,3 +105,22 @@ def test_the_documented_reply_format_is_read_as_calls():
                 got.setdefault(k, [name, ""])[1] += piece
         assert s.finish(text) == ([], True)
         assert [tuple(v) for v in got.values()] == want
+
+
+def test_the_tools_section_probe_runs_once_per_template_and_its_cache_is_bounded(tok, monkeypatch):
+    """The probe renders twice the first time a (tokenizer, template) is seen and never again
+    (the key is the tokenizer's identity, not its templates' text); a client's own template
+    sources, each a key, evict the oldest past RENDERS_TOOLS_MAX."""
+    prompt._renders_tools.clear()
+    renders = []
+    real = Tokenizer.apply_chat_template
+    monkeypatch.setattr(Tokenizer, "apply_chat_template",
+                        lambda self, m, *a, **k: renders.append(m) or real(self, m, *a, **k))
+    for _ in range(3):
+        _ids(tok, ASK, TOOLS, chat_template=SMOLLM2)
+    assert sum(m is prompt._PROBE[0] for m in renders) == 2 and len(renders) == 5
+    monkeypatch.setattr(prompt, "RENDERS_TOOLS_MAX", 4)
+    for i in range(10):
+        _ids(tok, ASK, TOOLS, chat_template=SMOLLM2 + f"{{# {i} #}}")
+    assert len(prompt._renders_tools) == 4
+    assert (tok, SMOLLM2 + "{# 9 #}") in prompt._renders_tools
