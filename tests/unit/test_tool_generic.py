@@ -10,11 +10,12 @@ import random
 
 import pytest
 
-from engine.tiny_model import make_tiny_model
 from engine.tokenizer import Tokenizer
 from gateway import prompt
 from gateway.openai.protocol import Tool
 from gateway.openai.tools import StreamedCalls, parse_calls
+
+from .test_tokenizer import model_dir, tok  # noqa: F401 (the tiny model and its tokenizer)
 
 SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
            "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
@@ -28,21 +29,11 @@ TOOLS = [{"type": "function", "function": {
 ASK = [{"role": "user", "content": "What time is it in UTC?"}]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return Tokenizer.from_dir(model_dir)
-
-
 def _ids(tok, messages, tools=None, **kw):
     return asyncio.run(prompt.chat_prompt_ids(tok, messages, True, tools, template_kwargs=kw))
 
 
-def test_no_tools_section_gets_the_generic_prompt(tok, caplog):
+def test_no_tools_section_gets_the_generic_prompt(tok, caplog):  # noqa: F811
     prompt._renders_tools.clear()
     with caplog.at_level(logging.WARNING, "gateway.prompt"):
         plain = _ids(tok, ASK, chat_template=SMOLLM2)
@@ -66,7 +57,7 @@ def test_no_tools_section_gets_the_generic_prompt(tok, caplog):
         tok.decode(mine, skip_special_tokens=False)
 
 
-def test_earlier_calls_written_in_the_same_format(tok):
+def test_earlier_calls_written_in_the_same_format(tok):  # noqa: F811
     call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}
     msgs = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "content": "12:00", "tool_call_id": "c1"}]
@@ -76,7 +67,7 @@ def test_earlier_calls_written_in_the_same_format(tok):
         "name": "get_time", "arguments": '{"tz": "UTC"}'}
 
 
-def test_a_template_with_a_tools_section_renders_them_itself(tok, model_dir, caplog):
+def test_a_template_with_a_tools_section_renders_them_itself(tok, model_dir, caplog):  # noqa: F811
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(model_dir)
     with caplog.at_level(logging.WARNING, "gateway.prompt"):
@@ -107,7 +98,7 @@ def test_the_documented_reply_format_is_read_as_calls():
         assert [tuple(v) for v in got.values()] == want
 
 
-def test_the_tools_section_probe_runs_once_per_template_and_its_cache_is_bounded(tok, monkeypatch):
+def test_the_probe_runs_once_per_template_in_a_bounded_cache(tok, monkeypatch):  # noqa: F811
     """The probe renders twice the first time a (tokenizer, template) is seen and never again
     (the key is the tokenizer's identity, not its templates' text); a client's own template
     sources, each a key, evict the oldest past RENDERS_TOOLS_MAX."""
