@@ -64,6 +64,11 @@ from .processes import (Child, LaunchError, ModelPools, free_port, ports_in_use,
                         wait_serving)
 
 
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` in `argv` (the last one wins, as for argparse; None: absent)."""
+    return argv[len(argv) - argv[::-1].index(flag)] if flag in argv else None
+
+
 @dataclass
 class Launcher:
     """Start/stop a whole local system. Also used by the e2e fixtures."""
@@ -158,7 +163,7 @@ class Launcher:
                         "--port", str(port), "--worker-id", worker_id,
                         "--metrics-port", str(free_port(self.host)), *engine_args,
                         *self._mtls_args(), *self._token_args(), *extra]
-                metrics = argv[len(argv) - argv[::-1].index("--metrics-port")]   # the last wins
+                metrics = flag_value(argv, "--metrics-port")
                 self._worker_metrics.append(f"{worker_id}=http://{self.host}:{metrics}/metrics")
                 self._spawn(Child(role, f"{self.host}:{port}", argv, model=m.name,
                                   env={k: None for k in {API_KEY_ENV, *self.gateway_env}}))  # no key

@@ -19,7 +19,7 @@ from services.cli_args import check_ports
 from services.security import exposed, mtls_triple, tls_pair
 from services.worker_config import available_cores
 
-from .launcher import Launcher, _say
+from .launcher import Launcher, _say, flag_value
 from .processes import LaunchError, ModelPools
 
 
@@ -102,14 +102,17 @@ class UpConfig:
 
 
 def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
-    """One warning per port that listens beyond loopback without TLS (none on loopback)."""
+    """One warning per port that listens beyond loopback without TLS (none on loopback):
+    the gateway's, each worker's gRPC and its /metrics and health ports (HTTP, always plain)."""
     tls, mtls = bool(cfg.tls_cert), bool(cfg.mtls_ca)
     ports = {"gateway gRPC": (int(launcher.grpc_address.rpartition(":")[2]), tls),
              "gateway REST": (launcher.http_port, tls)}
     for c in launcher.children:
         if c.role != "gateway":
-            ports[f"{c.role} worker gRPC ({c.argv[c.argv.index('--worker-id') + 1]})"] = \
-                (int(c.address.rpartition(":")[2]), mtls)
+            worker = f"{c.role} worker %s ({flag_value(c.argv, '--worker-id')})"
+            ports[worker % "gRPC"] = (int(c.address.rpartition(":")[2]), mtls)
+            for flag, what in (("--metrics-port", "/metrics"), ("--health-port", "health")):
+                ports[worker % what] = (int(flag_value(c.argv, flag) or 0), False)
     lines = [f"{p} listens in plain text beyond loopback" for p in exposed(cfg.host, ports)]
     if lines:    # UCX carries KV without encryption: the KV ports too
         lines.append(f"decode workers' KV (UCX) ports on {cfg.host} are never encrypted: "
