@@ -43,28 +43,33 @@ def test_no_tools_section_gets_the_generic_prompt(tok, caplog):  # noqa: F811
     assert len(with_tools) > len(plain)
     assert sum("no tools section" in r.getMessage() for r in caplog.records) == 1
     text = tok.decode(with_tools, skip_special_tokens=False)
-    system = text.split("<|im_start|>system\n", 1)[1].split("<|im_end|>", 1)[0]
-    assert "SmolLM" not in system and system.startswith(prompt.GENERIC_TOOLS_HEADER)
-    lines = system.splitlines()
-    assert [json.loads(x) for x in lines[1:3]] == [
-        {k: t["function"][k] for k in ("name", "description", "parameters") if k in t["function"]}
-        for t in TOOLS]
-    assert system.endswith(prompt.GENERIC_TOOLS_REPLY) and text.endswith(
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "..."}}\n</tool_call>'
+    assert text == tok.bos_token + (           # the tiny tokenizer adds its BOS
+        "<|im_start|>system\n" + prompt.GENERIC_TOOLS_HEADER + "\n<tools>\n"
+        '{"name": "get_time", "description": "the time in a zone", "parameters": {"type": "object", '
+        '"properties": {"tz": {"type": "string"}}, "required": ["tz"]}}\n'
+        '{"name": "get_date", "parameters": {"type": "object"}}\n</tools>\n'
+        + prompt.GENERIC_TOOLS_REPLY + "\n" + call + "\n" + prompt.GENERIC_TOOLS_OTHERWISE + "<|im_end|>\n"
+        "<|im_start|>user\nPlease the time in a zone.<|im_end|>\n"          # the example exchange
+        "<|im_start|>assistant\n" + call + "<|im_end|>\n"
         "<|im_start|>user\nWhat time is it in UTC?<|im_end|>\n<|im_start|>assistant\n")
     # a system message of the user's own keeps its text, the tools after it
     mine = _ids(tok, [{"role": "system", "content": "Be brief."}, *ASK], TOOLS, chat_template=SMOLLM2)
-    assert "<|im_start|>system\nBe brief.\n\n" + prompt.GENERIC_TOOLS_HEADER in \
-        tok.decode(mine, skip_special_tokens=False)
+    assert tok.decode(mine, skip_special_tokens=False).startswith(tok.bos_token +
+        "<|im_start|>system\nBe brief.\n\n" + prompt.GENERIC_TOOLS_HEADER)
 
 
 def test_earlier_calls_written_in_the_same_format(tok):  # noqa: F811
-    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}
-    msgs = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]},
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "get_date", "arguments": {}}}]
+    msgs = [*ASK, {"role": "assistant", "content": "", "tool_calls": calls},
             {"role": "tool", "content": "12:00", "tool_call_id": "c1"}]
     text = tok.decode(_ids(tok, msgs, TOOLS, chat_template=SMOLLM2), skip_special_tokens=False)
-    said = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
-    assert parse_calls(said, [Tool.model_validate(t) for t in TOOLS])[0]["function"] == {
-        "name": "get_time", "arguments": '{"tz": "UTC"}'}
+    said = text.split("<|im_start|>assistant\n")[2].split("<|im_end|>")[0]   # [1]: the example
+    assert said == ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>\n'
+                    '<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>')
+    assert [c["function"] for c in parse_calls(said, [Tool.model_validate(t) for t in TOOLS])] == [
+        {"name": "get_time", "arguments": '{"tz": "UTC"}'}, {"name": "get_date", "arguments": "{}"}]
 
 
 def test_a_template_with_a_tools_section_renders_them_itself(tok, model_dir, caplog):  # noqa: F811
@@ -78,15 +83,15 @@ def test_a_template_with_a_tools_section_renders_them_itself(tok, model_dir, cap
 
 
 def test_the_documented_reply_format_is_read_as_calls():
-    """The reply format's own example, filled in, and its several-calls form: parsed whole and
-    streamed in random pieces to the same calls."""
+    """The prompt's own example call, and several of them, are read as calls by auto's
+    parser: whole, and streamed in random pieces to the same calls."""
     tools = [Tool.model_validate(t) for t in TOOLS]
-    one = prompt.GENERIC_TOOLS_REPLY.splitlines()[1].replace(
-        "<the tool's name>", "get_time").replace("{<its arguments, as its schema says>}", '{"tz": "UTC"}')
-    several = json.dumps([json.loads(one), {"name": "get_date", "arguments": {}}])
+    ask, one = prompt.example_call(TOOLS)
+    assert ask == "Please the time in a zone." and one in prompt.generic_tools_prompt(TOOLS)
+    several = one + "\n" + prompt.tagged_call("get_date", {})
     rng = random.Random(0)
-    for text, want in ((one, [("get_time", '{"tz": "UTC"}')]),
-                       (several, [("get_time", '{"tz": "UTC"}'), ("get_date", "{}")])):
+    for text, want in ((one, [("get_time", '{"tz": "..."}')]),
+                       (several, [("get_time", '{"tz": "..."}'), ("get_date", "{}")])):
         assert [(c["function"]["name"], c["function"]["arguments"])
                 for c in parse_calls(text, tools)] == want
         s, got, end = StreamedCalls(tools, forced=False), {}, 0
