@@ -113,15 +113,18 @@ async def encode(tok: Tokenizer, text: str, context_length: int, param: str = "p
 
 async def chat_prompt_ids(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                           tools: list[dict] | None = None, context_length: int = 0,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                          template_kwargs: dict[str, Any] | None = None,
+                          example_call: bool = True) -> list[int]:
     """Render `messages` (and `tools`) with the model's chat template and encode them.
     `template_kwargs` are more template variables (and `chat_template`, a template name or
-    source); their add_generation_prompt, when given, wins over the argument (as in vLLM)."""
+    source); their add_generation_prompt, when given, wins over the argument (as in vLLM).
+    `example_call`: the generic format's example exchange (with_generic_tools), which a
+    forced tool_choice, held to the format by its grammar, goes without."""
     extra = dict(template_kwargs or {})
     add_generation_prompt = bool(extra.pop("add_generation_prompt", add_generation_prompt))
     try:
         text = await asyncio.to_thread(_render, tok, messages, add_generation_prompt, tools,
-                                       extra)
+                                       extra, example_call)
     except Exception as e:  # template errors (raise_exception), no template
         raise PromptError("template", f"chat template: {e}") from None
     # Templates that begin with the BOS token already contain it.
@@ -154,10 +157,10 @@ def generic_tools_prompt(tools: list[dict]) -> str:
                       example_call(tools)[1], GENERIC_TOOLS_OTHERWISE])
 
 
-def with_generic_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
+def with_generic_tools(messages: list[dict], tools: list[dict], example: bool = True) -> list[dict]:
     """`messages` with the tools in the system prompt (appended to the first message when it
-    is a system one, else a system message first), then the example exchange as the first
-    turn (a small model follows a call it saw made: bench/tool_auto.py), and earlier
+    is a system one, else a system message first), then (`example`) the example exchange as
+    the first turn (a small model follows a call it saw made: bench/tool_auto.py), and earlier
     assistant tool calls written as content in the same format, for a template that renders
     neither."""
     out = []
@@ -169,7 +172,7 @@ def with_generic_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
         out.append(m)
     prompt = generic_tools_prompt(tools)
     ask, call = example_call(tools)
-    shot = [{"role": "user", "content": ask}, {"role": "assistant", "content": call}]
+    shot = [{"role": "user", "content": ask}, {"role": "assistant", "content": call}] if example else []
     if out and out[0]["role"] == "system":
         return [{**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}, *shot, *out[1:]]
     return [{"role": "system", "content": prompt}, *shot, *out]
@@ -185,9 +188,9 @@ def _arguments(call: dict) -> Any:
 
 
 def _render(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool,
-            tools: list[dict] | None, template_kwargs: dict) -> str:
+            tools: list[dict] | None, template_kwargs: dict, example_call: bool = True) -> str:
     if tools and not _template_renders_tools(tok, template_kwargs):
-        messages, tools = with_generic_tools(messages, tools), None
+        messages, tools = with_generic_tools(messages, tools, example_call), None
     return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                    tools=tools, **template_kwargs)
 

@@ -59,6 +59,19 @@ def test_no_tools_section_gets_the_generic_prompt(tok, caplog):  # noqa: F811
         "<|im_start|>system\nBe brief.\n\n" + prompt.GENERIC_TOOLS_HEADER)
 
 
+def test_a_forced_choice_goes_without_the_example_exchange(tok):  # noqa: F811
+    """example_call=False (a forced tool_choice: its grammar holds the format): the same system
+    prompt, and the user's turn right after it."""
+    def text(**kw):
+        return tok.decode(asyncio.run(prompt.chat_prompt_ids(
+            tok, ASK, True, TOOLS, template_kwargs={"chat_template": SMOLLM2}, **kw)), skip_special_tokens=False)
+    with_example, without = text(), text(example_call=False)
+    system = with_example.split("<|im_end|>")[0]
+    assert without == system + ("<|im_end|>\n<|im_start|>user\nWhat time is it in UTC?<|im_end|>\n"
+                                "<|im_start|>assistant\n")
+    assert "Please the time in a zone." in with_example
+
+
 def test_earlier_calls_written_in_the_same_format(tok):  # noqa: F811
     calls = [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}},
              {"id": "c2", "type": "function", "function": {"name": "get_date", "arguments": {}}}]
