@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES,
                     help="KV cache variants, crossed with --quantization")
     pp.set_defaults(func=_run_eval)
+    from .plan_cli import LENGTHS_HELP, add_arguments as plan_arguments
+    plan_arguments(sub.add_parser("plan", allow_abbrev=False, help="size a deployment: "
+                                  "P and D counts and settings for TTFT/ITL SLOs, simulated",
+                                  description="Search prefill/decode counts and per-worker "
+                                  f"settings with the simulator. Lengths: {LENGTHS_HELP}."))
     return p
 
 

@@ -163,3 +163,40 @@ def mean_rate(trace: list[TraceRecord]) -> float:
     """Requests per second over the trace's arrival window (its start, 0, to its last arrival)."""
     span_s = max((r.timestamp_ms for r in trace), default=0.0) / 1000.0
     return len(trace) / span_s if span_s > 0 else float(len(trace))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What `pdserve plan` plans for: a replayed trace (`trace`, its rate scaled by
+    `rate_scale`), or Poisson/bursty arrivals at `rate` with lengths drawn from `input` and
+    `output` over `duration_s` (a fresh draw per seed: plans sample the distributions)."""
+    trace: tuple[TraceRecord, ...] = ()
+    rate_scale: float = 1.0
+    rate: float = 0.0
+    input: LengthDist | None = None
+    output: LengthDist | None = None
+    duration_s: float = 120.0
+    cv: float = 1.0
+
+    def records(self, seed: int = 0) -> list[TraceRecord]:
+        if self.trace:
+            return scale(list(self.trace), self.rate_scale)
+        return bursty(self.rate, self.duration_s, self.input, self.output, seed, cv=self.cv)
+
+    @property
+    def mean_rate(self) -> float:
+        return mean_rate(list(self.trace)) * self.rate_scale if self.trace else self.rate
+
+    def at_rate(self, rate: float) -> "Workload":
+        """The same workload arriving at `rate` requests/s on average."""
+        if self.trace:
+            return replace(self, rate_scale=rate / mean_rate(list(self.trace)))
+        return replace(self, rate=rate)
+
+    def describe(self) -> str:
+        if self.trace:
+            return (f"trace of {len(self.trace)} requests at {self.mean_rate:.3g} req/s "
+                    f"(rate x{self.rate_scale:g})")
+        arrivals = "Poisson" if self.cv == 1 else f"bursty (cv {self.cv:g})"
+        return (f"{arrivals} {self.rate:g} req/s for {self.duration_s:g} s, input {self.input}, "
+                f"output {self.output} tokens")
