@@ -44,14 +44,14 @@ class Candidate:
 
     @property
     def goodput_per_worker(self) -> float:
-        return self.summary.get("goodput_rps", 0.0) / self.workers
+        return _num(self.summary, "goodput_rps") / self.workers
 
     @property
     def name(self) -> str:
         return f"{self.decode} colocated" if self.prefill == 0 else f"{self.prefill}P{self.decode}D"
 
     def meets(self, attainment: float) -> bool:
-        return self.summary.get("slo_attainment", 0.0) >= attainment
+        return _num(self.summary, "slo_attainment") >= attainment
 
     def to_json(self, attainment: float) -> dict:
         return {"prefill": self.prefill, "decode": self.decode, "settings": self.settings,
@@ -95,10 +95,21 @@ def evaluate(profile, cand: Candidate, workload: Workload, *, cores: float,
     for seed in range(seeds):
         result = simulate(profile, system, workload.records(seed), seed=seed)
         runs.append(result.summary(slo_ttft_ms=slo[0] or None, slo_itl_ms=slo[1] or None))
-    cand.summary = {k: (sum(r[k] for r in runs) / len(runs)
-                        if isinstance(runs[0][k], (int, float)) and not isinstance(runs[0][k], bool)
-                        else runs[0][k]) for k in runs[0]}
+    cand.summary = {k: _mean([r.get(k) for r in runs]) for k in runs[0]}
     return cand
+
+
+def _mean(xs: list):
+    """The mean of the numbers among xs (None where there are none; a bool: all of them)."""
+    if all(isinstance(x, bool) for x in xs):
+        return all(xs)
+    nums = [x for x in xs if isinstance(x, (int, float)) and not isinstance(x, bool)]
+    return sum(nums) / len(nums) if nums else None
+
+
+def _num(s: dict, key: str, default: float = 0.0) -> float:
+    v = s.get(key)
+    return default if v is None else v
 
 
 def rank(cands: list[Candidate], attainment: float) -> list[Candidate]:
@@ -107,8 +118,9 @@ def rank(cands: list[Candidate], attainment: float) -> list[Candidate]:
     def key(c: Candidate):
         s = c.summary
         if c.meets(attainment):
-            return (0, -round(c.goodput_per_worker, 9), c.workers, s.get("ttft_p90_ms", 0.0))
-        return (1, -s.get("slo_attainment", 0.0), -round(c.goodput_per_worker, 9), c.workers)
+            return (0, -round(c.goodput_per_worker, 9), c.workers,
+                    _num(s, "ttft_p90_ms", float("inf")))
+        return (1, -_num(s, "slo_attainment"), -round(c.goodput_per_worker, 9), c.workers)
     return sorted(cands, key=key)
 
 
@@ -137,8 +149,8 @@ def search(profile, workload: Workload, *, max_workers: int, cores: float,
                  simulate=simulate)
         if progress:
             progress(f"[{i}/{len(cands)}] {c.name} {c.settings}: goodput "
-                     f"{c.summary.get('goodput_rps', 0):.3g} req/s, attainment "
-                     f"{c.summary.get('slo_attainment', 0):.2f}")
+                     f"{_num(c.summary, 'goodput_rps'):.3g} req/s, attainment "
+                     f"{_num(c.summary, 'slo_attainment'):.2f}")
     return rank(cands, attainment)
 
 
@@ -182,11 +194,16 @@ def table(ranked: list[Candidate], attainment: float, top: int) -> str:
     for i, c in enumerate(ranked[:top], 1):
         s = c.summary
         mark = "" if c.meets(attainment) else " (misses)"
-        lines.append(
-            f"| {i} | {c.prefill} | {c.decode} | {c.threads['prefill']}/{c.threads['decode']} "
-            f"| {c.settings['max_num_seqs']} | {c.settings['max_num_batched_tokens']} "
-            f"| {c.goodput_per_worker:.3f} | {s.get('goodput_rps', 0):.3f} "
-            f"| {s.get('slo_attainment', 0):.3f}{mark} | {s.get('ttft_p50_ms', 0):.0f} "
-            f"| {s.get('ttft_p90_ms', 0):.0f} | {s.get('itl_p50_ms', 0):.1f} "
-            f"| {s.get('itl_p90_ms', 0):.1f} |")
+        cells = [i, c.prefill, c.decode, f"{c.threads['prefill']}/{c.threads['decode']}",
+                 c.settings["max_num_seqs"], c.settings["max_num_batched_tokens"],
+                 f"{c.goodput_per_worker:.3f}", _cell(s, "goodput_rps", ".3f"),
+                 _cell(s, "slo_attainment", ".3f") + mark, _cell(s, "ttft_p50_ms", ".0f"),
+                 _cell(s, "ttft_p90_ms", ".0f"), _cell(s, "itl_p50_ms", ".1f"),
+                 _cell(s, "itl_p90_ms", ".1f")]
+        lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(s: dict, key: str, fmt: str) -> str:
+    v = s.get(key)
+    return "-" if v is None else format(v, fmt)

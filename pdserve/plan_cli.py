@@ -91,7 +91,7 @@ def verdict(ranked: list[plan.Candidate], attainment: float) -> list[str]:
     best = ranked[0]
     if not best.meets(attainment):
         return [f"no configuration meets the SLOs for {attainment:.0%} of requests: the "
-                f"closest, {best.name}, reaches {best.summary['slo_attainment']:.0%}; "
+                f"closest, {best.name}, reaches {best.summary.get('slo_attainment') or 0:.0%}; "
                 "raise --max-workers or loosen the SLOs"]
     lines = [f"best: {best.name} {best.settings}, goodput {best.goodput_per_worker:.3g} "
              f"req/s per worker"]

@@ -32,9 +32,9 @@ def plot(path: str, ranked, sweep_rows: list[dict], rate: float, attainment: flo
     top[0].set_title(f"goodput per worker at {rate:.3g} req/s (grey: misses target)")
     top[0].set_ylabel("req/s per worker")
     for ax, key, label in ((top[1], "ttft", "TTFT ms"), (top[2], "itl", "ITL ms")):
-        ax.bar([i - 0.2 for i in x], [c.summary.get(f"{key}_p50_ms", 0) for c in splits],
+        ax.bar([i - 0.2 for i in x], [c.summary.get(f"{key}_p50_ms") or 0 for c in splits],
                0.4, label="p50")
-        ax.bar([i + 0.2 for i in x], [c.summary.get(f"{key}_p90_ms", 0) for c in splits],
+        ax.bar([i + 0.2 for i in x], [c.summary.get(f"{key}_p90_ms") or 0 for c in splits],
                0.4, label="p90")
         ax.set_title(f"{label} by P:D split")
         ax.legend()
