@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.config import SchedulerConfig
 from sim.workload import Workload
 
 from .up import UpConfig
 
-DEFAULT_MAX_NUM_SEQS = (128, 32)              # the engine's default first
-DEFAULT_MAX_NUM_BATCHED_TOKENS = (2048, 512)
+_ENGINE = SchedulerConfig()
+DEFAULT_MAX_NUM_SEQS = (_ENGINE.max_num_seqs, _ENGINE.max_num_seqs // 4)   # the engine's first
+DEFAULT_MAX_NUM_BATCHED_TOKENS = (_ENGINE.max_num_batched_tokens,
+                                  _ENGINE.max_num_batched_tokens // 4)
 PREDICTED_KEYS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "e2e_p50_ms",
                   "goodput_rps", "slo_attainment", "throughput_tok_s", "rejected_429")
 
