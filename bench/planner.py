@@ -17,7 +17,7 @@ cell, for exactly the same requests.
      --attainment of the requests meeting both SLOs (pdserve.plan.capacity, bisection);
      the cell rates are --factors times it (below, near, above capacity).
   4. each cell's requests: the trace rescaled to the cell's rate, cut to its first --window
-     seconds of arrivals, written to a file that both the simulator and `pdserve bench
+     seconds of arrivals (longer where that holds fewer than --min-requests), written to a file that both the simulator and `pdserve bench
      --trace` read (bench's --seed differs per cell, so no prompt text repeats across cells).
   5. each configuration started once (`pdserve up --prefill P --decode D`); its cells run in
      order of rate, the traces alternating.
@@ -117,7 +117,7 @@ def plan_cells(args, profiles: dict, traces: dict, cores: float) -> list[dict]:
                 f"capacity {cap:.3f} req/s")
             for f in args.factors:
                 rate = max(cap, 1e-3) * f
-                reqs = cell_trace(trace, rate, args.window)
+                reqs = cell_trace(trace, rate, max(args.window, args.min_requests / rate))
                 if not reqs:
                     continue
                 c = plan.Candidate(p, d, cand.settings, cand.threads)
@@ -284,6 +284,8 @@ def parse_args(argv=None):
     a.add_argument("--configs", default="1P1D,1P2D,2P1D,2P2D")
     a.add_argument("--traces", default=TRACES)
     a.add_argument("--window", type=float, default=45.0, help="seconds of arrivals per cell")
+    a.add_argument("--min-requests", type=int, default=4, help="a cell's window grows to "
+                   "hold at least this many arrivals (at low rates)")
     a.add_argument("--factors", default="0.5,1,1.5", help="cell rates, times the capacity")
     a.add_argument("--slo-ttft-ms", type=float, default=0.0, help="(0: from the profile)")
     a.add_argument("--slo-itl-ms", type=float, default=0.0, help="(0: from the profile)")
