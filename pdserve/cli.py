@@ -1,4 +1,4 @@
-"""The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode, eval.
+"""The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode, eval, bench.
 
 Each role's options are generated from its typed config dataclass
 (`services.cli_args.dataclass_args`), so the CLI and the config never drift apart. A role's
@@ -16,6 +16,7 @@ from gateway.config import GatewayConfig
 from prefill_worker.config import PrefillWorkerConfig
 from services.cli_args import add_role_args, config_from_args, dataclass_args, role_config
 
+from . import bench as bench_command
 from . import up as up_command
 from .processes import die_with_parent
 
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES,
                     help="KV cache variants, crossed with --quantization")
     pp.set_defaults(func=_run_eval)
+    bench_command.add_parser(sub)
     return p
 
 
