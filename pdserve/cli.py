@@ -1,4 +1,5 @@
-"""The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode, eval, bench.
+"""The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode, eval, bench,
+profile.
 
 Each role's options are generated from its typed config dataclass
 (`services.cli_args.dataclass_args`), so the CLI and the config never drift apart. A role's
@@ -17,6 +18,7 @@ from prefill_worker.config import PrefillWorkerConfig
 from services.cli_args import add_role_args, config_from_args, dataclass_args, role_config
 
 from . import bench as bench_command
+from . import profile as profile_command
 from . import up as up_command
 from .processes import die_with_parent
 
@@ -93,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                         allow_abbrev=False)
     dataclass_args(up, up_command.UpConfig)
     up.set_defaults(func=_run_up)
+    profile_command.add_parser(sub)
     ev = sub.add_parser("eval", help="accuracy checks on your own data",
                         allow_abbrev=False).add_subparsers(
         dest="check", required=True)
