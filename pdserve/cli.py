@@ -1,5 +1,5 @@
-"""The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode, eval,
-bench, profile, plan.
+"""The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode, eval, bench,
+profile, plan.
 
 Each role's options are generated from its typed config dataclass
 (`services.cli_args.dataclass_args`), so the CLI and the config never drift apart. A role's
