@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ARGS=("$@"); [[ ${#ARGS[@]} -gt 0 ]] || ARGS=(--concurrency 4 --duration 30)
+THREADS="${LLAMA_THREADS:-2}"     # llama-server -t (NOTES.md: 2)
 BIN="$(bench/build_llama_server.sh)"
 MODEL="$(python3 -c 'from pdserve.default_model import resolve_default_model as r; print(r())')"
 port() { python3 -c 'from pdserve.processes import free_port; print(free_port())'; }
@@ -28,13 +29,15 @@ echo "# model $MODEL; pdserve bench ${ARGS[*]}"
 echo "# logs: $LOGS"
 
 P=$(port)
-echo; echo "## llama.cpp llama-server ($("$BIN" --version 2>&1 | head -1)): -t 2 -cb --parallel 32 -c 32768"
-"$BIN" -m "$MODEL" -t 2 -cb --parallel 32 -c 32768 --host 127.0.0.1 --port "$P" \
+echo; echo "## llama.cpp llama-server ($("$BIN" --version 2>&1 | head -1)): -t $THREADS -cb --parallel 32 -c 32768"
+"$BIN" -m "$MODEL" -t "$THREADS" -cb --parallel 32 -c 32768 --host 127.0.0.1 --port "$P" \
   > "$LOGS/llama-server.log" 2>&1 &
 PID=$!
 ready "http://127.0.0.1:$P/health" 120
 python3 -m pdserve.cli bench --url "http://127.0.0.1:$P" "${ARGS[@]}" --no-progress
 stop
+echo "llama-server's own timings of the last requests (its print_timing lines), to check the table by:"
+grep -E "prompt eval time|  eval time" "$LOGS/llama-server.log" | tail -n 6 | sed 's/^.*| task/  task/'
 
 P=$(port)
 echo; echo "## pdserve up (default model, 1 prefill + 1 decode + gateway, its default threads)"
