@@ -122,6 +122,14 @@ def synthetic_jobs(args, builder, count: int, arrivals: list[float] | None):
         yield Job(builder.build((), args.input_tokens, i), args.output_tokens, at)
 
 
+def _closed_deadline(args, duration: float) -> float:
+    """The closed loop's deadline: its duration and two request timeouts, or (bounded by
+    --num-requests alone) one timeout per request a client sends in turn, and one more."""
+    if math.isfinite(duration):
+        return duration + 2 * args.timeout
+    return (-(-args.num_requests // args.concurrency) + 1) * args.timeout
+
+
 def load(args, target, builder) -> tuple[list[dict], float, str]:
     """Run the chosen load; (records, window_s, a description of the load)."""
     from .loadgen import Progress, closed_loop, open_loop
@@ -136,7 +144,7 @@ def load(args, target, builder) -> tuple[list[dict], float, str]:
         jobs = synthetic_jobs(args, builder, count, None)
         rec, window = asyncio.run(closed_loop(
             target, jobs, concurrency=args.concurrency, duration_s=duration,
-            deadline_s=duration + 2 * args.timeout, max_requests=args.num_requests or None,
+            deadline_s=_closed_deadline(args, duration), max_requests=args.num_requests or None,
             progress=Progress(args.num_requests or None, show)))
         return rec, window, f"closed loop, {args.concurrency} clients"
     if args.rate is not None:
@@ -181,6 +189,12 @@ ROWS = (("requests", "requests sent", ""), ("completed", "completed", ""),
         ("slo_attainment", "SLO attainment", ""), ("tokens_from_usage", "tokens from usage", ""))
 
 
+def _num(v) -> str:
+    if not isinstance(v, float):
+        return str(v)
+    return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.1f}" if abs(v) >= 100 else f"{v:.4g}"
+
+
 def table(summary: dict, run: dict) -> str:
     lines = [f"pdserve bench: {run['url']} model {run['model']} ({run['endpoint']}); "
              f"{run['load']}; prompt lengths {run['prompt_lengths']}"]
@@ -189,7 +203,7 @@ def table(summary: dict, run: dict) -> str:
     lines += ["| metric | value |", "| --- | --- |"]
     for key, label, unit in ROWS:
         v = summary[key]
-        cell = "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)) + unit
+        cell = "n/a" if v is None else _num(v) + unit
         if key == "tokens_from_usage" and not v:
             cell = "no (counted by stream chunks)"
         lines.append(f"| {label} | {cell} |")

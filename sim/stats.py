@@ -7,9 +7,11 @@ Percentiles (`pct`) interpolate linearly between the closest ranks, numpy's defa
 A per-request record is a dict
     {"ttft_s": float, "itl_s": float | None, "e2e_s": float, "output_tokens": int,
      "status": "ok" | "rejected" | "error"}            (+ optional "tokens_from_usage": bool)
-with itl_s the request's mean inter-token latency, (e2e - ttft) / (output_tokens - 1) (None
-when it produced fewer than two tokens): so ITL percentiles are over requests, and a server that
-sends several tokens in one chunk is not credited with a zero gap.
+with itl_s the request's mean inter-token latency: the time from its first to its last token
+over output_tokens - 1 (None when it produced fewer than two tokens; pdserve bench times it
+between the first and last content chunks, `mean_itl_s` from a simulated request's times). So
+ITL percentiles are over requests, and a server that sends several tokens in one chunk is not
+credited with a zero gap.
 
 `summarize` returns the keys of `pdserve bench --json` (SUMMARY_KEYS). Latency percentiles are
 over the completed ("ok") requests; a percentile with no data is None. A request meets the SLOs
@@ -74,7 +76,7 @@ def summarize(records: Iterable[dict], window_s: float, slo_ttft_ms: float | Non
         "requests": len(recs), "completed": len(ok),
         "errors": sum(r["status"] == "error" for r in recs),
         "rejected_429": sum(r["status"] == "rejected" for r in recs),
-        "duration_s": round(window_s, 3),
+        "duration_s": round(window_s, 6),
         "ttft_p50_ms": _ms(ttft, 50), "ttft_p90_ms": _ms(ttft, 90), "ttft_p99_ms": _ms(ttft, 99),
         "itl_p50_ms": _ms(itl, 50), "itl_p90_ms": _ms(itl, 90),
         "e2e_p50_ms": _ms(e2e, 50), "e2e_p90_ms": _ms(e2e, 90),
@@ -86,5 +88,6 @@ def summarize(records: Iterable[dict], window_s: float, slo_ttft_ms: float | Non
 
 
 def mean_itl_s(ttft_s: float, e2e_s: float, output_tokens: int) -> float | None:
-    """A request's mean inter-token latency; None with fewer than two tokens."""
+    """A request's mean inter-token latency when its e2e ends at its last token; None with
+    fewer than two tokens."""
     return (e2e_s - ttft_s) / (output_tokens - 1) if output_tokens >= 2 else None

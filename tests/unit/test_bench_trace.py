@@ -91,3 +91,32 @@ def test_summarize_with_nothing_completed_has_no_percentiles():
     assert s["ttft_p50_ms"] is None and s["completed"] == 0 and s["goodput_rps"] == 0
     with pytest.raises(ValueError):
         summarize([{"status": "weird"}], 1.0)
+
+
+def _words_count(text: str) -> int:
+    """A stand-in tokenizer: words of over 4 letters are two tokens, the rest one."""
+    return sum(2 if len(w) > 4 else 1 for w in text.split())
+
+
+def test_prompt_builder_hits_lengths_and_shares_prefixes():
+    from pdserve.bench_prompts import PromptBuilder
+    b = PromptBuilder(_words_count, seed=3)
+    assert b.calibrate() and b.exact
+    for n in (1, 2, 100, 511, 512, 513, 2000):
+        assert _words_count(b.build((5, 6, 7, 8), n, unique=n)) == n
+    a, c = b.build((5, 6), 900, 1), b.build((5, 6, 7), 1200, 2)
+    assert c.startswith(a)
+    assert b.build((5, 6), 900, 1) == a                      # deterministic
+    assert not b.build((9,), 900, 1).startswith(a[:50])      # another id, other text
+
+
+def test_prompt_builder_corrects_a_non_additive_count_and_marks_approximate():
+    from pdserve.bench_prompts import PromptBuilder
+    merged = lambda t: _words_count(t) - len(t.split()) // 100   # noqa: E731 -- merges
+    b = PromptBuilder(merged, seed=0)
+    assert b.calibrate()
+    assert merged(b.build((), 700, 1)) == 700 and b.always_check
+    assert merged(b.build((), 1500, 2)) == 1500
+    none = PromptBuilder(lambda t: None)
+    assert not none.calibrate() and not none.exact
+    assert len(none.build((1,), 300, 0).split()) == 300      # one word a token, approximately
