@@ -14,7 +14,12 @@ Not modelled (the limits of the prediction): the gateway's own CPU (gateway_s is
 not a core's work), the Stats lag of its picks (the simulated gateway sees every worker's
 queue at once), token streaming and RPC jitter, reservation expiry mid-prefill, failures
 and migration, speculative decoding, and thread scaling beyond the profiled thread count
-(linear: see SimWorker.speed).
+(linear: see SimWorker.speed). Oversubscribed cores are shared fairly and losslessly
+(sim/cores.py); real torch threads that outnumber cores lose more to spinning and switches.
+
+Colocated (prefill=0) is what a decode worker's engine does with a local prompt (its own
+Scheduler mixes the chunks into decode steps); `pdserve up` itself still asks for
+--prefill >= 1, so that prediction says what a colocated deployment would do.
 """
 from __future__ import annotations
 

@@ -65,7 +65,9 @@ class SimWorker:
             max_num_seqs=system.max_num_seqs), self.kv)
         # the profile measured a worker with profile.threads threads: other thread counts
         # scale its cost linearly (an approximation: say so where it matters)
-        self.speed = self.threads / max(1, int(getattr(profile, "threads", 1) or 1))
+        options = getattr(profile, "options", None) or {}
+        measured = options.get(f"{role}_threads") or getattr(profile, "threads", 1) or 1
+        self.speed = self.threads / max(1, int(measured))
         self.profile, self.fixed = profile, fixed_cost(profile)
         self.step: SchedulerOutput | None = None
         self.started = 0.0                         # when the step in progress began

@@ -16,6 +16,7 @@ from sim.profile import example
 from sim.stats import SUMMARY_KEYS
 from sim.system import KV_EXPIRY_S, KV_MAX_RESERVATION_S, SystemConfig, simulate
 from sim.trace import TraceRecord
+from sim.workers import fixed_cost
 
 P = example()
 
@@ -126,12 +127,17 @@ def test_colocated_decode_workers_prefill_and_the_chunk_rides_the_decode_step():
     cfg = SystemConfig(0, 1, 2)
     alone = simulate(P, cfg, [TraceRecord(0.0, n, 5)]).requests[0]
     assert alone.ttft_s == pytest.approx(P.gateway_s + P.prefill_s(n, 0), rel=1e-12)
-    # a second prompt arriving while the first decodes joins one of its steps: that step
-    # costs the decode step plus the chunk less one pass's fixed cost
-    res = simulate(P, cfg, [TraceRecord(0.0, n, 50), TraceRecord(alone.ttft_s * 1e3 + 1, 100, 2)])
+    # a second prompt arriving while the first decodes waits for the step in progress, then
+    # joins the next: that step costs the decode step plus the chunk less one pass's fixed cost
+    arrival = alone.ttft_s + 0.1
+    res = simulate(P, cfg, [TraceRecord(0.0, n, 50), TraceRecord(arrival * 1e3, 100, 2)])
     first, second = res.requests
-    assert second.ttft_s > P.gateway_s + P.prefill_s(100, 0)
-    assert second.ttft_s < P.gateway_s + P.prefill_s(100, 0) + 2 * P.decode_s(1, n + 50)
+    t, k = first.ttft_s, 0                  # step k ends at t (its token: the (k+1)th)
+    while t < arrival + P.gateway_s:
+        k += 1
+        t += P.decode_s(1, n + k)
+    mixed = P.decode_s(1, n + k + 1) + P.prefill_s(100, 0) - fixed_cost(P)
+    assert second.ttft_s == pytest.approx(t + mixed - arrival, rel=1e-9)
     assert res.utilisation["prefill"] == 0.0 and 0 < res.utilisation["decode"] <= 1
 
 

@@ -112,3 +112,20 @@ def test_the_least_loaded_decode_worker_takes_the_next_stream():
     res = simulate(P, SystemConfig(1, 2, 3), burst(6, 64, 100))
     decode = [w for w in res.workers if w["role"] == "decode"]
     assert [w["requests"] for w in decode] == [3, 3]
+
+
+def test_the_policies_are_the_projects_own_objects_not_copies():
+    """The gateway and the simulator call one pick rule; each simulated worker holds the
+    engine's Scheduler, KVCacheManager and the prefill worker's PrefillAdmission."""
+    import engine.kv_cache_manager
+    import engine.scheduler
+    import gateway.admission
+    import gateway.affinity
+    import gateway.registry
+    import prefill_worker.admission
+    from sim import flow, workers
+    assert flow.choose is gateway.affinity.choose is gateway.registry.choose
+    assert flow.Admission is gateway.admission.Admission
+    assert workers.Scheduler is engine.scheduler.Scheduler
+    assert workers.KVCacheManager is engine.kv_cache_manager.KVCacheManager
+    assert workers.PrefillAdmission is prefill_worker.admission.PrefillAdmission
