@@ -70,13 +70,15 @@ def pdserve(*argv: str) -> list[str]:
     return [sys.executable, "-m", "pdserve", *argv]
 
 
-def measure_profile(model: str, threads: tuple[int, int], out: Path, quick: bool) -> Profile:
+def measure_profile(model: str, threads: tuple[int, int], out: Path, quick: bool,
+                    repeat: int = 0) -> Profile:
     """`pdserve profile` for one thread split (reused when `out` exists)."""
     if not out.exists():
         say(f"profile: prefill {threads[0]} thread(s), decode {threads[1]} -> {out}")
         argv = pdserve("profile", "--out", str(out), "--prefill-threads", str(threads[0]),
                        "--decode-threads", str(threads[1]), *(["--model", model] if model else []),
-                       *(["--quick"] if quick else []))
+                       *(["--quick"] if quick else []),
+                       *(["--repeat", str(repeat)] if repeat else []))
         subprocess.run(argv, cwd=ROOT, check=True, timeout=1800)
     return Profile.load(out)
 
@@ -291,6 +293,8 @@ def parse_args(argv=None):
     a.add_argument("--slo-itl-ms", type=float, default=0.0, help="(0: from the profile)")
     a.add_argument("--attainment", type=float, default=0.9)
     a.add_argument("--cores", type=float, default=0.0, help="(0: the cores this process has)")
+    a.add_argument("--profile-repeat", type=int, default=0, help="`pdserve profile --repeat` "
+                   "(0: its default)")
     a.add_argument("--profiles", default="", help="a directory to keep (and reuse) profiles")
     a.add_argument("--json-out", default="", help="also write every cell as JSON here")
     args = a.parse_args(argv)
@@ -313,7 +317,8 @@ def main(argv=None) -> int:
         f"{args.factors}, {args.window:g} s per cell, {cores:g} cores; work dir {work}")
     splits = sorted({plan.threads_for(p, d, cores) for p, d in args.configs})
     profiles = {t: measure_profile(args.model, t, pdir / f"profile-p{t[0]}-d{t[1]}"
-                                   f"{'-quick' if args.quick else ''}.json", args.quick)
+                                   f"{'-quick' if args.quick else ''}.json", args.quick,
+                                   args.profile_repeat)
                 for t in splits}
     traces = {Path(t).stem: read_trace(ROOT / t) for t in args.traces}
     cells = plan_cells(args, profiles, traces, cores)
