@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from sim.stats import SUMMARY_KEYS
 from sim.trace import TraceRecord, write_trace
 
 pytestmark = pytest.mark.e2e
+HANG_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +113,11 @@ def test_prompts_have_the_length_by_the_models_own_tokenizer(system, model_dir):
 class Fake(BaseHTTPRequestHandler):
     """Request n (from 0) of /v1/completions: n % 4 == 1 -> 429, n % 4 == 2 -> 500, n == 7 ->
     an error chunk mid-stream, else max_tokens chunks of one token, no usage. No /tokenize.
-    `strict`: a body with ignore_eos gets 400, as OpenAI's own API answers unknown fields."""
+    `strict`: a body with ignore_eos gets 400, as OpenAI's own API answers unknown fields.
+    `hang`: the request numbers that stall HANG_S before their stream starts."""
     n = 0
     strict = False
+    hang: set[int] = set()
     lock = threading.Lock()
 
     def log_message(self, *a):
@@ -139,22 +143,27 @@ class Fake(BaseHTTPRequestHandler):
                                               "supplied: ignore_eos"}})
         with Fake.lock:
             n, Fake.n = Fake.n, Fake.n + 1
+        if n in Fake.hang:
+            time.sleep(HANG_S)
         if n % 4 in (1, 2):
             return self._json(429 if n % 4 == 1 else 500, {"error": {"message": "no"}})
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for i in range(body["max_tokens"]):
-            chunk = {"error": {"message": "boom"}} if n == 7 and i == 2 else \
-                {"choices": [{"index": 0, "text": f" t{i}"}]}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            self.wfile.flush()
-        self.wfile.write(b"data: [DONE]\n\n")
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for i in range(body["max_tokens"]):
+                chunk = {"error": {"message": "boom"}} if n == 7 and i == 2 else \
+                    {"choices": [{"index": 0, "text": f" t{i}"}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass                      # the client gave up (its timeout): nothing to say
 
 
 @pytest.fixture
 def fake():
-    Fake.n, Fake.strict = 0, False
+    Fake.n, Fake.strict, Fake.hang = 0, False, set()
     server = ThreadingHTTPServer(("127.0.0.1", free_port()), Fake)
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
@@ -242,3 +251,14 @@ def test_llama_server_peer(capsys, tmp_path):
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_client_timeout_is_an_error_and_duration_bounds_a_closed_loop(fake, capsys):
+    Fake.hang = {3}
+    t0 = time.monotonic()
+    s, _ = bench(capsys, "--url", fake, "--concurrency", "2", "--duration", "1.0",
+                 "--warmup", "0", "--output-tokens", "2", "--timeout", "0.5")
+    # well within the deadline (duration + 2 timeouts), the stalled request cut at 0.5 s
+    assert time.monotonic() - t0 < HANG_S
+    assert s["errors"] >= 1 and any("Timeout" in e for e in s["run"]["error_samples"])
+    assert s["requests"] == s["completed"] + s["errors"] + s["rejected_429"] > 4
