@@ -97,7 +97,8 @@ def poisson_arrivals(rate: float, duration_s: float, limit: int, seed: int) -> l
 
 
 def trace_jobs(args, builder):
-    """The trace's requests as jobs (arrival from the first record, rescaled) and the window."""
+    """The trace's requests arriving within --duration as jobs (arrival from the first
+    record, rescaled) and the arrival window."""
     from .loadgen import Job
     recs = read_trace(args.trace)
     if not recs:
@@ -107,10 +108,12 @@ def trace_jobs(args, builder):
     recs = recs[:args.num_requests] if args.num_requests else recs
     t0 = min(r.timestamp_ms for r in recs)
     scale = args.time_scale / args.rate_scale / 1000.0
-    jobs = [Job(builder.build(r.hash_ids, r.input_length, i), r.output_length,
-                (r.timestamp_ms - t0) * scale) for i, r in enumerate(recs)]
-    span = max(j.at_s for j in jobs)
-    return jobs, (args.duration or math.nextafter(span, math.inf))
+    at = [(r.timestamp_ms - t0) * scale for r in recs]
+    span = math.nextafter(max(at), math.inf)
+    duration = min(args.duration, span) if args.duration else span
+    jobs = [Job(builder.build(r.hash_ids, r.input_length, i), r.output_length, a)
+            for i, (r, a) in enumerate(zip(recs, at)) if a < duration]
+    return jobs, duration
 
 
 def synthetic_jobs(args, builder, count: int, arrivals: list[float] | None):
