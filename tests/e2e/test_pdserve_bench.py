@@ -173,9 +173,14 @@ def fake():
     t.join(10)
 
 
-def test_fake_server_429_500_and_no_usage(fake, capsys):
+def test_fake_server_429_500_and_no_usage(fake, capsys, tmp_path):
     s, err = bench(capsys, "--url", fake, "--concurrency", "1", "--num-requests", "10",
-                   "--warmup", "0", "--output-tokens", "5", "--input-tokens", "20")
+                   "--warmup", "0", "--output-tokens", "5", "--input-tokens", "20",
+                   "--records", str(tmp_path / "r.jsonl"))
+    recs = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in recs] == ["ok", "rejected", "error", "ok", "ok", "rejected",
+                                           "error", "error", "ok", "rejected"]
+    assert [r["http_status"] for r in recs][:3] == [200, 429, 500]
     # n = 0..9: 429 at 1, 5, 9; 500 at 2, 6; an error chunk at 7; ok at 0, 3, 4, 8
     assert (s["requests"], s["completed"], s["rejected_429"], s["errors"]) == (10, 4, 3, 3)
     assert s["tokens_from_usage"] is False and s["run"]["prompt_tokens_exact"] is False
@@ -262,3 +267,11 @@ def test_client_timeout_is_an_error_and_duration_bounds_a_closed_loop(fake, caps
     assert time.monotonic() - t0 < HANG_S
     assert s["errors"] >= 1 and any("Timeout" in e for e in s["run"]["error_samples"])
     assert s["requests"] == s["completed"] + s["errors"] + s["rejected_429"] > 4
+
+
+def test_measure_is_the_cli_without_printing(fake):
+    from pdserve.bench import measure, parse
+    summary, run, records = measure(parse(["--url", fake, "--concurrency", "1", "--num-requests",
+                                           "4", "--warmup", "0", "--no-progress"]))
+    assert (summary["requests"], summary["completed"], len(records)) == (4, 2, 4)
+    assert run["model"] == "fake-model" and not run["prompt_tokens_exact"]
