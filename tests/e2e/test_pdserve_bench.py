@@ -31,7 +31,7 @@ HANG_S = 3.0
 @pytest.fixture(scope="module")
 def system(start_system):
     port = free_port()
-    launcher = start_system(1, 1, http_port=port)
+    start_system(1, 1, http_port=port)
     return f"http://127.0.0.1:{port}"
 
 
