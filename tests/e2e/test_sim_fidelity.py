@@ -10,15 +10,16 @@ serve it 1P1D (one torch thread per worker, the profile's), replay a small trace
     quick   the quick profile alone: printed, and only the throughput asserted (an arrival-
             bound figure). --quick times prefill chunks of 16-64 tokens and decode at
             contexts of 16 and 64 only, one run a point, on a shared noisy machine: its fits
-            extrapolated to these prompts were off by 3x (TTFT) and 36x (ITL: a decode slope
-            per context token fit to noise) in the run below
+            extrapolated to these prompts were off by up to 3x (TTFT) and 2-36x (ITL: a decode
+            slope per context token fit to noise) in the runs below
 
-Seen (16 requests at 0.8/s, prompts 200-1000, outputs 32-64; the machine shared by other
-jobs):   measured   live   quick
-    TTFT p50 ms       279    283      82
-    ITL p50 ms       1.61   1.72    58.7
-    throughput tok/s 34.2   34.2    29.2
-    TTFT p90 ms       585    540     114
+Seen in two runs (16 requests at 0.8/s, prompts 200-1000, outputs 32-64; the 2-core machine
+shared by other jobs, so the measured figures themselves moved by ~20% between runs):
+                      measured       live        quick
+    TTFT p50 ms       279 / 339    283 / 250    82 / 531
+    ITL p50 ms       1.61 / 1.86  1.72 / 1.64  58.7 / 3.8
+    throughput tok/s 34.2 / 34.1  34.2 / 34.3  29.2 / 33.9
+    TTFT p90 ms       585 / 475    540 / 488   114 / 965
 """
 from __future__ import annotations
 
