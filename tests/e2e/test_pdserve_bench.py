@@ -62,6 +62,13 @@ def test_concurrency(system, capsys):
     assert "sent 9/9 done 9/9 errors 0 429 0" in err
 
 
+def test_chat_endpoint(system, capsys):
+    s, _ = bench(capsys, "--url", system, "--endpoint", "chat", "--concurrency", "2",
+                 "--num-requests", "4", "--input-tokens", "50", "--output-tokens", "7")
+    sane(s, 4)
+    assert s["throughput_tok_s"] == pytest.approx(4 * 7 / s["duration_s"], rel=1e-3)
+
+
 def test_rate_with_slo(system, capsys):
     s, _ = bench(capsys, "--url", system, "--rate", "4", "--duration", "2.5",
                  "--input-tokens", "64", "--output-tokens", "8", "--seed", "3")
@@ -195,3 +202,43 @@ def test_a_server_refusing_ignore_eos_gets_requests_without_it(fake, capsys):
     # n = 0 the warm-up (its retry without ignore_eos); 1: 429, 2: 500, 3 and 4 ok
     assert s["run"]["ignore_eos"] is False
     assert (s["completed"], s["rejected_429"], s["errors"]) == (2, 1, 1)
+
+
+def _llama_server() -> Path | None:
+    from engine.config import cache_dir
+    found = sorted((cache_dir() / "llama-server").glob("*/llama-server"))
+    return found[0] if found else None
+
+
+def test_llama_server_peer(capsys, tmp_path):
+    """Against llama.cpp's own server (bench/build_llama_server.sh's cached binary; skipped
+    where it was not built): its /tokenize form, its usage, the same summary."""
+    import subprocess
+    from engine.config import cache_dir
+    from tests.helpers import wait_until
+    binary = _llama_server()
+    gguf = cache_dir() / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if binary is None or not gguf.is_file():
+        pytest.skip("llama-server not built here (bench/build_llama_server.sh) or no default model")
+    port = free_port()
+    with open(tmp_path / "llama-server.log", "wb") as log:
+        proc = subprocess.Popen([str(binary), "-m", str(gguf), "-t", "1", "-c", "4096",
+                                 "--parallel", "4", "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def up():
+            try:
+                return httpx.get(base + "/health", timeout=2).status_code == 200, None
+            except httpx.HTTPError as e:
+                return proc.poll() is not None, e
+        wait_until(up, 60, "llama-server /health")
+        assert proc.poll() is None, (tmp_path / "llama-server.log").read_text()[-2000:]
+        s, _ = bench(capsys, "--url", base, "--concurrency", "2", "--num-requests", "4",
+                     "--input-tokens", "40", "--output-tokens", "6")
+        sane(s, 4)
+        assert s["throughput_tok_s"] == pytest.approx(4 * 6 / s["duration_s"], rel=1e-3)
+    finally:
+        proc.terminate()
+        proc.wait(20)
