@@ -176,7 +176,8 @@ def test_forced_call_cut_by_max_tokens_is_still_a_call(pdserve_up):
 @pytest.mark.timeout(1800)
 def test_tools_reach_a_prompt_whose_template_has_no_tools_section(pdserve_up):
     """SmolLM2's template renders no tools: with tools the prompt grows by exactly the generic
-    format's system message (transformers' own tokenizer and template on the same messages),
+    format's system message and example exchange (transformers' own tokenizer and template on
+    the same messages),
     and auto still answers (a call or content, never an error; the model follows the format
     only loosely)."""
     import transformers as T
