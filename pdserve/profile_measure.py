@@ -73,6 +73,7 @@ class Measurer:
         self.vocab = engine.config.model.vocab_size
         self.block_size = engine.kv.block_size
         self._ids = 0
+        self._prefixes: dict[int, list[int]] = {}
 
     def _tokens(self, n: int) -> list[int]:
         """Fresh random ids: no prefix-cache hit with anything run before."""
@@ -83,7 +84,8 @@ class Measurer:
         return f"profile-{self._ids}"
 
     def _run_prefill(self, prompt: list[int]) -> tuple[float, int, int]:
-        """Prefill `prompt` to its first token; (last step's seconds, its tokens, cached)."""
+        """Prefill `prompt` to its first token: (its last step's seconds, that step's tokens of
+        it, its prefix-cache hit)."""
         rid = self._id()
         req = self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True),
                                       prefill_only=True)
@@ -97,16 +99,24 @@ class Measurer:
         self.engine.release(rid)
         return seconds, tokens.get(rid, 0), max(req.num_cached_tokens, 0)
 
+    def _prefix(self, n: int) -> list[int]:
+        """The same `n` random tokens each call (block-aligned, kept per length): a prefix that
+        stays in the prefix cache between the points that share it."""
+        n = n // self.block_size * self.block_size
+        if n not in self._prefixes:
+            self._prefixes[n] = self._tokens(n)
+        return self._prefixes[n]
+
     def prefill_point(self, chunk: int, cached: int) -> dict:
         times, got_cached = [], cached
+        prefix = self._prefix(cached)
+        if cached:
+            self._run_prefill(prefix)              # into the prefix cache, once per point
         for _ in range(self.repeat):
-            prefix = self._tokens(cached)
-            if cached:
-                self._run_prefill(prefix)          # into the prefix cache
             seconds, tokens, hit = self._run_prefill(prefix + self._tokens(chunk))
             if tokens != chunk:
                 raise RuntimeError(f"prefill step computed {tokens} tokens, not {chunk}: "
-                                   f"is max_num_batched_tokens >= {chunk}?")
+                                   f"is max_num_batched_tokens >= {chunk}? (cached {hit})")
             times.append(seconds)
             got_cached = hit
         self.progress.tick(f"prefill {chunk}+{cached}")
@@ -116,8 +126,8 @@ class Measurer:
     def decode_point(self, batch: int, context_per_seq: int, steps: int) -> dict:
         """`batch` sequences of ~context_per_seq tokens each (a shared prefix + a few of their
         own), then `steps` timed decode steps; seconds: their median."""
-        own = min(self.block_size, max(1, context_per_seq // 2))
-        prefix = self._tokens(max(context_per_seq - own, 0) // self.block_size * self.block_size)
+        prefix = self._prefix(context_per_seq - 1)      # + one token of each request's own
+        own = max(1, context_per_seq - len(prefix))
         ids, reqs = [], []
         params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
         try:
@@ -160,8 +170,8 @@ class Measurer:
         """The first passes are slow (allocations, kernel builds): run and forget them."""
         counted, self.progress = self.progress, Progress(0)      # not counted points
         try:
-            for _ in range(2):
-                self._run_prefill(self._tokens(chunk))
+            for n in (chunk, min(chunk, 64)):
+                self._run_prefill(self._tokens(n))
             self.decode_point(batch, 2 * self.block_size, 3)
             self.decode_point(1, 2 * self.block_size, 3)
         finally:
