@@ -7,6 +7,7 @@ from typing import Any
 
 from .energy import EnergyMeter, gpu_index, nvml_power_reader
 from .metrics import Metrics, start_metrics_server
+from .step_metrics import StepMetrics
 from .tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -18,11 +19,18 @@ class RoleTelemetry:
 
     def __init__(self, metrics: Metrics, meter: EnergyMeter, server: Any, port: int):
         self.metrics, self.meter, self.server, self.port = metrics, meter, server, port
+        # step time by shape (services/step_metrics.py), for `pdserve profile --from-url`
+        self.steps = StepMetrics(metrics.role, metrics.registry) if metrics.role != "gateway" else None
 
     def step_observers(self) -> list:
-        """What the worker's engine should tell each step: the meter where it has a power
-        reading, else nothing (CPU hosts time no step)."""
-        return [self.meter] if self.meter.available else []
+        """What the worker's engine should tell each step: the step-time counters, and the
+        meter where it has a power reading. `watch_steps(engine)` once the engine exists."""
+        return [o for o in (self.steps, self.meter if self.meter.available else None) if o]
+
+    def watch_steps(self, engine) -> None:
+        """The step counters read their requests' context from `engine`."""
+        if self.steps is not None:
+            self.steps.bind(engine)
 
     def close(self) -> None:
         if self.server is not None:

@@ -277,6 +277,7 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         connector = role.kv_connector(cfg, transport)
         engine = await asyncio.to_thread(cfg.build_engine, connector, tel.step_observers(),
                                          False if role.prefill_only else None)
+        tel.watch_steps(engine)
         # what exists now (torch, the model, imports: hundreds of thousands of objects) lives
         # as long as the process: keep it out of every later full GC pass, which would
         # otherwise stall an engine step for tens of milliseconds now and then
