@@ -1,5 +1,7 @@
 """The prefill worker's admission: a queue bounded in tokens, and no work taken that cannot
-be computed before its decode reservation expires.
+be computed before its deadline: its decode reservation's hard bound, or the call's own (the
+gateway's request deadline). The reservation's idle window does not limit the wait: a call
+queued here sends KEEPALIVEs that hold its reservation (kv_push.py).
 
     queued    prompt tokens of the calls admitted and not yet at their first token
     calls     those calls
@@ -18,7 +20,7 @@ be computed before its decode reservation expires.
               already spent on it (since the last completion), at least 0
     refuse    queued + this prompt > max_queued_tokens (unless nothing is queued: a prompt
               longer than the bound is served alone), or, with calls queued and a cost
-              fitted, backlog + cost(this prompt) past the reservation's deadline.
+              fitted, backlog + cost(this prompt) past the deadline.
               An idle worker admits whatever fits the bound: alone, a prompt has the best
               chance it can get, so it is never refused on an estimate
 
@@ -88,8 +90,12 @@ class PrefillAdmission:
     # -- admission -----------------------------------------------------------------------
     def refusal(self, tokens: int, seconds_left: float | None, now: float | None = None) -> str | None:
         """Why a call computing `tokens` prompt tokens, due in `seconds_left` (None: no
-        deadline), is refused now; None: admit it."""
-        now = time.monotonic() if now is None else now
+        deadline), is refused now (counted in `refused`); None: admit it."""
+        why = self._refusal(tokens, seconds_left, time.monotonic() if now is None else now)
+        self.refused += why is not None
+        return why
+
+    def _refusal(self, tokens: int, seconds_left: float | None, now: float) -> str | None:
         if self.queued and self.queued + tokens > self.max_queued_tokens:
             return (f"prefill queue full: {self.queued} prompt tokens queued, {tokens} more would "
                     f"pass the bound of {self.max_queued_tokens}")
@@ -102,19 +108,7 @@ class PrefillAdmission:
             return (f"prefill cannot finish in time: {self._calls} call(s) queued "
                     f"({self.queued} prompt tokens, ~{backlog:.1f}s left) + {tokens} prompt "
                     f"tokens (~{own:.1f}s at {fixed * 1e3:.0f} ms + {per_token * 1e3:.2f} ms a "
-                    f"token) take ~{backlog + own:.1f}s, the reservation expires in "
-                    f"{seconds_left:.1f}s")
-        return None
-
-    def wait_refusal(self, seconds_left: float, now: float | None = None) -> str | None:
-        """Why a call whose first KV is due in `seconds_left` is refused: the work queued
-        ahead of it takes longer than that (None: admit it; an idle worker never refuses)."""
-        now = time.monotonic() if now is None else now
-        backlog = self.backlog_s(now)
-        if self._calls and backlog > seconds_left:
-            return (f"prefill queue too long: {self._calls} call(s) ahead ({self.queued} prompt "
-                    f"tokens) take ~{backlog:.1f}s, this call's first KV is due in "
-                    f"{seconds_left:.1f}s")
+                    f"token) take ~{backlog + own:.1f}s, its deadline is in {seconds_left:.1f}s")
         return None
 
     def started(self, tokens: int, now: float | None = None) -> None:

@@ -17,12 +17,13 @@ object holding its state, in four phases:
                      lacks (blocks >= num_cached_tokens // block_size) once it is written;
                      the first token is sampled. Bounded by the reservation's deadline,
                      which follows the work as the decoder's does (kvtransfer/receiver.py):
-                     the idle window after the last layer pushed (the reservation's own
-                     deadline before the first), never past the hard bound. Past it the
-                     request is dropped (DEADLINE_EXCEEDED), queued or not, and its engine
-                     request aborted: a step of abandoned requests stops at its next layer
+                     the idle window after the last layer pushed or KEEPALIVE sent (while
+                     queued and the engine steps, kv_push.py), never past the hard bound.
+                     Past it the request is dropped (DEADLINE_EXCEEDED), queued or not, and
+                     its engine request aborted: a step of abandoned requests stops at its
+                     next layer
     finish transfer: await every send (bounded by kv_send_timeout_s)
-    respond:         engine.release(): blocks back to the pool -> PrefillResponse
+    respond:         engine.release(): blocks back -> PrefillResponse (with its queue time)
     Any error, Abort(request_id) or the caller's cancel: cancel the transfer, abort the
     engine request (frees its blocks).
 
@@ -57,14 +58,13 @@ from .kv_push import DestinationRefused, KVPush, Push, PushFailed
 
 log = logging.getLogger(__name__)
 DEADLINE_POLL_S = 0.25           # how often a computing call re-reads its moving deadline
-
 WARM_UP_LONG_TOKENS = 256        # the warm-up's long prompt: the per-token cost's first measure
 WARM_UP_SHORT_TOKENS = 8         # and its short one: the fixed cost's
 
 
 class _DestinationFault(RpcStatus):
-    """The destination's KV endpoint failed (connect, handshake, send): its decode worker's
-    fault, told to the gateway by trailing metadata (protoconv.KV_DESTINATION_FAULT)."""
+    """The destination's KV endpoint failed: its decode worker's fault, told to the gateway
+    by trailing metadata (protoconv.KV_DESTINATION_FAULT)."""
 
 
 @dataclass
@@ -84,6 +84,7 @@ class _Call:
     idle_s: float = 0.0               # each layer pushed extends it to then + idle_s (0: fixed)
     bound: float | None = None        # ... up to this hard bound (time.monotonic())
     released: bool = False            # the engine freed its blocks (the call succeeded)
+    queue_s: float = 0.0              # waited in the engine's queue before its first chunk
     t0: float = field(default_factory=time.perf_counter)
     t_compute: float = 0.0            # first token sampled
     t_done: float = 0.0               # every layer sent
@@ -110,7 +111,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                                                   tracing.tracing_enabled() and {
                                                       "request_id": rid,
                                                       "prompt_tokens": len(request.prompt_token_ids)}):
-                return await self._prefill(request)
+                return await self._prefill(request, context.time_remaining())
         except Draining as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except RpcStatus as e:
@@ -190,9 +191,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                 call.expires = min(call.expires, call.bound)
         return call
 
-    async def _prefill(self, request) -> prefill_pb2.PrefillResponse:
+    async def _prefill(self, request, rpc_left: float | None) -> prefill_pb2.PrefillResponse:
         call = self._validate(request)
-        self._admit(call)
+        self._admit(call, rpc_left)
         self._tasks[call.request_id] = asyncio.current_task()
         try:
             await self._open_transfer(call)
@@ -204,18 +205,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         finally:
             await self._end(call)
 
-    def _admit(self, call: _Call) -> None:
+    def _admit(self, call: _Call, rpc_left: float | None) -> None:
         """Queue the call's prompt tokens, or refuse it (RESOURCE_EXHAUSTED), before any
-        compute (admission.py): the queue is full, the prompt cannot be computed within the
-        reservation's hard bound, or (a deadline that follows the work) the work queued
-        ahead of it outlasts the idle window its first layer is due in."""
+        compute (admission.py): the queue is full, or the work ahead and the prompt cannot be
+        computed by the reservation's hard bound or the call's deadline (`rpc_left` s). While
+        queued, KEEPALIVEs hold the reservation (kv_push.py): the idle window does not bind."""
         tokens = len(call.prompt) - call.num_cached
         now = time.monotonic()
-        why = self.admission.refusal(tokens, None if call.bound is None else call.bound - now)
-        if why is None and call.idle_s:
-            why = self.admission.wait_refusal(call.expires - now, now)
+        lefts = [x for x in (None if call.bound is None else call.bound - now, rpc_left) if x is not None]
+        why = self.admission.refusal(tokens, min(lefts) if lefts else None, now)
         if why is not None:
-            self.admission.refused += 1
             raise RpcStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         self.admission.started(tokens)
         call.queued, call.admitted = tokens, True
@@ -263,7 +262,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             raise RpcStatus(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
         call.t_compute = time.perf_counter()
         self._dequeue(call, computed=True)
-        await self._observe_engine_phases(rid)
+        call.queue_s = await self._observe_engine_phases(rid)
 
     async def _first_token(self, call: _Call) -> None:
         async for out in self.ae.stream(call.request_id):
@@ -275,6 +274,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         task = asyncio.ensure_future(self._first_token(call))
         try:
             while not task.done():
+                self.kv.keep_alive(call.push, call.idle_s, self.ae.num_steps)
                 deadline = self._deadline(call)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -287,10 +287,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     @staticmethod
     def _deadline(call: _Call) -> float | None:
         """When the decoder lets the reservation go (time.monotonic(); None: never), as its
-        receiver computes it: idle_s after the last layer pushed, up to the bound."""
+        receiver computes it: idle_s after the last layer or KEEPALIVE, up to the bound."""
         if call.expires is None:
             return None
-        pushed = call.push.progress_at if call.push is not None else 0.0
+        pushed = call.push.last_progress if call.push is not None else 0.0
         if not call.idle_s or not pushed:
             return call.expires
         return min(max(call.expires, pushed + call.idle_s), call.bound)
@@ -337,7 +337,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             prompt_logprobs=protoconv.prompt_logprobs(final),
             num_prompt_tokens=len(call.prompt), num_cached_tokens=final.num_cached_tokens,
             blocks_transferred=st.blocks_sent if st else 0, bytes_transferred=st.bytes_sent if st else 0,
-            compute_ms=(call.t_compute - call.t0) * 1e3,
+            compute_ms=(call.t_compute - call.t0) * 1e3, queue_ms=call.queue_s * 1e3,
             transfer_wait_ms=(call.t_done - call.t_compute) * 1e3, energy_joules=joules)
 
     async def _end(self, call: _Call) -> None:
@@ -351,16 +351,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if not call.released:
             await asyncio.shield(worker_server.abort_quietly(self.ae, call.request_id))
 
-    async def _observe_engine_phases(self, rid: str) -> None:
-        """Queue and compute time of a finished prefill-only request, from the engine's own
-        timestamps (the request stays in the engine, untouched, until release())."""
+    async def _observe_engine_phases(self, rid: str) -> float:
+        """Queue and compute time of a finished prefill-only request (it stays in the engine,
+        untouched, until release()), from the engine's timestamps; returns the queue's s."""
         times = await self.ae.request_times(rid)
         if times is None or times.first_scheduled is None or times.first_token is None:
-            return
+            return 0.0
         self.metrics.observe_phases(queue_s=times.first_scheduled - times.arrival,
                                     prefill_s=times.first_token - times.first_scheduled)
         tracing.record_span("pdserve.prefill.queue", None, times.arrival, times.first_scheduled)
         tracing.record_span("pdserve.prefill.compute", None, times.first_scheduled, times.first_token)
+        return times.first_scheduled - times.arrival
 
 
 class PrefillRole(worker_server.WorkerRole):

@@ -145,3 +145,57 @@ def test_per_call_windows_and_the_fixed_deadline_without_a_bound():
         tx.cancel(h)
         await tx.close(); await rx.close()
     run(main())
+
+
+async def _keepalive(rx, tx, h) -> None:
+    """One KEEPALIVE through the real sender; returns once the receiver counted it."""
+    before = rx.keepalives
+    assert tx.keepalive(h)
+    for _ in range(1000):
+        await asyncio.sleep(0)
+        if rx.keepalives > before:
+            return
+    raise AssertionError("the KEEPALIVE did not arrive")
+
+
+def test_keepalives_hold_a_queued_reservation_then_silence_expires_it():
+    """A prompt queued on a live prefill worker sends no KV, only a KEEPALIVE every 8 s: a
+    10 s idle window lives 32 s (then its KV arrives: DONE); another, whose KEEPALIVEs stop,
+    expires 10 s after the last one, and a KEEPALIVE never moves a deadline past the bound."""
+    async def main():
+        clock = Clock()
+        rx, tx, addr = await _pair(clock, expiry_s=10.0, max_s=30.0)
+        t0 = clock.t
+        rx.reserve("queued", [0, 1])
+        rx.reserve("stops", [2])
+        h = await tx.open("queued", addr, [5, 6], [0, 1])
+        s = await tx.open("stops", addr, [7], [2])
+        for k in range(3):                                  # t0 + 8, 16, 24
+            clock.t += 8.0
+            assert rx.reap() == ([] if k < 2 else ["stops"])    # t0 + 24 > t0 + 8 + 10
+            await _keepalive(rx, tx, h)
+            if k == 0:
+                await _keepalive(rx, tx, s)                 # its last one, at t0 + 8
+        assert "no progress: its first KV did not arrive within 10s" in rx.poll("stops").reason
+        assert rx.poll("queued").deadline == t0 + 30.0      # the bound, not t0 + 24 + 10
+        clock.t = t0 + 29.0
+        await _push(rx, tx, h, "queued", 0, 2)
+        await tx.finish(h, 5)
+        assert (await rx.wait("queued", 5)).state is TransferState.DONE
+        assert not tx.keepalive(h)                          # final: nothing more is sent
+        assert rx.keepalives == 4 and tx.keepalives_sent == 4 and rx.expired == 1
+        tx.cancel(s)
+        await tx.close(); await rx.close()
+    run(main())
+
+
+def test_a_keepalive_naming_no_live_transfer_changes_nothing():
+    async def main():
+        clock = Clock()
+        rx, _tx, _addr = await _pair(clock, expiry_s=10.0, max_s=30.0)
+        assert not rx.keepalive("nobody")
+        rx.reserve("gone", [0])
+        assert rx.abort("gone")
+        assert not rx.keepalive("gone") and rx.keepalives == 0
+        await _tx.close(); await rx.close()
+    run(main())
