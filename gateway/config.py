@@ -116,11 +116,6 @@ class GatewayConfig:
                 "would break it (an adaptive limit on requests in flight; 0: off)"})
     slo_itl_ms: float = field(default=0.0, metadata={
         "help": "inter-token latency SLO (mean time per output token), as --slo-ttft-ms"})
-    max_standing_queue_s: float = field(default=1.0, metadata={
-        "help": "without --slo-*: new requests are refused (429, Retry-After) while the prefill "
-                "workers' queue stands, i.e. the last 16 requests each waited longer than this "
-                "in it (an adaptive limit on requests in flight, gateway/admission.py; a burst "
-                "that drains is queued, not refused; 0: off)"})
     affinity_slack: int = field(default=16, metadata={
         "help": "prefix affinity wins while its worker has at most this many more requests "
                 "in flight than the least loaded one"})
@@ -152,10 +147,8 @@ class GatewayConfig:
         for pool in ("prefill", "decode"):
             if getattr(self, pool) and getattr(self, pool + "_dns"):
                 raise ValueError(f"give --{pool} or --{pool}-dns, not both")
-        if (self.max_in_flight < 1 or self.slo_ttft_ms < 0 or self.slo_itl_ms < 0
-                or self.max_standing_queue_s < 0):
-            raise ValueError("max_in_flight must be >= 1, slo_ttft_ms, slo_itl_ms and "
-                             "max_standing_queue_s >= 0")
+        if self.max_in_flight < 1 or self.slo_ttft_ms < 0 or self.slo_itl_ms < 0:
+            raise ValueError("max_in_flight must be >= 1, slo_ttft_ms and slo_itl_ms >= 0")
         if self.api_key_rpm < 0 or self.api_key_concurrency < 0:
             raise ValueError("api_key_rpm and api_key_concurrency must be >= 0")
         tls_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)

@@ -4,9 +4,8 @@ Both the public gRPC servicer and the OpenAI REST shim call `Gateway.generate()`
 yields `GenerateEvent`s and raises `GatewayError(grpc.StatusCode, message)`:
 
     admit    check the prompt (gateway/prompt.py) and the params; refuse it when overloaded
-             (gateway/admission.py: in-flight cap, latency SLOs or the prefill queue
-             standing); a RequestState with its deadline, output processor, metrics
-             timer and trace span
+             (gateway/admission.py: in-flight cap, latency SLOs); a RequestState with its
+             deadline, output processor, metrics timer and trace span
     run      segments on (decode, prefill) pairs, migrating when a decode worker dies
              (gateway/segment.py; workers picked by gateway/routing.py)
     finish   the deadline (request_timeout: it follows the tokens asked for) becomes
@@ -101,8 +100,7 @@ class Gateway:
                                          cfg.affinity_slack_ratio, cfg.decode_affinity_slack),
                                   cfg, self.metrics)
         self.drain_rate = DrainRate()
-        self.admission = Admission(cfg.max_in_flight, cfg.slo_ttft_ms / 1e3, cfg.slo_itl_ms / 1e3,
-                                   max_standing_queue_s=cfg.max_standing_queue_s)
+        self.admission = Admission(cfg.max_in_flight, cfg.slo_ttft_ms / 1e3, cfg.slo_itl_ms / 1e3)
         self.in_flight = 0
 
     @property
@@ -165,7 +163,7 @@ class Gateway:
                     if ev.token_ids:
                         now = time.monotonic()
                         if first:
-                            self.admission.first_token(now - last, req.prefill_queue_s)
+                            self.admission.first_token(now - last)
                         else:
                             self.admission.tokens(now - last, len(ev.token_ids))
                         last, first = now, False

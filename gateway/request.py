@@ -72,7 +72,6 @@ class RequestState:
     metadata: object = None              # gRPC metadata for the workers (trace context)
     lost: set[str] = field(default_factory=set)   # decode workers that died under it
     cached_tokens: int = 0
-    prefill_queue_s: float | None = None  # its first prompt's wait in a prefill worker's queue
     energy_joules: float | None = None   # summed over the workers that report it
     ok: bool = False                     # finished (not failed, not cancelled)
     error: str | None = None             # the failed request's status code name

@@ -175,7 +175,6 @@ class Segments:
         kv, resp = await self._prefill_with_retry(seg, prompt, params, req)
         if first:
             req.cached_tokens = max(kv.num_cached_tokens, resp.num_cached_tokens)
-            req.prefill_queue_s = resp.queue_ms / 1e3
         req.add_energy(resp)
         ev = _add(req, [resp.first_token], FINISH_FROM_PROTO.get(resp.finish_reason))
         if ev is not None and first and params.prompt_logprobs is not None:

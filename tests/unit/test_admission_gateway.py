@@ -1,7 +1,6 @@
-"""The gateway's admission (gateway/admission.py): the in-flight cap, the SLO limit and the
-standing-queue limit (AIMD, on a fake clock), then through a Gateway over real in-process
-workers; and the gRPC server options (services/grpc_options.py) that let a burst of streams
-through to the servicer."""
+"""The gateway's admission (gateway/admission.py): the in-flight cap and the SLO limit (AIMD,
+on a fake clock), then through a Gateway over real in-process workers; and the gRPC server
+options (services/grpc_options.py) that let a burst of streams through to the servicer."""
 from __future__ import annotations
 
 import asyncio
@@ -15,14 +14,13 @@ from grpc_health.v1.health import aio as health_aio
 
 from engine.sampling_params import SamplingParams
 from gateway import admission
-from gateway.admission import Admission, StandingQueue
+from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.request import GatewayError, GenerateInput
 from services.grpc_options import SERVER_OPTIONS
 
-from .test_pd_deadlines import Slow
-from .test_pd_inprocess import LAYERS, System, _prompt
+from .test_pd_inprocess import System, _prompt
 
 
 class Clock:
@@ -108,54 +106,6 @@ def test_a_broken_itl_slo_cuts_the_limit_and_it_never_drops_below_one():
         a.refusal(0)
     assert a.limit == 1.0
     assert a.refusal(0) is None and a.refusal(1) is not None
-
-
-def _waits(a: Admission, clock: Clock, waits, ttft_s: float = 0.0) -> None:
-    """First tokens whose prompts waited `waits` in a prefill queue, their requests admitted
-    `ttft_s` ago."""
-    for w in waits:
-        a.first_token(ttft_s, queue_s=w)
-
-
-def test_a_standing_prefill_queue_cuts_the_limit_then_it_grows_back_and_relaxes():
-    clock = Clock()
-    a = Admission(max_in_flight=1000, clock=clock, max_standing_queue_s=1.0)
-    for n in range(40):
-        assert a.refusal(n) is None
-    _waits(a, clock, [2.0] * (admission.STANDING_SAMPLES - 1))
-    assert a.refusal(40) is None and a.limit == 1000       # not a full window yet
-    _waits(a, clock, [2.0])
-    why = a.refusal(40)                                     # every one of 16 waited > 1 s
-    assert a.limit == pytest.approx(41 * admission.DECREASE)
-    assert why is not None and "prefill queue stands" in why
-    clock.t += 1.0
-    _waits(a, clock, [3.0] * 20, ttft_s=5.0)               # admitted before the cut: ignored
-    assert not a.queue.waits and a.refusal(33) is not None and a.limit == pytest.approx(32.8)
-    _waits(a, clock, [0.2] * admission.STANDING_SAMPLES)    # admitted since: it drained
-    clock.t += admission.ADJUST_S
-    a.refusal(32)                                           # reached, no queue: it grows
-    assert a.limit == pytest.approx(32.8 + max(1.0, admission.INCREASE * 32.8))
-    clock.t += admission.RELAX_S + 1                        # not reached for RELAX_S
-    assert a.refusal(3) is None and a.limit == 1000
-
-
-def test_a_burst_that_drains_is_never_refused_and_an_idle_system_admits_anything():
-    """One prompt of the window started at once (the queue drained): no standing queue,
-    however long the others waited; and at the lowest limit an idle gateway admits."""
-    clock = Clock()
-    a = Admission(max_in_flight=100, clock=clock, max_standing_queue_s=1.0)
-    for n in range(100):
-        a.refusal(n)
-    for _ in range(10):
-        _waits(a, clock, [30.0] * 7 + [0.0] + [30.0] * 8)
-        clock.t += admission.ADJUST_S
-        assert a.refusal(99) is None
-    for _ in range(60):                                     # cut after cut, down to 1
-        clock.t += 0.01
-        _waits(a, clock, [5.0] * admission.STANDING_SAMPLES)
-        a.refusal(0)
-    assert a.limit == 1.0 and a.refusal(0) is None and a.refusal(1) is not None
-    assert Admission(10, slo_ttft_s=0.5, max_standing_queue_s=1.0).queue is None   # SLOs rule
 
 
 def test_a_burst_of_streams_on_a_server_with_these_options_is_never_cancelled():
@@ -262,49 +212,6 @@ def test_the_gateway_sheds_load_once_its_itl_slo_breaks(system):
             assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "SLO" in e.value.message and e.value.retry_after_s >= 1
             assert await long == 300
-        finally:
-            await gw.stop()
-        await system.wait_all_free()
-    system.run(main())
-
-
-def test_the_prefill_queue_wait_reaches_the_gateway_which_sheds_a_standing_queue(system, monkeypatch):
-    """Each layer of the prefill worker paused `p` s, so a 16-token chunk is a step of at
-    least LAYERS x p: two 16-token prompts sent once a 256-token one (16 chunks, computed
-    first) pushed its first layer wait in the queue at least a step each, which their
-    PrefillResponses report; with a window of 2 and a bound of half a step that is a
-    standing queue: the limit drops to 3 x DECREASE and a fourth request while three run is
-    refused with a retry hint. Every block comes back."""
-    p = 0.05
-    slow = Slow(monkeypatch, lambda layer, k: p)
-    step = LAYERS * p
-
-    def inp(seed, n):
-        return GenerateInput("sq-" + uuid.uuid4().hex, _prompt(16, seed),
-                             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-
-    async def main():
-        gw = await _gateway(system, max_standing_queue_s=step / 2)
-        gw.admission.queue = StandingQueue(step / 2, samples=2)
-        try:
-            blocker = asyncio.ensure_future(_run(gw, GenerateInput(
-                "sq-" + uuid.uuid4().hex, _prompt(256, 39),
-                SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))))
-            while not slow.calls:
-                await asyncio.sleep(0.005)
-            assert await asyncio.gather(*(_run(gw, inp(40 + k, 2)) for k in range(2))) == [2] * 2
-            assert await blocker == 2
-            waits = sorted(gw.admission.queue.waits)
-            assert len(waits) == 2 and waits[0] >= step, waits
-            long = [asyncio.ensure_future(_run(gw, inp(50 + k, 200))) for k in range(3)]
-            while gw.in_flight < 3:       # 3 x DECREASE: 2.4, so 3 in flight is the limit
-                await asyncio.sleep(0.005)
-            with pytest.raises(GatewayError) as e:
-                await _run(gw, inp(60, 2))
-            assert gw.admission.limit < 3
-            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "prefill queue stands" in e.value.message and e.value.retry_after_s >= 1
-            assert await asyncio.gather(*long) == [200] * 3
         finally:
             await gw.stop()
         await system.wait_all_free()
