@@ -10,6 +10,7 @@ deadline is never earlier than this one: a call dropped here has always expired 
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ class Call:
     idle_s: float = 0.0               # each progress extends it to then + idle_s (0: fixed)
     bound: float | None = None        # ... up to this hard bound (time.monotonic())
     released: bool = False            # answered: the engine frees its blocks (release)
+    keeper: asyncio.Task | None = None    # its KEEPALIVEs until its first layer (server.py)
     t0: float = field(default_factory=time.perf_counter)
     t_compute: float = 0.0            # first token sampled
     t_done: float = 0.0               # every layer sent

@@ -17,8 +17,9 @@ object holding its state (call.py), in four phases:
                      lacks (blocks >= num_cached_tokens // block_size) once it is written;
                      the first token is sampled. Bounded by the reservation's deadline,
                      which follows the work as the decoder's does (kvtransfer/receiver.py):
-                     the idle window after the last layer pushed or KEEPALIVE sent (while
-                     queued and the engine steps, kv_push.py), never past the hard bound.
+                     the idle window after the last layer pushed or KEEPALIVE sent (from the
+                     open transfer to its first layer, while the engine computes: kv_push.py),
+                     never past the hard bound.
                      Past it the request is dropped (DEADLINE_EXCEEDED), queued or not, and
                      its engine request aborted: a step of abandoned requests stops at its
                      next layer
@@ -173,6 +174,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self._tasks[call.request_id] = asyncio.current_task()
         try:
             await self._open_transfer(call)
+            call.keeper = asyncio.ensure_future(self._keep_alive(call))
             await self._compute(call)
             await self._finish_transfer(call)
             return await self._respond(call)
@@ -240,6 +242,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         call.t_compute = time.perf_counter()
         self._dequeue(call, computed=True)
 
+    async def _keep_alive(self, call: Call) -> None:
+        """KEEPALIVEs for the reservation (kv_push.py) from the open transfer to the first
+        layer pushed: add_request itself waits for the engine's step in progress, which on a
+        slow CPU can outlast the idle window."""
+        while call.push is not None and not call.push.progress_at:
+            self.kv.keep_alive(call.push, call.idle_s)
+            await asyncio.sleep(DEADLINE_POLL_S)
+
     async def _first_token(self, call: Call) -> None:
         async for out in self.ae.stream(call.request_id):
             call.final = out
@@ -250,7 +260,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         task = asyncio.ensure_future(self._first_token(call))
         try:
             while not task.done():
-                self.kv.keep_alive(call.push, call.idle_s)
                 deadline = call.deadline()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -305,6 +314,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         """Whatever happened: forget the call; unless it succeeded, cancel the transfer and
         abort the engine request (its blocks are freed)."""
         self._tasks.pop(call.request_id, None)
+        if call.keeper is not None:
+            call.keeper.cancel()
         self._dequeue(call, computed=False)
         self.meter.pop(call.request_id)
         if call.push is not None:

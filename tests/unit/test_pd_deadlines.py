@@ -216,20 +216,21 @@ def test_a_prompt_that_cannot_finish_within_the_bound_is_refused_before_any_comp
 
 
 def test_a_prompt_queued_past_its_idle_window_keeps_its_reservation(system, offline, monkeypatch):  # noqa: F811
-    """A 256-token prompt (16 chunks, each step slowed to 4/25 of an idle window) computes
-    first; a 64-token one sent once its first layer was pushed waits in the queue for more
-    than 2 idle windows (its own reservation's), pushing nothing: its KEEPALIVEs (one per
-    third of the window, the engine stepping) hold its reservation; no reservation expires
-    and its greedy tokens are the offline engine's."""
+    """Each step slowed to 1.5 idle windows (a step longer than the window, as a full token
+    budget on a slow CPU): a 2-chunk prompt computes first; a 1-chunk one sent once its first
+    layer was pushed waits, pushing nothing, for the step in progress (its add_request
+    itself waits for it) and then the next, over 2 idle windows of its own reservation: its
+    KEEPALIVEs (one per third of the window while the engine computes layers) hold it; no
+    reservation expires and its greedy tokens are the offline engine's."""
     idle = _idle_window(system)
-    slow = Slow(monkeypatch, lambda layer, k: idle / 25)
-    prompt, n = _prompt(PROMPT, 99), 4
+    slow = Slow(monkeypatch, lambda layer, k: 1.5 * idle / LAYERS)
+    prompt, n = _prompt(CHUNK, 99), 4
     ref = offline(prompt, n)
 
     async def main():
         before = await _expirations(system)
         brid = "blocker-" + uuid.uuid4().hex
-        bprompt = _prompt(16 * CHUNK, 100)
+        bprompt = _prompt(2 * CHUNK, 100)
         bstream, bkv = await _decode(system, brid, bprompt, 2, 10 * idle)
         blocker = asyncio.ensure_future(system.pre.Prefill(prefill_pb2.PrefillRequest(
             request_id=brid, prompt_token_ids=bprompt, sampling=_greedy(2),
