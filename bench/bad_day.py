@@ -12,6 +12,7 @@ the supervisor). Cases (one system, in order; every KV block must be back after 
     burst         100 short streams at once
     kill prefill  24 long prompts sent together, the busiest prefill worker SIGKILLed 1 s later
     kill decode   40 streams, the busiest decode worker SIGKILLed once every stream has tokens
+                  (or ended: a refused one)
 
 Every request is a streaming /v1/chat/completions (greedy, ~100-token prompts cut from the
 GPL-3 text; long prompts ~1,000 tokens). A request ends as: completed (a final chunk and
@@ -65,6 +66,15 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
             "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
+    try:
+        return await _stream(client, url, body, t0, started)
+    finally:
+        if started is not None:
+            started.set()              # has tokens, or ended (refused, failed): a fault waits for it
+
+
+async def _stream(client, url, body, t0, started):
+    """one()'s request: the kinds of ending its docstring names."""
     got_200, tokens, done = False, 0, False
     try:
         async with client.stream("POST", url, json=body) as r:
@@ -286,7 +296,7 @@ def main() -> int:
         async def kill_decode(started):
             deadline = time.monotonic() + 300
             while not all(e.is_set() for e in started) and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)   # until every stream has tokens (bounded)
+                await asyncio.sleep(0.1)   # until every stream has tokens or ended (bounded)
             print(f"  SIGKILL decode {s.kill_busiest('decode')}", file=sys.stderr, flush=True)
         if "kill-decode" in cases:
             case("kill decode under 40 streams", together(s, short[100:140], 64, kill_decode))

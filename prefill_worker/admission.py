@@ -31,7 +31,9 @@ hold its reservation (kv_push.py).
               requests wait at most K x their own compute here; the cost is the worker's own
               measure (the warm-up and its completed calls), so the bound follows the
               model, the hardware and the prompt's length (a long prompt may wait longer,
-              in proportion)
+              in proportion). The default 10: at 6, 16 closed-loop streams of the real
+              model over 2 prefill workers on a 2-core CPU were refused (their queue reached
+              6-7 prompts' cost on one worker); at 10 never (bench/RESULTS.md, the bad day)
               An idle worker admits whatever fits the bound: alone, a prompt has the best
               chance it can get, so it is never refused on an estimate
 
