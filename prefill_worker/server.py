@@ -19,10 +19,9 @@ object holding its state (call.py), in four phases:
                      which follows the work as the decoder's does (kvtransfer/receiver.py):
                      the idle window after the last layer pushed or KEEPALIVE sent (from the
                      open transfer to its first layer, while the engine computes: kv_push.py),
-                     never past the hard bound.
-                     Past it the request is dropped (DEADLINE_EXCEEDED), queued or not, and
-                     its engine request aborted: a step of abandoned requests stops at its
-                     next layer
+                     never past the hard bound. Past it the request is dropped
+                     (DEADLINE_EXCEEDED), queued or not, and its engine request aborted: a
+                     step of abandoned requests stops at its next layer
     finish transfer: await every send (bounded by kv_send_timeout_s)
     respond:         PrefillResponse; then engine.release(): blocks back to the pool
     Any error, Abort(request_id) or the caller's cancel: cancel the transfer, abort the
@@ -36,6 +35,7 @@ import asyncio
 import logging
 import sys
 import time
+
 import grpc
 
 from engine.async_engine import EngineError
