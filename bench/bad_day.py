@@ -2,6 +2,7 @@
 against `pdserve up`'s own supervisor, with what each client saw counted.
 
     python bench/bad_day.py [--model FILE.gguf] [--prefill 2] [--decode 2] [--overload-s 60]
+                            [--cases capacity,overload,burst,kill-prefill,kill-decode]
 
 The system is started as `pdserve up` starts it (its threads per role, the internal token,
 the supervisor). Cases (one system, in order; every KV block must be back after each):
@@ -11,6 +12,7 @@ the supervisor). Cases (one system, in order; every KV block must be back after 
     burst         100 short streams at once
     kill prefill  24 long prompts sent together, the busiest prefill worker SIGKILLed 1 s later
     kill decode   40 streams, the busiest decode worker SIGKILLed once every stream has tokens
+                  (or ended: a refused one)
 
 Every request is a streaming /v1/chat/completions (greedy, ~100-token prompts cut from the
 GPL-3 text; long prompts ~1,000 tokens). A request ends as: completed (a final chunk and
@@ -43,6 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.real_model import TEXT, pct  # noqa: E402
 from pdserve.launcher import Launcher, free_port  # noqa: E402
 
+CASES = ("capacity", "overload", "burst", "kill-prefill", "kill-decode")
+
+
 def make_prompts(model: str, n: int, tokens: int, seed: int) -> list[str]:
     from engine.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(model)
@@ -61,6 +66,15 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
             "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
+    try:
+        return await _stream(client, url, body, t0, started)
+    finally:
+        if started is not None:
+            started.set()              # has tokens, or ended (refused, failed): a fault waits for it
+
+
+async def _stream(client, url, body, t0, started):
+    """one()'s request: the kinds of ending its docstring names."""
     got_200, tokens, done = False, 0, False
     try:
         async with client.stream("POST", url, json=body) as r:
@@ -233,7 +247,14 @@ def main() -> int:
     ap.add_argument("--overload-s", type=float, default=60)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--json", default="", help="also write the rows here")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help="the cases to run, in their order (overload runs capacity first: its rate)")
     args = ap.parse_args()
+    cases = {c.strip() for c in args.cases.split(",") if c.strip()}
+    if not cases or cases - set(CASES):
+        ap.error(f"--cases: choose from {','.join(CASES)}")
+    if "overload" in cases:
+        cases.add("capacity")
     if not args.model:
         from pdserve.default_model import resolve_default_model
         args.model = str(resolve_default_model())
@@ -255,25 +276,30 @@ def main() -> int:
         return r
 
     try:
-        cap = case(f"capacity ({args.capacity_streams} streams)",
-                   closed_loop(s, short, args.capacity_streams, args.capacity_s, args.output_tokens))
-        rate = cap["completed"] / args.capacity_s
-        case(f"overload 3x ({3 * rate:.2f} req/s for {args.overload_s:.0f} s)",
-             open_loop(s, short, 3 * rate, args.overload_s, args.output_tokens))
-        case("burst of 100 short streams", together(s, short[:100], args.output_tokens))
+        if "capacity" in cases:
+            cap = case(f"capacity ({args.capacity_streams} streams)",
+                       closed_loop(s, short, args.capacity_streams, args.capacity_s, args.output_tokens))
+        if "overload" in cases:
+            rate = cap["completed"] / args.capacity_s
+            case(f"overload 3x ({3 * rate:.2f} req/s for {args.overload_s:.0f} s)",
+                 open_loop(s, short, 3 * rate, args.overload_s, args.output_tokens))
+        if "burst" in cases:
+            case("burst of 100 short streams", together(s, short[:100], args.output_tokens))
 
         async def kill_prefill(started):
             await asyncio.sleep(1.0)
             print(f"  SIGKILL prefill {s.kill_busiest('prefill')}", file=sys.stderr, flush=True)
-        case("kill prefill, 24 long prompts queued", together(s, long, 8, kill_prefill))
-        time.sleep(5)                  # the supervisor restarts it
+        if "kill-prefill" in cases:
+            case("kill prefill, 24 long prompts queued", together(s, long, 8, kill_prefill))
+            time.sleep(5)              # the supervisor restarts it
 
         async def kill_decode(started):
             deadline = time.monotonic() + 300
             while not all(e.is_set() for e in started) and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)   # until every stream has tokens (bounded)
+                await asyncio.sleep(0.1)   # until every stream has tokens or ended (bounded)
             print(f"  SIGKILL decode {s.kill_busiest('decode')}", file=sys.stderr, flush=True)
-        case("kill decode under 40 streams", together(s, short[100:140], 64, kill_decode))
+        if "kill-decode" in cases:
+            case("kill decode under 40 streams", together(s, short[100:140], 64, kill_decode))
     finally:
         s.close()
     cols = ["case", "sent", "completed", "429", "429 w/o Retry-After", "5xx", "failed after 200",

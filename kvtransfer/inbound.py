@@ -6,8 +6,9 @@ against its transfer and writes it (or drops it).
                                        receiver's, and the token must name a transfer live
                                        on it -> HELLO_ACK {its CompatKey, staging}; else
                                        REJECT {error, compat}, and the connection closes
-    LAYER header + body, ...           until the sender closes; anything but a LAYER drops
-                                       the connection
+    LAYER header + body, ...           until the sender closes; anything but a LAYER or a
+    KEEPALIVE header (no body)         KEEPALIVE drops the connection; a KEEPALIVE restarts
+                                       its transfer's idle window (KVReceiver.keepalive)
     dropped for a malformed message (a bad header, a truncated or cut body) or a transport
     error: every live transfer it had fed fails at once (KVReceiver.fail_fed), so the
     decode worker learns it now instead of at the deadline
@@ -62,8 +63,13 @@ class Inbound:
         buffer goes back to the pool at once, or after the receiver's side-stream write."""
         rx, conn = self.rx, self.conn
         hdr = Header.unpack(await conn.recv(HEADER_BYTES))
-        if hdr.msg_type is MsgType.LAYER and len(self.fed) < MAX_FED:
+        if hdr.msg_type in (MsgType.LAYER, MsgType.KEEPALIVE) and len(self.fed) < MAX_FED:
             self.fed.add(hdr.transfer_id)
+        if hdr.msg_type is MsgType.KEEPALIVE:
+            if hdr.body_bytes:
+                raise WireError(f"KEEPALIVE with a body of {hdr.body_bytes} bytes")
+            rx.keepalive(hdr.transfer_id)
+            return
         if hdr.msg_type is not MsgType.LAYER:
             raise WireError(f"unexpected {hdr.msg_type.name} after the handshake")
         if hdr.body_bytes > rx.max_body_bytes:

@@ -4,7 +4,8 @@ sends to, cached by the sender and shared by every transfer to that endpoint.
     Peer.connect(sender, endpoint, token)     connect, then the handshake, once per connection:
         -> HELLO {CompatKey, staging, token: the id of a transfer the receiver reserved}
         <- HELLO_ACK {its CompatKey, staging}: both must match (IncompatibleKV), or REJECT
-    Peer.enqueue(message)                     the sender's loop, in push order
+    Peer.enqueue(message)                     the sender's loop, in push order (a LAYER,
+                                              or a KEEPALIVE: a header alone, no body)
     writer task:   wait for the message's gather (its `ready` event, in a thread), then post
                    header + body; up to max_inflight messages in flight, so their round trips
                    overlap (UCX keeps per-endpoint order); the staging buffer goes back to
@@ -41,12 +42,21 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Message:
-    """One LAYER message of a transfer, queued on its peer."""
+    """One LAYER (or KEEPALIVE: no body) message of a transfer, queued on its peer."""
     handle: object                        # its sender.TransferHandle
     hdr: Header                           # packed when sent, with the body's checksum
-    body: torch.Tensor                    # from the sender's StagingPool
+    body: torch.Tensor | None             # from the sender's StagingPool (None: KEEPALIVE)
     fut: concurrent.futures.Future        # resolves when both sends completed
     ready: "torch.cuda.Event | None"      # the side stream finished filling `body`
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.body is None else self.body.numel()
+
+    def free(self, pool, reuse: bool = True) -> None:
+        """Give the body back to `pool` (`reuse` False: UCX may still read it)."""
+        if self.body is not None:
+            pool.release(self.body, reuse=reuse)
 
 
 class Peer:
@@ -107,14 +117,14 @@ class Peer:
         """Queue `msg` for the writer (on the loop), or fail it at once: the peer failed, or
         its queue is full."""
         error, pool = self.error, self.sender.pool
-        if error is None and self.queued_bytes + msg.body.numel() > self.sender.max_queued_bytes:
+        if error is None and self.queued_bytes + msg.nbytes > self.sender.max_queued_bytes:
             error = TransportError(f"KV send queue to {self.endpoint} full ({self.queued_bytes} "
                                    f"bytes queued): the decode worker is not keeping up")
         if error is not None:
-            pool.release(msg.body, reuse=False)
+            msg.free(pool, reuse=False)
             msg.fut.set_exception(error)
         else:
-            self.queued_bytes += msg.body.numel()
+            self.queued_bytes += msg.nbytes
             self.queue.put_nowait(msg)
 
     async def _write_loop(self) -> None:
@@ -126,22 +136,23 @@ class Peer:
         loop = asyncio.get_running_loop()
         while True:
             msg = await self.queue.get()
-            self.queued_bytes -= msg.body.numel()
+            self.queued_bytes -= msg.nbytes
             if msg.ready is not None and not msg.ready.query():
                 await loop.run_in_executor(None, msg.ready.synchronize)
             if msg.handle.cancelled or msg.fut.done():
-                s.pool.release(msg.body)
+                msg.free(s.pool)
                 msg.fut.cancel()
                 continue
             await slots.acquire()
             if self.error is not None:
-                s.pool.release(msg.body, reuse=False)
+                msg.free(s.pool, reuse=False)
                 msg.fut.set_exception(self.error)
                 return
-            if s.staging == "host":
+            if s.staging == "host" and msg.body is not None:
                 msg.hdr = dataclasses.replace(msg.hdr, checksum=body_checksum(msg.body))
-            sends = [loop.create_task(self.conn.send(msg.hdr.pack())),
-                     loop.create_task(self.conn.send(msg.body))]
+            sends = [loop.create_task(self.conn.send(msg.hdr.pack()))]
+            if msg.body is not None:
+                sends.append(loop.create_task(self.conn.send(msg.body)))
             loop.create_task(self._complete(sends, msg, slots))
 
     async def _complete(self, sends, msg: Message, slots: asyncio.Semaphore) -> None:
@@ -152,18 +163,18 @@ class Peer:
             e = TransportError(f"KV send to {self.endpoint} not done after {s.send_timeout_s}s")
             if not msg.fut.done():
                 msg.fut.set_exception(e)
-            s.pool.release(msg.body, reuse=False)
+            msg.free(s.pool, reuse=False)
             await self.drop(e)
             return
         except Exception as e:
             if not msg.fut.done():
                 msg.fut.set_exception(TransportError(f"KV send to {self.endpoint} failed: {e}"))
-            s.pool.release(msg.body, reuse=False)   # the other send may still hold it
+            msg.free(s.pool, reuse=False)   # the other send may still hold it
             await self.drop(TransportError(f"KV endpoint {self.endpoint} is gone: {e}"))
             return
         finally:
             slots.release()
-        s.pool.release(msg.body)
+        msg.free(s.pool)
         if not msg.fut.done():
             msg.fut.set_result(None)
         n = msg.hdr.num_blocks
@@ -191,8 +202,8 @@ class Peer:
         self.sender.forget(self)
         while not self.queue.empty():
             msg = self.queue.get_nowait()
-            self.queued_bytes -= msg.body.numel()
-            self.sender.pool.release(msg.body, reuse=False)
+            self.queued_bytes -= msg.nbytes
+            msg.free(self.sender.pool, reuse=False)
             if not msg.fut.done():
                 msg.fut.set_exception(error)
         current = asyncio.current_task()

@@ -25,7 +25,9 @@ the reservation (the hard bound):
 
 so a long prompt whose chunks keep arriving stays reserved however long it computes (up to
 the bound), and one whose sender stopped (died, stalled, queued too long) expires idle_s
-after its last message. Without `max_s` the bound is `idle_s` (one fixed deadline). After a transfer leaves RESERVED/RECEIVING nothing is ever written into
+after its last message. A KEEPALIVE message (no data) is progress too: a live prefill worker
+sends one while the prompt waits in its queue, so a queued prompt keeps its reservation
+(still never past the bound) and a dead or stalled worker's stops. Without `max_s` the bound is `idle_s` (one fixed deadline). After a transfer leaves RESERVED/RECEIVING nothing is ever written into
 its blocks again: LAYER data naming an unknown or finished transfer id is read off the
 wire and dropped (those blocks may belong to another request by now).
 
@@ -120,6 +122,7 @@ class KVReceiver:
         self.aborted = 0
         self.dropped_messages = 0
         self.rejected_connections = 0
+        self.keepalives = 0
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -144,7 +147,7 @@ class KVReceiver:
     def counters(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in ("blocks_received", "bytes_received", "transfers_done",
                                               "failed", "expired", "aborted", "dropped_messages",
-                                              "rejected_connections")}
+                                              "rejected_connections", "keepalives")}
 
     # ------------------------------------------------------------------ worker API
     def reserve(self, transfer_id: str, block_ids: list[int], idle_s: float | None = None,
@@ -283,6 +286,17 @@ class KVReceiver:
                 t = self._live.get(tid)
             if t is not None:
                 self._fail(t, reason)
+
+    def keepalive(self, transfer_id: str) -> bool:
+        """A KEEPALIVE for `transfer_id`: its sender is alive, its prompt queued. Restarts
+        the idle window (never past the hard bound); False when the transfer is not live."""
+        with self._lock:
+            t = self._live.get(transfer_id)
+            if t is None:
+                return False
+            t.progressed(self.clock())
+            self.keepalives += 1
+            return True
 
     def on_layer(self, hdr: Header, body: torch.Tensor):
         """Validate one LAYER message and write it, or drop it. -> (the side stream's event

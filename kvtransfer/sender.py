@@ -5,6 +5,8 @@
     sender.push_layer_threadsafe(handle, i)          # gather copy here, send on the loop
     ...
     stats = await sender.finish(handle, timeout=5)   # every message sent (or an error)
+    sender.keepalive(handle)   # on the loop, while the request waits in the queue: the
+                               # receiver's idle window restarts (no data, nothing to finish)
 
 Lifecycle of one transfer, its TransferHandle's `state` (SGLang's poll states; the decode
 side's, in receiver.py, end in the same DONE | FAILED | ABORTED):
@@ -177,6 +179,7 @@ class KVSender:
         self.blocks_sent = 0
         self.bytes_sent = 0
         self.failures = 0
+        self.keepalives_sent = 0
 
     # ------------------------------------------------------------------ API
     async def open(self, transfer_id: str, endpoint: str, src_block_ids: list[int],
@@ -244,6 +247,18 @@ class KVSender:
         self.transfers_done += 1
         return TransferStats(handle.transfer_id, len(futs), handle._pushed_blocks, handle._bytes,
                              time.monotonic() - handle._started)
+
+    def keepalive(self, handle: TransferHandle) -> bool:
+        """Queue a KEEPALIVE for the handle's transfer (on the loop): its request is queued
+        here, alive; the receiver restarts the reservation's idle window when it arrives.
+        False (nothing sent) once the transfer is final or its connection failed."""
+        peer = handle._peer
+        if handle.state.final or peer is None or peer.error is not None:
+            return False
+        hdr = Header(MsgType.KEEPALIVE, handle.transfer_id)
+        peer.enqueue(Message(handle, hdr, None, concurrent.futures.Future(), None))
+        self.keepalives_sent += 1
+        return True
 
     def cancel(self, handle: TransferHandle) -> None:
         """Abort: ABORTED unless final already; its queued messages are skipped. Thread-safe."""

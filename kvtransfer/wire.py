@@ -26,6 +26,11 @@ BODY by msg_type
              staging: "host" | "device", where each side keeps LAYER bodies (staging.py);
              both sides must agree (a peer that omits it means "host")
   REJECT     JSON {"error": str, "compat": receiver's CompatKey} (then the receiver closes)
+  KEEPALIVE  no body: the sender is alive and the transfer named in the header is queued
+             behind other work (sender -> receiver, any number of times): the receiver
+             counts it as progress of that transfer (its idle window restarts, its hard
+             bound stays), so a prompt merely queued on a live prefill worker keeps its
+             reservation
   LAYER      int32 dst block ids [num_blocks], zero-padded to a multiple of 64 bytes, then
              the payload: K and V of those blocks for one layer, shape
              [2, num_blocks, block_size, num_kv_heads, head_dim] in the cache dtype; for an
@@ -44,7 +49,8 @@ import torch
 import xxhash
 
 MAGIC = b"PDKV"
-PROTOCOL_VERSION = 3     # 2: CompatKey.kv_scales, scales after an 8-bit LAYER payload; 3: checksum
+PROTOCOL_VERSION = 4     # 2: CompatKey.kv_scales, scales after an 8-bit LAYER payload; 3: checksum;
+                         # 4: KEEPALIVE
 HEADER = struct.Struct("<4sHH64sIIIQI")
 HEADER_BYTES = HEADER.size  # 96
 MAX_TRANSFER_ID_BYTES = 64
@@ -57,6 +63,7 @@ class MsgType(enum.IntEnum):
     HELLO_ACK = 2
     REJECT = 3
     LAYER = 4
+    KEEPALIVE = 5
 
 
 class WireError(ValueError):

@@ -72,6 +72,10 @@ class UpConfig:
     kv_max_reservation_s: float = field(default=600.0, metadata={
         "help": "the decode workers' --kv-max-reservation-s: the hard bound on a reservation "
                 "(a prompt that cannot be computed in this long is refused up front)"})
+    max_queue_delay_factor: float = field(default=10.0, metadata={
+        "help": "the prefill workers' --max-queue-delay-factor: a prompt that would wait in a "
+                "prefill queue longer than this many times its own compute is refused up front "
+                "(429 with Retry-After; keeps latency under overload; 0: off)"})
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self):
@@ -88,6 +92,8 @@ class UpConfig:
             raise ValueError("--restart-backoff must be > 0 and --max-restarts >= 0")
         if self.prefill_threads < 0 or self.decode_threads < 0:
             raise ValueError("--prefill-threads and --decode-threads must be >= 0 (0: a share)")
+        if self.max_queue_delay_factor < 0:
+            raise ValueError("--max-queue-delay-factor must be >= 0 (0: off)")
         if not 0 < self.kv_expiry_s <= self.kv_max_reservation_s:
             raise ValueError("--kv-expiry-s must be > 0 and at most --kv-max-reservation-s")
 
@@ -121,10 +127,11 @@ def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
 
 
 def worker_args(cfg: UpConfig, models: list[ModelPools] = ()) -> tuple[list[str], list[str]]:
-    """The options `up` hands every (prefill, decode) worker of its own: threads and the
-    decode workers' reservation deadlines."""
+    """The options `up` hands every (prefill, decode) worker of its own: threads, the
+    prefill workers' queue-delay bound and the decode workers' reservation deadlines."""
     prefill_threads, decode_threads = cfg.threads(models)
-    return (["--threads", str(prefill_threads)],
+    return (["--threads", str(prefill_threads), "--max-queue-delay-factor",
+             str(cfg.max_queue_delay_factor)],
             ["--threads", str(decode_threads), "--kv-expiry-s", str(cfg.kv_expiry_s),
              "--kv-max-reservation-s", str(cfg.kv_max_reservation_s)])
 

@@ -1,5 +1,8 @@
-"""The prefill worker's admission: a queue bounded in tokens, and no work taken that cannot
-be computed before its decode reservation expires.
+"""The prefill worker's admission: a queue bounded in tokens, a wait bounded by the prompt's
+own cost, and no work taken that cannot be computed before its deadline: its decode
+reservation's hard bound, or the call's own (the gateway's request deadline). The
+reservation's idle window does not limit the wait: a call queued here sends KEEPALIVEs that
+hold its reservation (kv_push.py).
 
     queued    prompt tokens of the calls admitted and not yet at their first token
     calls     those calls
@@ -18,7 +21,19 @@ be computed before its decode reservation expires.
               already spent on it (since the last completion), at least 0
     refuse    queued + this prompt > max_queued_tokens (unless nothing is queued: a prompt
               longer than the bound is served alone), or, with calls queued and a cost
-              fitted, backlog + cost(this prompt) past the reservation's deadline.
+              fitted, backlog + cost(this prompt) past the deadline, or
+              backlog > max(max_queue_delay_factor x cost(this prompt), MIN_QUEUE_DELAY_S):
+              the queue ahead would keep it waiting longer than K times its own compute
+              (the slowdown bound; factor 0: off). This is what keeps latency under
+              overload without any SLO from the operator: the queue a closed loop at
+              capacity builds (at most its own streams, spread over the workers) stays
+              under it, an open-loop overload's grows until it is refused, so the admitted
+              requests wait at most K x their own compute here; the cost is the worker's own
+              measure (the warm-up and its completed calls), so the bound follows the
+              model, the hardware and the prompt's length (a long prompt may wait longer,
+              in proportion). The default 10: at 6, 16 closed-loop streams of the real
+              model over 2 prefill workers on a 2-core CPU were refused (their queue reached
+              6-7 prompts' cost on one worker); at 10 never (bench/RESULTS.md, the bad day)
               An idle worker admits whatever fits the bound: alone, a prompt has the best
               chance it can get, so it is never refused on an estimate
 
@@ -32,11 +47,14 @@ from collections import deque
 from typing import Iterable
 
 MIN_PER_TOKEN_S = 1e-7           # 10M tokens/s: a line flatter than this is noise
+MIN_QUEUE_DELAY_S = 1.0          # the slowdown bound never refuses a wait shorter than this
 
 
 class PrefillAdmission:
-    def __init__(self, max_queued_tokens: int, max_samples: int = 32):
+    def __init__(self, max_queued_tokens: int, max_samples: int = 32,
+                 max_queue_delay_factor: float = 0.0):
         self.max_queued_tokens = max_queued_tokens
+        self.max_queue_delay_factor = max_queue_delay_factor
         self.queued = 0                  # tokens admitted, not yet computed
         self.refused = 0
         self._calls = 0                  # calls admitted, not yet computed
@@ -88,33 +106,32 @@ class PrefillAdmission:
     # -- admission -----------------------------------------------------------------------
     def refusal(self, tokens: int, seconds_left: float | None, now: float | None = None) -> str | None:
         """Why a call computing `tokens` prompt tokens, due in `seconds_left` (None: no
-        deadline), is refused now; None: admit it."""
-        now = time.monotonic() if now is None else now
+        deadline), is refused now (counted in `refused`); None: admit it."""
+        why = self._refusal(tokens, seconds_left, time.monotonic() if now is None else now)
+        self.refused += why is not None
+        return why
+
+    def _refusal(self, tokens: int, seconds_left: float | None, now: float) -> str | None:
         if self.queued and self.queued + tokens > self.max_queued_tokens:
             return (f"prefill queue full: {self.queued} prompt tokens queued, {tokens} more would "
                     f"pass the bound of {self.max_queued_tokens}")
         own = self.estimate(tokens)
-        if seconds_left is None or not self._calls or own is None:
-            return None                  # no deadline, idle (alone is its best chance), no cost
+        if not self._calls or own is None:
+            return None                  # idle (alone is its best chance), no cost
         backlog = self.backlog_s(now)
+        k = self.max_queue_delay_factor
+        if k and backlog > max(k * own, MIN_QUEUE_DELAY_S):
+            return (f"prefill queue too long: {self._calls} call(s) ahead ({self.queued} prompt "
+                    f"tokens) take ~{backlog:.1f}s, over {k:g}x this prompt's own ~{own:.1f}s "
+                    f"(--max-queue-delay-factor)")
+        if seconds_left is None:
+            return None
         if backlog + own > seconds_left:
             fixed, per_token = self.cost()
             return (f"prefill cannot finish in time: {self._calls} call(s) queued "
                     f"({self.queued} prompt tokens, ~{backlog:.1f}s left) + {tokens} prompt "
                     f"tokens (~{own:.1f}s at {fixed * 1e3:.0f} ms + {per_token * 1e3:.2f} ms a "
-                    f"token) take ~{backlog + own:.1f}s, the reservation expires in "
-                    f"{seconds_left:.1f}s")
-        return None
-
-    def wait_refusal(self, seconds_left: float, now: float | None = None) -> str | None:
-        """Why a call whose first KV is due in `seconds_left` is refused: the work queued
-        ahead of it takes longer than that (None: admit it; an idle worker never refuses)."""
-        now = time.monotonic() if now is None else now
-        backlog = self.backlog_s(now)
-        if self._calls and backlog > seconds_left:
-            return (f"prefill queue too long: {self._calls} call(s) ahead ({self.queued} prompt "
-                    f"tokens) take ~{backlog:.1f}s, this call's first KV is due in "
-                    f"{seconds_left:.1f}s")
+                    f"token) take ~{backlog + own:.1f}s, its deadline is in {seconds_left:.1f}s")
         return None
 
     def started(self, tokens: int, now: float | None = None) -> None:

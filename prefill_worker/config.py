@@ -16,6 +16,12 @@ class PrefillWorkerConfig(WorkerConfig):
                 "measured prefill cost cannot finish a prompt before its decode reservation "
                 "expires) new work is refused with RESOURCE_EXHAUSTED (a longer prompt runs "
                 "alone)"})
+    max_queue_delay_factor: float = field(default=10.0, metadata={
+        "help": "refuse (RESOURCE_EXHAUSTED: the gateway tries another worker, then 429 with "
+                "Retry-After) a prompt whose wait behind the work queued ahead would exceed "
+                "this many times its own compute, as this worker measures it (at least 1 s; "
+                "an idle worker refuses nothing; 0: off). Keeps latency under overload "
+                "without SLOs"})
     decode: str = field(default="", metadata={
         "help": "decode workers (gRPC host:port,...) this worker may push KV to: it sends only "
                 "to the KV endpoints they announce"})
@@ -33,3 +39,5 @@ class PrefillWorkerConfig(WorkerConfig):
             raise ValueError("give --decode or --decode-dns, not both")
         if self.max_queued_prefill_tokens < 1:
             raise ValueError("max_queued_prefill_tokens must be >= 1")
+        if self.max_queue_delay_factor < 0:
+            raise ValueError("max_queue_delay_factor must be >= 0 (0: off)")

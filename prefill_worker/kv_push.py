@@ -12,6 +12,10 @@ worker while the next layer computes.
             save_kv_layer(i, sched)       a chunk of the request ran layer i: push layer i of
                                           the blocks this chunk completed (first layer: bind
                                           them to the request's blocks)
+        push.keep_alive(p, idle_s)        while the request waits for its first layer
+                                          (polled by the server): a KEEPALIVE every
+                                          idle_s / KEEPALIVES_PER_WINDOW, if the engine
+                                          computed a layer (of any request) since the last
         stats = await push.finish(p, timeout)    every layer sent (or an error)
         push.end(p, cancel=...)           on any other way out: forget it, cancel the sends
 
@@ -37,6 +41,15 @@ inherited wait_for_save does not wait either: no later step rewrites a block a q
 reads (a prompt position is written once, and the request's blocks are freed only after
 `finish`, once every send, and so every gather, completed).
 
+Keep-alive: the decode worker lets a reservation go `idle_s` after its last progress. A
+prompt queued behind others pushes nothing for a while; its KEEPALIVEs (kvtransfer/wire.py)
+tell the decoder it is queued on a live worker, so it keeps its reservation up to the hard
+bound (the prefill admission refuses up front what cannot finish by then). They are sent
+only while the engine computes (`layers_run`, every layer of every step, moved since the
+last one; a layer, not a step: one step of a full token budget on a slow CPU can outlast
+the idle window): a wedged engine stops them, and its requests' reservations expire as a
+dead worker's do. Once the request's own layers flow, they are the progress.
+
 A push that fails on the engine thread never breaks the step: the error is kept on the
 `Push`, its sends are cancelled, and `finish` raises it.
 """
@@ -55,6 +68,8 @@ from kvtransfer.wire import CompatKey
 from services import tracing
 
 from .decoders import KnownDecoders
+
+KEEPALIVES_PER_WINDOW = 3        # KEEPALIVEs per idle window while a request is queued
 
 
 class PushFailed(RuntimeError):
@@ -76,6 +91,14 @@ class Push:
     error: Exception | None = None
     span: object = tracing.INVALID_SPAN   # pdserve.kv.send: one event per pushed layer
     progress_at: float = 0.0          # time.monotonic() of the last layer pushed (0: none yet)
+    opened_at: float = 0.0            # time.monotonic() of open()
+    alive_at: float = 0.0             # ... of the last KEEPALIVE queued (0: none yet)
+    alive_layers: int = -1            # KVPush.layers_run then
+
+    @property
+    def last_progress(self) -> float:
+        """time.monotonic() of the last thing that extended the reservation (0: nothing)."""
+        return max(self.progress_at, self.alive_at)
 
 
 class KVPush(KVConnector):
@@ -87,6 +110,7 @@ class KVPush(KVConnector):
         self.staging = staging                   # kvtransfer/staging.py
         self.sender: KVSender | None = None      # made in register_kv_caches
         self._pushes: dict[str, Push] = {}       # loop writes, engine thread reads (GIL-atomic)
+        self.layers_run = 0                      # save_kv_layer calls: the engine computes
 
     @property
     def compat(self) -> CompatKey:
@@ -101,6 +125,7 @@ class KVPush(KVConnector):
 
     def save_kv_layer(self, layer: int, scheduler_output: SchedulerOutput) -> None:
         last = self.sender.compat.num_layers - 1
+        self.layers_run += 1
         for s in scheduler_output.scheduled:
             push = self._pushes.get(s.request.request_id)
             if push is None or push.error is not None:
@@ -144,9 +169,25 @@ class KVPush(KVConnector):
         handle = await self.sender.open(transfer_id, endpoint, dst_block_ids, dst_block_ids)
         span = tracing.start_span("pdserve.kv.send", None, tracing.tracing_enabled() and {
             "transfer_id": transfer_id, "blocks": len(dst_block_ids)}, t_open)
-        push = Push(request_id, handle, first_block, span=span)
+        push = Push(request_id, handle, first_block, span=span, opened_at=time.monotonic())
         self._pushes[request_id] = push
         return push
+
+    def keep_alive(self, push: Push | None, idle_s: float, now: float | None = None) -> bool:
+        """A KEEPALIVE for a request still waiting for its first layer, once per
+        idle_s / KEEPALIVES_PER_WINDOW, if the engine computed a layer since the last one;
+        True when one was queued."""
+        if push is None or not idle_s or push.progress_at or push.error is not None:
+            return False
+        now, layers = time.monotonic() if now is None else now, self.layers_run
+        if push.alive_layers < 0:
+            push.alive_layers = layers   # the first poll: the count to move past
+        if now - max(push.opened_at, push.alive_at) < idle_s / KEEPALIVES_PER_WINDOW:
+            return False
+        if layers == push.alive_layers or not self.sender.keepalive(push.handle):
+            return False
+        push.alive_at, push.alive_layers = now, layers
+        return True
 
     async def finish(self, push: Push, timeout: float) -> TransferStats:
         """Wait until every layer was sent; forgets the push. Raises KVTransferTimeout,

@@ -1,8 +1,8 @@
 """The prefill worker: gRPC `PrefillWorker` (Prefill, Abort, Stats) + health + reflection;
 its KV goes out through `KVPush` (kv_push.py), the engine's KV connector.
 
-One Prefill call (see protos/pdserve/v1/prefill.proto for the whole lifecycle), one `_Call`
-object holding its state, in four phases:
+One Prefill call (see protos/pdserve/v1/prefill.proto for the whole lifecycle), one `Call`
+object holding its state (call.py), in four phases:
 
     validate params, prompt and destination (INVALID_ARGUMENT); compat check against the
     decoder's KvCompat (FAILED_PRECONDITION naming both sides); with the internal
@@ -17,12 +17,13 @@ object holding its state, in four phases:
                      lacks (blocks >= num_cached_tokens // block_size) once it is written;
                      the first token is sampled. Bounded by the reservation's deadline,
                      which follows the work as the decoder's does (kvtransfer/receiver.py):
-                     the idle window after the last layer pushed (the reservation's own
-                     deadline before the first), never past the hard bound. Past it the
-                     request is dropped (DEADLINE_EXCEEDED), queued or not, and its engine
-                     request aborted: a step of abandoned requests stops at its next layer
+                     the idle window after the last layer pushed or KEEPALIVE sent (from the
+                     open transfer to its first layer, while the engine computes: kv_push.py),
+                     never past the hard bound. Past it the request is dropped
+                     (DEADLINE_EXCEEDED), queued or not, and its engine request aborted: a
+                     step of abandoned requests stops at its next layer
     finish transfer: await every send (bounded by kv_send_timeout_s)
-    respond:         engine.release(): blocks back to the pool -> PrefillResponse
+    respond:         PrefillResponse; then engine.release(): blocks back to the pool
     Any error, Abort(request_id) or the caller's cancel: cancel the transfer, abort the
     engine request (frees its blocks).
 
@@ -34,16 +35,12 @@ import asyncio
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
 
 import grpc
 
 from engine.async_engine import EngineError
 from engine.kv_cache_manager import cdiv
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from kvtransfer.reservation import deadline_after
-from kvtransfer.sender import KVTransferTimeout, TransferStats
+from kvtransfer.sender import KVTransferTimeout
 from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -52,42 +49,20 @@ from services.security import MTLS, read_token, transfer_id_signed
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .admission import PrefillAdmission
+from .call import Call
 from .config import PrefillWorkerConfig
 from .decoders import KnownDecoders
-from .kv_push import DestinationRefused, KVPush, Push, PushFailed
+from .kv_push import DestinationRefused, KVPush, PushFailed
 
 log = logging.getLogger(__name__)
 DEADLINE_POLL_S = 0.25           # how often a computing call re-reads its moving deadline
-
 WARM_UP_LONG_TOKENS = 256        # the warm-up's long prompt: the per-token cost's first measure
 WARM_UP_SHORT_TOKENS = 8         # and its short one: the fixed cost's
 
 
 class _DestinationFault(RpcStatus):
-    """The destination's KV endpoint failed (connect, handshake, send): its decode worker's
-    fault, told to the gateway by trailing metadata (protoconv.KV_DESTINATION_FAULT)."""
-
-
-@dataclass
-class _Call:
-    """One Prefill call's state (on the loop; the engine thread sees only `push`, via KVPush)."""
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    dest: prefill_pb2.KvDestination
-    num_cached: int                   # prompt tokens the decoder has: their blocks are not sent
-    push: Push | None = None          # the outgoing transfer (None: nothing to send)
-    final: RequestOutput | None = None    # the prefill-only output holding the first token
-    transfer: TransferStats | None = None
-    queued: int = 0                   # prompt tokens it holds in the admission queue
-    admitted: bool = False            # in the admission queue (also with 0 tokens to compute)
-    expires: float | None = None      # time.monotonic() the reservation expires unless extended
-    idle_s: float = 0.0               # each layer pushed extends it to then + idle_s (0: fixed)
-    bound: float | None = None        # ... up to this hard bound (time.monotonic())
-    released: bool = False            # the engine freed its blocks (the call succeeded)
-    t0: float = field(default_factory=time.perf_counter)
-    t_compute: float = 0.0            # first token sampled
-    t_done: float = 0.0               # every layer sent
+    """The destination's KV endpoint failed: its decode worker's fault, told to the gateway
+    by trailing metadata (protoconv.KV_DESTINATION_FAULT)."""
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
@@ -100,8 +75,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self.block_size = self.ae.block_size
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
+        self._releasing: set[asyncio.Task] = set()   # _release tasks (the answer already left)
         self.expired = 0                  # calls dropped: their reservation expired first
-        self.admission = PrefillAdmission(self.cfg.max_queued_prefill_tokens)
+        self.admission = PrefillAdmission(self.cfg.max_queued_prefill_tokens,
+                                          max_queue_delay_factor=self.cfg.max_queue_delay_factor)
 
     # -------------------------------------------------------------- RPCs
     async def Prefill(self, request, context):
@@ -111,7 +88,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                                                   tracing.tracing_enabled() and {
                                                       "request_id": rid,
                                                       "prompt_tokens": len(request.prompt_token_ids)}):
-                return await self._prefill(request)
+                return await self._prefill(request, context.time_remaining())
         except Draining as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except RpcStatus as e:
@@ -148,7 +125,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             max_model_len=self.ae.max_model_len)
 
     # -------------------------------------------------------------- Prefill body
-    def _validate(self, request) -> _Call:
+    def _validate(self, request) -> Call:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         params = worker_server.new_request_params(request, self._tasks)
         ids = list(request.prompt_token_ids)
@@ -182,7 +159,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             self.expired += 1
             raise RpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED,
                             "the decode worker's KV reservation has already expired")
-        call = _Call(request.request_id, ids, params, dest, cached)
+        call = Call(request.request_id, ids, params, dest, cached)
         mono = lambda ms: time.monotonic() + ms / 1000 - time.time()   # noqa: E731
         if dest.expires_at_unix_ms > 0:
             call.expires = call.bound = mono(dest.expires_at_unix_ms)
@@ -191,12 +168,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                 call.expires = min(call.expires, call.bound)
         return call
 
-    async def _prefill(self, request) -> prefill_pb2.PrefillResponse:
+    async def _prefill(self, request, rpc_left: float | None) -> prefill_pb2.PrefillResponse:
         call = self._validate(request)
-        self._admit(call)
+        self._admit(call, rpc_left)
         self._tasks[call.request_id] = asyncio.current_task()
         try:
             await self._open_transfer(call)
+            call.keeper = asyncio.ensure_future(self._keep_alive(call))
             await self._compute(call)
             await self._finish_transfer(call)
             return await self._respond(call)
@@ -205,28 +183,27 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         finally:
             await self._end(call)
 
-    def _admit(self, call: _Call) -> None:
+    def _admit(self, call: Call, rpc_left: float | None) -> None:
         """Queue the call's prompt tokens, or refuse it (RESOURCE_EXHAUSTED), before any
-        compute (admission.py): the queue is full, the prompt cannot be computed within the
-        reservation's hard bound, or (a deadline that follows the work) the work queued
-        ahead of it outlasts the idle window its first layer is due in."""
+        compute (admission.py): the queue is full, the work ahead would keep it waiting past
+        its slowdown bound, or it and the work ahead cannot be computed by the reservation's
+        hard bound or the call's deadline (`rpc_left` s). While queued, KEEPALIVEs hold the
+        reservation (kv_push.py): the idle window does not bind."""
         tokens = len(call.prompt) - call.num_cached
         now = time.monotonic()
-        why = self.admission.refusal(tokens, None if call.bound is None else call.bound - now)
-        if why is None and call.idle_s:
-            why = self.admission.wait_refusal(call.expires - now, now)
+        lefts = [x for x in (None if call.bound is None else call.bound - now, rpc_left) if x is not None]
+        why = self.admission.refusal(tokens, min(lefts) if lefts else None, now)
         if why is not None:
-            self.admission.refused += 1
             raise RpcStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         self.admission.started(tokens)
         call.queued, call.admitted = tokens, True
 
-    def _dequeue(self, call: _Call, computed: bool) -> None:
+    def _dequeue(self, call: Call, computed: bool) -> None:
         if call.admitted:
             self.admission.ended(call.queued, computed)
             call.queued, call.admitted = 0, False
 
-    async def _open_transfer(self, call: _Call) -> None:
+    async def _open_transfer(self, call: Call) -> None:
         """Connect to the decoder and register the transfer before the request can run."""
         dest = call.dest
         if not dest.dst_block_ids:
@@ -243,7 +220,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         except ValueError as e:
             raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
-    async def _compute(self, call: _Call) -> None:
+    async def _compute(self, call: Call) -> None:
         """The prompt through the engine (its layers pushed as they are written) up to the
         first sampled token, by the reservation's deadline: work still queued (or computing)
         when the decoder lets its blocks go is dropped, its engine request aborted by _end."""
@@ -258,25 +235,32 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             self.expired += 1
             raise RpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"request {rid!r}: the decode worker's KV reservation "
-                            f"{self._expiry_cause(call)} before its prompt was computed (dropped)"
+                            f"{call.expiry_cause()} before its prompt was computed (dropped)"
                             ) from None
         if call.final is None or call.final.finish_reason == "abort":
             raise RpcStatus(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
         call.t_compute = time.perf_counter()
         self._dequeue(call, computed=True)
-        await self._observe_engine_phases(rid)
 
-    async def _first_token(self, call: _Call) -> None:
+    async def _keep_alive(self, call: Call) -> None:
+        """KEEPALIVEs for the reservation (kv_push.py) from the open transfer to the first
+        layer pushed: add_request itself waits for the engine's step in progress, which on a
+        slow CPU can outlast the idle window."""
+        while call.push is not None and not call.push.progress_at:
+            self.kv.keep_alive(call.push, call.idle_s)
+            await asyncio.sleep(DEADLINE_POLL_S)
+
+    async def _first_token(self, call: Call) -> None:
         async for out in self.ae.stream(call.request_id):
             call.final = out
 
-    async def _first_token_in_time(self, call: _Call) -> None:
-        """_first_token, or TimeoutError once the reservation's deadline (_deadline) passed;
+    async def _first_token_in_time(self, call: Call) -> None:
+        """_first_token, or TimeoutError once the reservation's deadline (Call.deadline) passed;
         re-read every DEADLINE_POLL_S, since each pushed layer moves it."""
         task = asyncio.ensure_future(self._first_token(call))
         try:
             while not task.done():
-                deadline = self._deadline(call)
+                deadline = call.deadline()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise asyncio.TimeoutError
@@ -285,26 +269,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         finally:
             task.cancel()
 
-    @staticmethod
-    def _deadline(call: _Call) -> float | None:
-        """When the decoder lets the reservation go (time.monotonic(); None: never): its
-        receiver's rule from the last layer pushed, never before the reserved deadline."""
-        if call.expires is None:
-            return None
-        pushed = call.push.progress_at if call.push is not None else 0.0
-        if not call.idle_s or not pushed:
-            return call.expires
-        return max(call.expires, deadline_after(pushed, call.idle_s, call.bound))
-
-    @staticmethod
-    def _expiry_cause(call: _Call) -> str:
-        if call.idle_s and call.bound is not None and time.monotonic() >= call.bound:
-            return "reached its hard bound (the decode worker's --kv-max-reservation-s)"
-        if call.idle_s:
-            return f"expired (no progress for {call.idle_s:.3g}s)"
-        return "expired"
-
-    async def _finish_transfer(self, call: _Call) -> None:
+    async def _finish_transfer(self, call: Call) -> None:
         """Wait until every pushed layer was sent (kv_send_timeout_s)."""
         if call.push is not None:
             try:
@@ -324,9 +289,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             self.metrics.observe_kv_transfer(call.transfer.bytes_sent, time.perf_counter() - call.t0)
         call.t_done = time.perf_counter()
 
-    async def _respond(self, call: _Call) -> prefill_pb2.PrefillResponse:
-        """Free the blocks (their KV is with the decoder) and answer with the first token."""
-        await self.ae.release(call.request_id)
+    async def _respond(self, call: Call) -> prefill_pb2.PrefillResponse:
+        """Answer with the first token; the blocks (their KV is with the decoder) are freed
+        after: an engine command waits for the step in progress, which can outlast the
+        decoder's wait for this answer (its idle window)."""
+        task = asyncio.ensure_future(self._release(call.request_id))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
         call.released = True
         final, st = call.final, call.transfer
         joules = self.meter.pop(call.request_id)          # None without a power reading
@@ -341,10 +310,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             compute_ms=(call.t_compute - call.t0) * 1e3,
             transfer_wait_ms=(call.t_done - call.t_compute) * 1e3, energy_joules=joules)
 
-    async def _end(self, call: _Call) -> None:
+    async def _end(self, call: Call) -> None:
         """Whatever happened: forget the call; unless it succeeded, cancel the transfer and
         abort the engine request (its blocks are freed)."""
         self._tasks.pop(call.request_id, None)
+        if call.keeper is not None:
+            call.keeper.cancel()
         self._dequeue(call, computed=False)
         self.meter.pop(call.request_id)
         if call.push is not None:
@@ -352,10 +323,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if not call.released:
             await asyncio.shield(worker_server.abort_quietly(self.ae, call.request_id))
 
-    async def _observe_engine_phases(self, rid: str) -> None:
-        """Queue and compute time of a finished prefill-only request, from the engine's own
-        timestamps (the request stays in the engine, untouched, until release())."""
-        times = await self.ae.request_times(rid)
+    async def _release(self, rid: str) -> None:
+        """Record the queue and compute time of a finished prefill-only request (it stays in
+        the engine, untouched, until release()) from the engine's timestamps; free it."""
+        try:
+            times = await self.ae.request_times(rid)
+        finally:
+            await self.ae.release(rid)
         if times is None or times.first_scheduled is None or times.first_token is None:
             return
         self.metrics.observe_phases(queue_s=times.first_scheduled - times.arrival,

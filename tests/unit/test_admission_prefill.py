@@ -1,5 +1,6 @@
-"""The prefill worker's admission (prefill_worker/admission.py): a queue bounded in tokens and
-no work taken that cannot finish before its reservation expires; through real workers and
+"""The prefill worker's admission (prefill_worker/admission.py): a queue bounded in tokens, a
+wait bounded by K x the prompt's own cost, and no work taken that cannot finish before its
+deadline; through real workers and
 the gateway (one process, tests/unit/test_pd_inprocess.py's System): RESOURCE_EXHAUSTED from
 the worker, then the gateway's refusal with a retry hint, and nothing held afterwards."""
 from __future__ import annotations
@@ -98,6 +99,38 @@ def test_a_busy_worker_refuses_what_its_real_queue_cannot_finish_in_time():
     assert a.refusal(20, seconds_left=30.0, now=now) is None
     assert a.refusal(1201, seconds_left=30.0, now=now + 10.0) is None
     assert a.refusal(1201, seconds_left=None, now=now) is None      # no deadline: bound only
+
+
+def test_the_slowdown_bound_refuses_a_wait_over_k_times_the_prompts_own_cost():
+    """With --max-queue-delay-factor 10 and three 1,201-token prompts queued (~29.4 s of
+    work): a 100-token prompt (~0.95 s alone) would wait over 10x that and is refused, with
+    the figures; another 1,201-token one (~9.8 s alone, 98 s allowed) is admitted, and so is
+    the short one once the queue is down to a few seconds; an idle worker refuses nothing
+    and a wait under MIN_QUEUE_DELAY_S is never refused; factor 0 is off."""
+    a, now = PrefillAdmission(max_queued_tokens=65536, max_queue_delay_factor=10), 0.0
+    for n in (8, 256, 1000, 40, 600):
+        now = _serve(a, n, now) + 5.0
+    assert a.refusal(100, seconds_left=None, now=now) is None      # idle
+    for _ in range(3):
+        a.started(1201, now=now)
+    why = a.refusal(100, seconds_left=None, now=now)
+    assert why is not None and "prefill queue too long" in why and "over 10x" in why, why
+    assert a.refused == 1
+    assert a.refusal(1201, seconds_left=None, now=now) is None
+    assert a.refusal(100, seconds_left=None, now=now + 21.0) is None   # ~8.4 s left < 9.5 s
+    b = PrefillAdmission(max_queued_tokens=65536, max_queue_delay_factor=2)
+    for n in (8, 256):
+        now = _serve(b, n, now) + 5.0
+    b.started(60, now=now)                                          # ~0.63 s ahead
+    assert b.refusal(1, seconds_left=None, now=now) is None         # over 2x 0.16 s, under 1 s
+    b.started(60, now=now)                                          # ~1.26 s ahead
+    assert b.refusal(1, seconds_left=None, now=now) is not None
+    off = PrefillAdmission(max_queued_tokens=65536)
+    for n in (8, 256):
+        now = _serve(off, n, now) + 5.0
+    for _ in range(30):
+        off.started(1201, now=now)
+    assert off.refusal(1, seconds_left=None, now=now) is None
 
 
 def test_the_fit_is_clamped_to_a_positive_cost():

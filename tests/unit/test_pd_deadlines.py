@@ -9,6 +9,8 @@ unslowed run of the same prompt, so a slow machine gets a longer one.
     control        one pause of 1.5 idle windows: both sides give up, the prefill stops
     abort          the client goes away mid-prefill: the prefill stops within a layer
     hard bound     a prompt the worker cannot compute before the bound: refused up front
+    queued         a prompt queued behind a long one for 2+ idle windows keeps its
+                   reservation by KEEPALIVEs and completes with the offline engine's tokens
 """
 from __future__ import annotations
 
@@ -213,6 +215,40 @@ def test_a_prompt_that_cannot_finish_within_the_bound_is_refused_before_any_comp
     system.run(main(), 120)
 
 
+def test_a_prompt_queued_past_its_idle_window_keeps_its_reservation(system, offline, monkeypatch):  # noqa: F811
+    """Each step slowed to 1.5 idle windows (a step longer than the window, as a full token
+    budget on a slow CPU): a 2-chunk prompt computes first; a 1-chunk one sent once its first
+    layer was pushed waits, pushing nothing, for the step in progress (its add_request
+    itself waits for it) and then the next, over 2 idle windows of its own reservation: its
+    KEEPALIVEs (one per third of the window while the engine computes layers) hold it; no
+    reservation expires and its greedy tokens are the offline engine's."""
+    idle = _idle_window(system)
+    slow = Slow(monkeypatch, lambda layer, k: 1.5 * idle / LAYERS)
+    prompt, n = _prompt(CHUNK, 99), 4
+    ref = offline(prompt, n)
+
+    async def main():
+        before = await _expirations(system)
+        brid = "blocker-" + uuid.uuid4().hex
+        bprompt = _prompt(2 * CHUNK, 100)
+        bstream, bkv = await _decode(system, brid, bprompt, 2, 10 * idle)
+        blocker = asyncio.ensure_future(system.pre.Prefill(prefill_pb2.PrefillRequest(
+            request_id=brid, prompt_token_ids=bprompt, sampling=_greedy(2),
+            destination=_dest(bkv)), timeout=RPC_S * 6))
+        while slow.layers_of("blocker-") < 1:
+            await asyncio.sleep(0.01)
+        tokens, last, took = await _one(system, prompt, n, idle)
+        assert tokens == ref.token_ids and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert took > 2 * idle, f"queued {took:.2f}s, the idle window is {idle:.2f}s"
+        resp = await blocker
+        assert (await system.dec.SubmitFirstToken(decode_pb2.SubmitFirstTokenRequest(
+            request_id=brid, first_token=resp.first_token), timeout=RPC_S)).accepted
+        await _rest(bstream)
+        assert await _expirations(system) == before
+        await system.wait_all_free()
+    system.run(main(), 240)
+
+
 def test_the_end_to_end_deadline_follows_the_tokens_asked_for(system, monkeypatch):
     """A gateway whose base deadline is shorter than a slowed prompt's prefill: with no
     per-token allowance the request gets DEADLINE_EXCEEDED; with one sized from the prompt,
@@ -264,3 +300,35 @@ def test_unset_max_tokens_stops_at_the_contexts_end(model_dir):  # noqa: F811
                 cfg.request_timeout_s + 48 * cfg.request_timeout_per_token_s)
             await s.wait_all_free()
         s.run(main(), 120)
+
+
+def test_keepalives_go_only_while_queued_and_the_engine_computes():
+    """KVPush.keep_alive with a recording sender: nothing before a third of the idle window,
+    one per third while the engine computes layers (of any request), none while it stands
+    still (a wedged engine lets the reservation expire), none once a layer was pushed."""
+    from prefill_worker.kv_push import KEEPALIVES_PER_WINDOW, Push
+
+    class Sender:
+        sent = 0
+
+        def keepalive(self, handle):
+            self.sent += 1
+            return True
+
+    kv = KVPush.__new__(KVPush)
+    kv.sender, kv.layers_run = Sender(), 5
+    idle, every = 3.0, 3.0 / KEEPALIVES_PER_WINDOW
+    p = Push("r", handle=None, first_block=0, opened_at=100.0)
+    assert not kv.keep_alive(p, idle, now=100.0)                   # the first poll: a baseline
+    kv.layers_run = 9
+    assert not kv.keep_alive(p, idle, now=100.0 + every / 2)
+    assert kv.keep_alive(p, idle, now=100.0 + every)
+    assert p.last_progress == 100.0 + every
+    assert not kv.keep_alive(p, idle, now=100.0 + 3 * every)       # no layer since
+    kv.layers_run = 10
+    assert kv.keep_alive(p, idle, now=100.0 + 3 * every)
+    kv.layers_run = 11
+    assert not kv.keep_alive(p, 0.0, now=200.0)                    # a fixed deadline: no use
+    p.progress_at = 100.0 + 3.5 * every                             # its layers flow: progress
+    assert not kv.keep_alive(p, idle, now=200.0)
+    assert kv.sender.sent == 2

@@ -214,7 +214,8 @@ def test_each_step_of_one_request(system, offline):
             timeout=RPC_S)
         assert resp.first_token.token_id == ref.token_ids[0]
         assert resp.blocks_transferred == len(kv.block_ids) * LAYERS
-        assert (await system.held())[0] == 0                          # prefill released its blocks
+        while (await system.held())[0]:     # the prefill frees its blocks right after answering
+            await asyncio.sleep(0.01)         # (bounded by the test's deadline)
         assert (await system.dec.SubmitFirstToken(decode_pb2.SubmitFirstTokenRequest(
             request_id=rid, first_token=resp.first_token), timeout=RPC_S)).accepted
         tokens, last = [resp.first_token.token_id], None

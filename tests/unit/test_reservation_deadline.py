@@ -147,28 +147,83 @@ def test_per_call_windows_and_the_fixed_deadline_without_a_bound():
     run(main())
 
 
+async def _keepalive(rx, tx, h) -> None:
+    """One KEEPALIVE through the real sender; returns once the receiver counted it."""
+    before = rx.keepalives
+    assert tx.keepalive(h)
+    for _ in range(1000):
+        await asyncio.sleep(0)
+        if rx.keepalives > before:
+            return
+    raise AssertionError("the KEEPALIVE did not arrive")
+
+
+def test_keepalives_hold_a_queued_reservation_then_silence_expires_it():
+    """A prompt queued on a live prefill worker sends no KV, only a KEEPALIVE every 8 s: a
+    10 s idle window lives 32 s (then its KV arrives: DONE); another, whose KEEPALIVEs stop,
+    expires 10 s after the last one, and a KEEPALIVE never moves a deadline past the bound."""
+    async def main():
+        clock = Clock()
+        rx, tx, addr = await _pair(clock, expiry_s=10.0, max_s=30.0)
+        t0 = clock.t
+        rx.reserve("queued", [0, 1])
+        rx.reserve("stops", [2])
+        h = await tx.open("queued", addr, [5, 6], [0, 1])
+        s = await tx.open("stops", addr, [7], [2])
+        for k in range(3):                                  # t0 + 8, 16, 24
+            clock.t += 8.0
+            assert rx.reap() == ([] if k < 2 else ["stops"])    # t0 + 24 > t0 + 8 + 10
+            await _keepalive(rx, tx, h)
+            if k == 0:
+                await _keepalive(rx, tx, s)                 # its last one, at t0 + 8
+        assert "no progress: its first KV did not arrive within 10s" in rx.poll("stops").reason
+        assert rx.poll("queued").deadline == t0 + 30.0      # the bound, not t0 + 24 + 10
+        clock.t = t0 + 29.0
+        await _push(rx, tx, h, "queued", 0, 2)
+        await tx.finish(h, 5)
+        assert (await rx.wait("queued", 5)).state is TransferState.DONE
+        assert not tx.keepalive(h)                          # final: nothing more is sent
+        assert rx.keepalives == 4 and tx.keepalives_sent == 4 and rx.expired == 1
+        tx.cancel(s)
+        await tx.close(); await rx.close()
+    run(main())
+
+
+def test_a_keepalive_naming_no_live_transfer_changes_nothing():
+    async def main():
+        clock = Clock()
+        rx, _tx, _addr = await _pair(clock, expiry_s=10.0, max_s=30.0)
+        assert not rx.keepalive("nobody")
+        rx.reserve("gone", [0])
+        assert rx.abort("gone")
+        assert not rx.keepalive("gone") and rx.keepalives == 0
+        await _tx.close(); await rx.close()
+    run(main())
+
+
 def test_the_prefill_worker_sees_the_receivers_deadline():
-    """The prefill worker's view of a reservation (PrefillServicer._deadline) is the
+    """The prefill worker's view of a reservation (Call.deadline) is the
     receiver's own deadline at every push, the bound included: one rule, not two."""
     from types import SimpleNamespace
 
-    from prefill_worker.server import PrefillServicer, _Call
+    from prefill_worker.call import Call
 
     async def main():
         clock = Clock()
         rx, tx, addr = await _pair(clock, expiry_s=10.0, max_s=30.0)
         t0 = clock.t
         rx.reserve("seen", list(range(8)))
-        call = _Call("r", [1], None, None, 0, push=SimpleNamespace(progress_at=0.0),
+        call = Call("r", [1], None, None, 0, push=SimpleNamespace(last_progress=0.0),
                      expires=t0 + 10.0, idle_s=10.0, bound=t0 + 30.0)
-        assert PrefillServicer._deadline(call) == rx.poll("seen").deadline == t0 + 10.0
+        assert call.deadline() == rx.poll("seen").deadline == t0 + 10.0
         h = await tx.open("seen", addr, list(range(8, 12)) + list(range(4)), list(range(8)))
         for chunk in range(5):             # at t0 + 7, 14, 21, 28, 35 (the last past the bound)
             clock.t += 7.0
             await _push(rx, tx, h, "seen", chunk, chunk + 1)
-            call.push.progress_at = clock.t
-            assert PrefillServicer._deadline(call) == rx.poll("seen").deadline
-        assert PrefillServicer._deadline(call) == t0 + 30.0
+            call.push.last_progress = clock.t
+            assert call.deadline() == rx.poll("seen").deadline
+        assert call.deadline() == t0 + 30.0
         tx.cancel(h)
         await tx.close(); await rx.close()
     run(main())
+

@@ -69,7 +69,7 @@ def test_up_splits_the_cores_between_the_roles():
 def test_up_hands_threads_and_reservation_flags_to_the_workers(monkeypatch):
     up = config_from_args(UpConfig, build_parser().parse_args([
         "up", "--prefill-threads", "3", "--decode-threads", "2", "--kv-expiry-s", "20",
-        "--kv-max-reservation-s", "900"]))
+        "--kv-max-reservation-s", "900", "--max-queue-delay-factor", "6"]))
     prefill_args, decode_args = worker_args(up)
     lau = Launcher("m", prefill_args=prefill_args, decode_args=decode_args)
     monkeypatch.setattr(Launcher, "_spawn", lambda self, c: self.children.append(c))
@@ -78,7 +78,7 @@ def test_up_hands_threads_and_reservation_flags_to_the_workers(monkeypatch):
     workers = {"prefill": PrefillWorkerConfig, "decode": DecodeWorkerConfig}
     cfgs = {c.role: config_from_args(workers[c.role], build_parser().parse_args(c.argv))
             for c in lau.children if c.role != "gateway"}
-    assert cfgs["prefill"].num_threads == 3
+    assert (cfgs["prefill"].num_threads, cfgs["prefill"].max_queue_delay_factor) == (3, 6.0)
     d = cfgs["decode"]
     assert (d.num_threads, d.kv_expiry_s, d.kv_max_reservation_s) == (2, 20.0, 900.0)
 
