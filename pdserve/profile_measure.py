@@ -129,7 +129,7 @@ class Measurer:
         prefix = self._prefix(context_per_seq - 1)      # + one token of each request's own
         own = max(1, context_per_seq - len(prefix))
         ids, reqs = [], []
-        params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+        params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)   # set-up: <= 2 more
         try:
             for i in range(batch):
                 rid = self._id()
