@@ -12,9 +12,10 @@ one torch thread; the gateway and this client are one Python process each):
   2. capacity: a closed loop of --capacity-clients clients for --duration s -> completed
      requests/s (off system only: the rates are multiples of it, for both systems)
   3. per rate: Poisson arrivals for --duration s, each a streaming /v1/completions request
-     (greedy, ignore_eos, max_tokens = --output-tokens, distinct prompts); then every request
-     is awaited (client timeout 120 s). Per request: TTFT (first text chunk), ITL
-     ((last chunk - first chunk) / (completion_tokens - 1), tokens from `usage`), status.
+     (greedy, ignore_eos, max_tokens = --output-tokens, distinct prompts; pdserve.loadgen's
+     client, as `pdserve bench` sends them); then every request is awaited (client timeout
+     120 s). Per request: TTFT (first text chunk), ITL ((last chunk - first chunk) /
+     (completion_tokens - 1), tokens from `usage`), status. Percentiles: sim.stats.pct.
      goodput = requests that completed meeting both SLOs / arrival window (s).
 A 429 is a refusal (the client does not retry); 5xx and transport errors are counted apart.
 The gateway with admission on is given the same SLOs the goodput is judged by.
@@ -38,9 +39,11 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import pct, prompts, wait_http
+from serving import prompts, wait_http
 
+from pdserve import loadgen
 from pdserve.launcher import Launcher, free_port
+from sim.stats import pct
 
 CLIENT_TIMEOUT_S = 120.0
 # With 2+ cores, the client and the gateway (whose work grows with arrivals, refused ones
@@ -49,40 +52,22 @@ CLIENT_TIMEOUT_S = 120.0
 PIN = len(os.sched_getaffinity(0)) >= 2
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = last = None
-    tokens = 0
-    try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return {"status": r.status_code, "retry_after": r.headers.get("retry-after"),
-                        "latency": time.perf_counter() - t0}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("error"):
-                    return {"status": f"stream error: {str(chunk['error'].get('message'))[:80]}"}
-                if any(c.get("text") for c in chunk.get("choices") or []):
-                    last = time.perf_counter()
-                    first = first or last
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-    except httpx.HTTPError as e:
-        return {"status": type(e).__name__}
-    if first is None or tokens != max_tokens:
-        return {"status": f"incomplete ({tokens} tokens)"}
-    return {"status": 200, "ttft": first - t0,
-            "itl": (last - first) / (tokens - 1) if tokens > 1 else 0.0}
+def as_result(r: dict, max_tokens: int) -> dict:
+    """pdserve.loadgen's record in this script's terms: status 200 / 429 / 5xx / a reason."""
+    if r["status"] == "rejected":
+        return {"status": 429, "retry_after": r["retry_after"], "latency": r["e2e_s"]}
+    if r["status"] == "error":
+        return {"status": r["http_status"] if r["http_status"] and r["http_status"] != 200
+                else (r["error"].split(":")[0] if r["http_status"] is None else r["error"][:80])}
+    if r["output_tokens"] != max_tokens:
+        return {"status": f"incomplete ({r['output_tokens']} tokens)"}
+    return {"status": 200, "ttft": r["ttft_s"], "itl": r["itl_s"] or 0.0}
 
 
 class Client:
     def __init__(self, base: str, model: str, ps: list[str], max_tokens: int):
-        self.url, self.model, self.ps, self.max_tokens = base + "/v1/completions", model, ps, max_tokens
+        self.target = loadgen.Target(base, model, timeout_s=CLIENT_TIMEOUT_S)
+        self.ps, self.max_tokens = ps, max_tokens
         self.next = 0
         self.http = None
 
@@ -96,9 +81,9 @@ class Client:
 
     async def one(self) -> dict:
         if self.http is None:        # made in the running loop (each asyncio.run has its own)
-            self.http = httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=httpx.Limits(
-                max_connections=4000, max_keepalive_connections=4000))
-        return await one(self.http, self.url, self.model, self.prompt(), self.max_tokens)
+            self.http = loadgen.client(self.target, 4000)
+        r = await loadgen.send(self.http, self.target, loadgen.Job(self.prompt(), self.max_tokens))
+        return as_result(r, self.max_tokens)
 
     async def unloaded(self, n: int = 20) -> tuple[float, float]:
         rs = [await self.one() for _ in range(n)]
@@ -200,7 +185,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rates", default="0.5,1,1.5,2,3", help="multiples of the capacity")
     ap.add_argument("--duration", type=float, default=30.0,
-                    help="seconds of arrivals per rate (12 s windows swung by 20% between runs)")
+                    help="seconds of arrivals per rate (12 s windows swung by 20%% between runs)")
     ap.add_argument("--slo-factor", type=float, default=5.0)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=32)

@@ -16,16 +16,17 @@ directory (hf_dir_from_gguf: it cannot serve the GGUF itself).
 
 Workload: streaming /v1/chat/completions, greedy, max_tokens --output-tokens, distinct
 prompts of --prompt-tokens tokens cut from the GPL-3 text, a closed loop of `concurrency`
-clients. TTFT = first content chunk; output tokens = the final chunk's `usage`
+clients, through pdserve.loadgen (the client of `pdserve bench`). TTFT = first content chunk;
+output tokens = the final chunk's `usage`
 (stream_options.include_usage) -- a server that sends none is marked "(chunks)" and its
 content chunks are counted instead; ITL = (last chunk - first chunk) / (tokens - 1). A stream
-that ends in an error chunk counts as an error, not as output.
+that ends in an error chunk counts as an error, not as output. Percentiles: sim.stats.pct
+(linear between closest ranks).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -38,7 +39,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve import loadgen  # noqa: E402
 from pdserve.launcher import Launcher, free_port  # noqa: E402
+from sim.stats import pct  # noqa: E402,F401 -- bench/bad_day.py takes it from here
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 
@@ -52,44 +55,26 @@ def prompts(model: str, n: int, tokens: int) -> list[str]:
             for i in range(n)]
 
 
-async def one(client, url, model, prompt, max_tokens) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    stamps, usage = [], None
-    async with client.stream("POST", url, json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("error"):
-                return {"error": str(chunk["error"])[:200]}
-            usage = chunk.get("usage") or usage
-            for c in chunk.get("choices") or []:
-                if (c.get("delta") or {}).get("content"):
-                    stamps.append(time.perf_counter())
-    n = usage["completion_tokens"] if usage else len(stamps)
-    return {"ttft": stamps[0] - t0 if stamps else float("nan"), "tokens": n,
-            "itl": [(stamps[-1] - stamps[0]) / (n - 1)] if n > 1 and len(stamps) > 1 else [],
-            "usage": usage is not None}
+async def one(client, target, prompt, max_tokens) -> dict:
+    """One streaming chat request (pdserve.loadgen's client, as `pdserve bench` sends it)."""
+    r = await loadgen.send(client, target, loadgen.Job(prompt, max_tokens))
+    if r["status"] != "ok":
+        return {"error": r["error"]}
+    return {"ttft": r["ttft_s"], "tokens": r["output_tokens"],
+            "itl": [r["itl_s"]] if r["itl_s"] is not None else [],
+            "usage": r["tokens_from_usage"]}
 
 
 async def run_level(base, model, ps, concurrency, max_tokens) -> dict:
-    url = base + "/v1/chat/completions"
+    target = loadgen.Target(base, model, endpoint="chat", timeout_s=600, ignore_eos=False)
     queue, results = list(ps), []
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        await one(client, url, model, ps[0], 4)                                  # warm-up
+    async with loadgen.client(target, concurrency + 4) as client:
+        await one(client, target, ps[0], 4)                                      # warm-up
         t0 = time.perf_counter()
 
         async def worker():
-            while queue:
-                try:
-                    results.append(await one(client, url, model, queue.pop(), max_tokens))
-                except httpx.HTTPError as e:      # a server that drops the stream: an error
-                    results.append({"error": f"{type(e).__name__}: {e}"[:200]})
+            while queue:      # a failed request (HTTP status, dropped stream) is an error
+                results.append(await one(client, target, queue.pop(), max_tokens))
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     errors = [r["error"] for r in results if "error" in r]
@@ -100,12 +85,6 @@ async def run_level(base, model, ps, concurrency, max_tokens) -> dict:
             "itl_p99": pct(itl, 99), "tok_s": sum(r["tokens"] for r in results) / wall,
             "requests": len(results), "tokens": sum(r["tokens"] for r in results),
             "usage": all(r["usage"] for r in results), "errors": errors}
-
-
-def pct(xs, p):
-    if not xs:
-        return float("nan")
-    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
 
 
 def wait_http(url, proc, timeout):

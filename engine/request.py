@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +59,7 @@ class Request:
 
     def __post_init__(self):
         if self.sampling_params.seed is not None:
+            import torch         # here: schedulers (and sim/) use requests without torch
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property

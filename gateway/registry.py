@@ -28,9 +28,7 @@ cache-aware router and Dynamo's KV router weigh the same two signals: cache over
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-from collections import OrderedDict
 from typing import Sequence
 
 import grpc
@@ -40,6 +38,8 @@ from prometheus_client.core import GaugeMetricFamily
 from protos.pdserve.v1 import common_pb2
 from services import service_names
 from services.security import MTLS, channel
+
+from .affinity import PrefixAffinity, choose  # noqa: F401  (PrefixAffinity: routing's import)
 
 log = logging.getLogger(__name__)
 
@@ -273,15 +273,7 @@ class WorkerPool:
         if compat is not None:
             cands = [w for w in cands if w.stats is None or not w.stats.HasField("compat")
                      or w.stats.compat == compat]
-        if not cands:
-            return None
-        best = min(cands, key=lambda w: (w.load_key(), w.requests_total))
-        if affinity is not None and hashes:
-            preferred = affinity.lookup(hashes, {w.address: w for w in cands})
-            if preferred is not None and (preferred.in_flight <= best.in_flight + slack or (
-                    slack_ratio > 0 and preferred.in_flight <= slack_ratio * best.in_flight)):
-                return preferred
-        return best
+        return choose(cands, affinity, hashes, slack, slack_ratio)
 
     def block_size(self, default: int = 16) -> int:
         for w in self.workers.values():
@@ -304,43 +296,3 @@ class PoolStates:
             for state, n in pool.states().items():
                 fam.add_metric(("gateway", pool.kind, state), n)
         yield fam
-
-
-class PrefixAffinity:
-    """Bounded LRU: hash of a prompt's first k full blocks -> the worker the gateway last sent
-    it to (a guess at whose prefix cache holds it; the workers' caches are never queried)."""
-
-    def __init__(self, capacity: int = 100_000, max_blocks: int = 64):
-        self.capacity = capacity
-        self.max_blocks = max_blocks
-        self._map: OrderedDict[bytes, str] = OrderedDict()
-
-    def block_hashes(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
-        """Chained hashes of the first (at most max_blocks) full blocks. The gateway's own
-        keys for this map: not the engine's prefix-cache hashes (engine/kv_cache_manager.py
-        hashes the ids' bytes, this their text), and nothing compares the two."""
-        out, h = [], b""
-        n = min(len(token_ids) // block_size, self.max_blocks)
-        for i in range(n):
-            block = token_ids[i * block_size:(i + 1) * block_size]
-            h = hashlib.blake2b(h + b"|" + ",".join(map(str, block)).encode(),
-                                digest_size=16).digest()
-            out.append(h)
-        return out
-
-    def lookup(self, hashes: Sequence[bytes], workers: dict[str, Worker]) -> Worker | None:
-        """The worker holding the longest matching prefix among `workers`."""
-        for h in reversed(hashes):
-            addr = self._map.get(h)
-            if addr is not None and addr in workers:
-                self._map.move_to_end(h)
-                return workers[addr]
-        return None
-
-    def record(self, hashes: Sequence[bytes], address: str) -> None:
-        for h in hashes:
-            self._map[h] = address
-            self._map.move_to_end(h)
-        while len(self._map) > self.capacity:
-            self._map.popitem(last=False)
-

@@ -14,7 +14,7 @@
               the decode worker's reservation; none matching while some are healthy ->
               FAILED_PRECONDITION
 
-Affinity is the gateway's own bookkeeping (registry.PrefixAffinity): prompt block hashes ->
+Affinity is the gateway's own bookkeeping (affinity.PrefixAffinity): prompt block hashes ->
 the worker it sent them to; a worker's actual prefix cache is not consulted.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ from google.protobuf.json_format import MessageToDict
 
 from protos.pdserve.v1 import decode_pb2
 
-from .registry import PrefixAffinity, Worker, WorkerPool
+from .affinity import PrefixAffinity, decode_bounds
+from .registry import Worker, WorkerPool
 from .request import GatewayError
 
 
@@ -42,7 +43,7 @@ class Router:
 
     def pick_decode(self, tried: set[str], hashes: list[bytes]) -> Worker | None:
         return self.decode.pick(tried, self._affinity["decode"], hashes,
-                                min(self.slack, self.decode_slack), 0.0)
+                                *decode_bounds(self.slack, self.decode_slack))
 
     def pick_prefill(self, kv: decode_pb2.KvReady, exclude: list[str],
                      hashes: list[bytes]) -> Worker:

@@ -1,4 +1,5 @@
-"""The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode, eval, profile.
+"""The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode, eval, bench,
+profile, plan.
 
 Each role's options are generated from its typed config dataclass
 (`services.cli_args.dataclass_args`), so the CLI and the config never drift apart. A role's
@@ -16,6 +17,7 @@ from gateway.config import GatewayConfig
 from prefill_worker.config import PrefillWorkerConfig
 from services.cli_args import add_role_args, config_from_args, dataclass_args, role_config
 
+from . import bench as bench_command
 from . import profile as profile_command
 from . import up as up_command
 from .processes import die_with_parent
@@ -117,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES,
                     help="KV cache variants, crossed with --quantization")
     pp.set_defaults(func=_run_eval)
+    bench_command.add_parser(sub)
+    from .plan_cli import LENGTHS_HELP, add_arguments as plan_arguments
+    plan_arguments(sub.add_parser("plan", allow_abbrev=False, help="size a deployment: "
+                                  "P and D counts and settings for TTFT/ITL SLOs, simulated",
+                                  description="Search prefill/decode counts and per-worker "
+                                  f"settings with the simulator. Lengths: {LENGTHS_HELP}."))
     return p
 
 

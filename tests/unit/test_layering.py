@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("protos", "engine", "kvtransfer", "services", "prefill_worker", "decode_worker",
-            "gateway", "pdserve")
+            "gateway", "sim", "pdserve")
 # package -> the project packages it may import (itself always)
 MAY_IMPORT = {
     "protos": set(),
@@ -20,6 +20,7 @@ MAY_IMPORT = {
     "prefill_worker": {"engine", "kvtransfer", "protos", "services"},
     "decode_worker": {"engine", "kvtransfer", "protos", "services"},
     "gateway": {"engine", "protos", "services"},
+    "sim": {"engine", "gateway", "prefill_worker", "services", "protos"},
     "pdserve": set(PACKAGES),
 }
 # the engine modules the gateway may use: none of them imports torch
