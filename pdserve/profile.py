@@ -135,7 +135,7 @@ def measure(args, options: EngineOptions) -> Profile:
     torch.set_num_threads(p_threads)
     engine = LLMEngine.from_model_dir(model, options, step_observers=[clock])
     plan = _plan(grid, engine)
-    progress = pm.Progress(len(plan["prefill"]) + len(plan["decode"]) + len(plan["handover"]) + 1,
+    progress = pm.Progress(repeat * len(plan["prefill"]) + len(plan["decode"]) + len(plan["handover"]) + 1,
                            sys.stderr)
     m = pm.Measurer(engine, clock, repeat, progress, args.seed)
     phases, t = {}, time.perf_counter()
@@ -146,7 +146,7 @@ def measure(args, options: EngineOptions) -> Profile:
         t = time.perf_counter()
     m.warm_up(max(c for c, _ in plan["prefill"]), max(b for b, _ in plan["decode"]))
     lap("warm_up")
-    prefill = [m.prefill_point(chunk, cached) for chunk, cached in plan["prefill"]]
+    prefill = m.prefill_points(plan["prefill"])
     lap("prefill")
     handover, transport = pm.handover_points(engine, plan["handover"], repeat, progress)
     lap("handover")
