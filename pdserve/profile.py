@@ -96,7 +96,7 @@ def machine_info(prefill_threads: int, decode_threads: int) -> dict:
         affinity = list(range(os.cpu_count() or 1))
     return {"cpu": cpu, "logical_cores": os.cpu_count(), "affinity": affinity,
             "threads": {"prefill": prefill_threads, "decode": decode_threads},
-            "load_avg_1m": round(os.getloadavg()[0], 2), "torch": torch.__version__,
+            "load_avg_1m": round(os.getloadavg()[0], 2), "torch": torch.__version__,   # at the end
             "python": platform.python_version(), "host": platform.node()}
 
 
@@ -130,12 +130,12 @@ def measure(args, options: EngineOptions) -> Profile:
     repeat = args.repeat or grid["repeat"]
     p_threads, d_threads = role_threads(args)
     model = _model_path(args)
-    t_start = time.time()
+    t_start, load_start = time.time(), round(os.getloadavg()[0], 2)
     clock = pm.StepClock()
     torch.set_num_threads(p_threads)
     engine = LLMEngine.from_model_dir(model, options, step_observers=[clock])
     plan = _plan(grid, engine)
-    progress = pm.Progress(len(plan["prefill"]) + len(plan["decode"]) + len(plan["handover"]) + 1,
+    progress = pm.Progress(repeat * len(plan["prefill"]) + len(plan["decode"]) + len(plan["handover"]) + 1,
                            sys.stderr)
     m = pm.Measurer(engine, clock, repeat, progress, args.seed)
     phases, t = {}, time.perf_counter()
@@ -146,7 +146,7 @@ def measure(args, options: EngineOptions) -> Profile:
         t = time.perf_counter()
     m.warm_up(max(c for c, _ in plan["prefill"]), max(b for b, _ in plan["decode"]))
     lap("warm_up")
-    prefill = [m.prefill_point(chunk, cached) for chunk, cached in plan["prefill"]]
+    prefill = m.prefill_points(plan["prefill"])
     lap("prefill")
     handover, transport = pm.handover_points(engine, plan["handover"], repeat, progress)
     lap("handover")
@@ -158,7 +158,8 @@ def measure(args, options: EngineOptions) -> Profile:
     lap("gateway")
     return Profile(
         schema=SCHEMA, pdserve_version=pdserve_version(), created_unix=round(t_start, 3),
-        machine=machine_info(p_threads, d_threads), model=_model_info(engine, model),
+        machine={**machine_info(p_threads, d_threads), "load_avg_1m_start": load_start},
+        model=_model_info(engine, model),
         options=_options_info(engine, options, p_threads, d_threads, transport, phases, repeat),
         prefill=prefill, decode=decode, handover=handover, gateway_s=gateway_s,
         kv={"block_size": engine.kv.block_size, "num_blocks": engine.num_blocks},
@@ -174,8 +175,8 @@ def _plan(grid: dict, engine) -> dict:
     prefill = [(n, c) for c in grid["cached"] for n in (grid["chunks"] if c == 0 else grid["cached_chunks"])
                if n <= sc.max_num_batched_tokens and c + n < min(max_len, cap_tokens) and c % bs == 0]
     decode = [(b, ctx) for ctx in grid["contexts"] for b in grid["batches"]
-              if b <= sc.max_num_seqs and ctx + 64 < max_len
-              and ctx + b * (bs + 2 * 64) < cap_tokens]
+              if b <= sc.max_num_seqs and ctx + grid["decode_steps"] + 8 < max_len
+              and ctx + b * (2 * bs + grid["decode_steps"] + 8) < cap_tokens]
     handover = [n for n in grid["handover"] if n < max_len and n <= cap_tokens]
     if not prefill or not decode:
         raise SystemExit("pdserve profile: the options leave no point to measure (a step budget, "
