@@ -200,19 +200,16 @@ class Flow:
         return False
 
     def _admit_prefill(self, f: Flight, prompt: list[int]) -> bool:
-        """A prefill worker whose admission takes the call (its deadlines: the decode
-        reservation's hard bound and idle window, decode_worker/config.py's defaults)."""
+        """A prefill worker whose admission takes the call (its deadline: the decode
+        reservation's hard bound, decode_worker/config.py's default; a queued call's
+        KEEPALIVEs hold the idle window; and its slowdown bound)."""
         tokens = len(prompt) - f.dreq.num_cached_tokens
         hashes = self.affinity["prefill"].block_hashes(prompt, self.block_size)
         tried: set[str] = set()
         while (w := self._pick(self.prefill, "prefill", tried, hashes)) is not None:
             tried.add(w.address)
-            why = w.admission.refusal(tokens, self.system.kv_max_reservation_s, self.now)
-            if why is None:
-                why = w.admission.wait_refusal(self.system.kv_expiry_s, self.now)
-            if why is not None:
-                w.admission.refused += 1
-                continue
+            if w.admission.refusal(tokens, self.system.kv_max_reservation_s, self.now):
+                continue                   # counted in its `refused`
             w.admission.started(tokens, self.now)
             self.affinity["prefill"].record(hashes, w.address)
             f.prefill, f.queued = w, tokens

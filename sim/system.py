@@ -58,6 +58,7 @@ class SystemConfig:
     affinity_slack_ratio: float = _default(GatewayConfig, "affinity_slack_ratio")
     decode_affinity_slack: int = _default(GatewayConfig, "decode_affinity_slack")
     max_queued_prefill_tokens: int = _default(PrefillWorkerConfig, "max_queued_prefill_tokens")
+    max_queue_delay_factor: float = _default(PrefillWorkerConfig, "max_queue_delay_factor")
     kv_expiry_s: float = KV_EXPIRY_S
     kv_max_reservation_s: float = KV_MAX_RESERVATION_S
 

@@ -78,7 +78,8 @@ class SimWorker:
         self.requests_total = 0
         self.admission = None
         if role == "prefill":
-            self.admission = PrefillAdmission(system.max_queued_prefill_tokens)
+            self.admission = PrefillAdmission(system.max_queued_prefill_tokens,
+                                              max_queue_delay_factor=system.max_queue_delay_factor)
             self.admission.seed([(n, profile.prefill_s(n, 0)) for n in WARM_UP_LENGTHS])
 
     # -- what the gateway's pick reads ----------------------------------------------------
