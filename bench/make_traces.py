@@ -19,10 +19,11 @@ longdoc.jsonl  long documents: 6 documents of 3-6 whole blocks (1,536-3,072 toke
 Sized for the 2-core machine and the default model (prefill ~100-200 tok/s per core, decode
 ~100 tok/s aggregate). At scale 1, with prefix caching, each asks about 65-85 newly computed
 prompt tokens/s (chat: 70k prompt tokens in all, 18.5k not in an earlier prompt's 512-token
-blocks; longdoc: 65k, 14k) and
-16-25 output tokens/s: a moderate load; `--rate-scale` 2-4 on `pdserve bench`/`pdserve plan`
-takes it to the machine's capacity and past it. Without prefix caching the prompt work is
-4-5x as large.
+blocks; longdoc: 65k, 14k) and 16-25 output tokens/s: a moderate load on a quiet machine
+(with other jobs on the cores it is not: the first 60 s of chat.jsonl at load average 14
+gave TTFT p50 25 s); `--rate-scale` 2-4 on `pdserve bench`/`pdserve plan` takes it to a
+quiet machine's capacity and past it, below 1 under it. Without prefix caching the prompt
+work is 4-5x as large.
 """
 from __future__ import annotations
 

@@ -66,6 +66,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a("--seed", type=int, default=0, help="arrivals and prompt text")
     a("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
     a("--json", action="store_true", help="print one JSON object instead of the table")
+    a("--records", default="", metavar="FILE.jsonl", help="also write every request's record "
+      "(ttft_s, itl_s, e2e_s, output_tokens, status, sent_s, http_status, error, ...) there")
     a("--no-progress", action="store_true", help="no progress line on stderr")
     b.set_defaults(func=main)
     return b
@@ -97,7 +99,8 @@ def poisson_arrivals(rate: float, duration_s: float, limit: int, seed: int) -> l
 
 
 def trace_jobs(args, builder):
-    """The trace's requests as jobs (arrival from the first record, rescaled) and the window."""
+    """The trace's requests arriving within --duration as jobs (arrival from the first
+    record, rescaled) and the arrival window."""
     from .loadgen import Job
     recs = read_trace(args.trace)
     if not recs:
@@ -107,10 +110,12 @@ def trace_jobs(args, builder):
     recs = recs[:args.num_requests] if args.num_requests else recs
     t0 = min(r.timestamp_ms for r in recs)
     scale = args.time_scale / args.rate_scale / 1000.0
-    jobs = [Job(builder.build(r.hash_ids, r.input_length, i), r.output_length,
-                (r.timestamp_ms - t0) * scale) for i, r in enumerate(recs)]
-    span = max(j.at_s for j in jobs)
-    return jobs, (args.duration or math.nextafter(span, math.inf))
+    at = [(r.timestamp_ms - t0) * scale for r in recs]
+    span = math.nextafter(max(at), math.inf)
+    duration = min(args.duration, span) if args.duration else span
+    jobs = [Job(builder.build(r.hash_ids, r.input_length, i), r.output_length, a)
+            for i, (r, a) in enumerate(zip(recs, at)) if a < duration]
+    return jobs, duration
 
 
 def synthetic_jobs(args, builder, count: int, arrivals: list[float] | None):
@@ -212,7 +217,9 @@ def table(summary: dict, run: dict) -> str:
     return "\n".join(lines)
 
 
-def main(args) -> int:
+def measure(args) -> tuple[dict, dict, list[dict]]:
+    """One bench run (the parsed `pdserve bench` arguments, see `parse`): (the summary, a
+    description of the run, the per-request records). bench/ scripts call it directly."""
     from .bench_prompts import PromptBuilder, ServerTokenizer
     from .loadgen import Target
     key = args.api_key or os.environ.get("OPENAI_API_KEY", "")
@@ -223,11 +230,13 @@ def main(args) -> int:
     except Exception as e:  # noqa: BLE001 -- any failure to reach the server ends the run
         raise SystemExit(f"pdserve bench: cannot read {target.base}/v1/models: {e}")
     tok = ServerTokenizer(target.base, target.model, target.headers(), args.timeout)
-    builder = PromptBuilder(tok.count, args.seed)
-    exact = builder.calibrate()
-    warm_up(args, target)
-    records, window, what = load(args, target, builder)
-    tok.close()
+    try:
+        builder = PromptBuilder(tok.count, args.seed)
+        exact = builder.calibrate()
+        warm_up(args, target)
+        records, window, what = load(args, target, builder)
+    finally:
+        tok.close()
     summary = summarize(records, window, args.slo_ttft_ms or None, args.slo_itl_ms or None)
     slo = ", ".join(s for s in (args.slo_ttft_ms and f"TTFT <= {args.slo_ttft_ms:g} ms",
                                 args.slo_itl_ms and f"ITL <= {args.slo_itl_ms:g} ms") if s)
@@ -236,6 +245,22 @@ def main(args) -> int:
            "approximate (no /tokenize: words x tokens per word)", "prompt_tokens_exact": exact,
            "ignore_eos": target.ignore_eos, "slo": slo,
            "error_samples": sorted({r["error"] for r in records if r["error"]})[:3]}
+    return summary, run, records
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """`pdserve bench` arguments (without the word bench) as `measure` takes them."""
+    p = argparse.ArgumentParser(prog="pdserve", allow_abbrev=False)
+    add_parser(p.add_subparsers(dest="command", required=True))
+    return p.parse_args(["bench", *argv])
+
+
+def main(args) -> int:
+    summary, run, records = measure(args)
+    if args.records:
+        with open(args.records, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
     if args.json:
         print(json.dumps({**{k: summary[k] for k in SUMMARY_KEYS}, "run": run}))
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -24,12 +25,13 @@ from sim.stats import SUMMARY_KEYS
 from sim.trace import TraceRecord, write_trace
 
 pytestmark = pytest.mark.e2e
+HANG_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def system(start_system):
     port = free_port()
-    launcher = start_system(1, 1, http_port=port)
+    start_system(1, 1, http_port=port)
     return f"http://127.0.0.1:{port}"
 
 
@@ -60,6 +62,13 @@ def test_concurrency(system, capsys):
     # throughput: every request made exactly its 12 tokens (ignore_eos), over the window
     assert s["throughput_tok_s"] == pytest.approx(9 * 12 / s["duration_s"], rel=1e-3)
     assert "sent 9/9 done 9/9 errors 0 429 0" in err
+
+
+def test_chat_endpoint(system, capsys):
+    s, _ = bench(capsys, "--url", system, "--endpoint", "chat", "--concurrency", "2",
+                 "--num-requests", "4", "--input-tokens", "50", "--output-tokens", "7")
+    sane(s, 4)
+    assert s["throughput_tok_s"] == pytest.approx(4 * 7 / s["duration_s"], rel=1e-3)
 
 
 def test_rate_with_slo(system, capsys):
@@ -104,9 +113,11 @@ def test_prompts_have_the_length_by_the_models_own_tokenizer(system, model_dir):
 class Fake(BaseHTTPRequestHandler):
     """Request n (from 0) of /v1/completions: n % 4 == 1 -> 429, n % 4 == 2 -> 500, n == 7 ->
     an error chunk mid-stream, else max_tokens chunks of one token, no usage. No /tokenize.
-    `strict`: a body with ignore_eos gets 400, as OpenAI's own API answers unknown fields."""
+    `strict`: a body with ignore_eos gets 400, as OpenAI's own API answers unknown fields.
+    `hang`: the request numbers that stall HANG_S before their stream starts."""
     n = 0
     strict = False
+    hang: set[int] = set()
     lock = threading.Lock()
 
     def log_message(self, *a):
@@ -132,22 +143,27 @@ class Fake(BaseHTTPRequestHandler):
                                               "supplied: ignore_eos"}})
         with Fake.lock:
             n, Fake.n = Fake.n, Fake.n + 1
+        if n in Fake.hang:
+            time.sleep(HANG_S)
         if n % 4 in (1, 2):
             return self._json(429 if n % 4 == 1 else 500, {"error": {"message": "no"}})
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for i in range(body["max_tokens"]):
-            chunk = {"error": {"message": "boom"}} if n == 7 and i == 2 else \
-                {"choices": [{"index": 0, "text": f" t{i}"}]}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            self.wfile.flush()
-        self.wfile.write(b"data: [DONE]\n\n")
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for i in range(body["max_tokens"]):
+                chunk = {"error": {"message": "boom"}} if n == 7 and i == 2 else \
+                    {"choices": [{"index": 0, "text": f" t{i}"}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass                      # the client gave up (its timeout): nothing to say
 
 
 @pytest.fixture
 def fake():
-    Fake.n, Fake.strict = 0, False
+    Fake.n, Fake.strict, Fake.hang = 0, False, set()
     server = ThreadingHTTPServer(("127.0.0.1", free_port()), Fake)
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
@@ -157,9 +173,14 @@ def fake():
     t.join(10)
 
 
-def test_fake_server_429_500_and_no_usage(fake, capsys):
+def test_fake_server_429_500_and_no_usage(fake, capsys, tmp_path):
     s, err = bench(capsys, "--url", fake, "--concurrency", "1", "--num-requests", "10",
-                   "--warmup", "0", "--output-tokens", "5", "--input-tokens", "20")
+                   "--warmup", "0", "--output-tokens", "5", "--input-tokens", "20",
+                   "--records", str(tmp_path / "r.jsonl"))
+    recs = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in recs] == ["ok", "rejected", "error", "ok", "ok", "rejected",
+                                           "error", "error", "ok", "rejected"]
+    assert [r["http_status"] for r in recs][:3] == [200, 429, 500]
     # n = 0..9: 429 at 1, 5, 9; 500 at 2, 6; an error chunk at 7; ok at 0, 3, 4, 8
     assert (s["requests"], s["completed"], s["rejected_429"], s["errors"]) == (10, 4, 3, 3)
     assert s["tokens_from_usage"] is False and s["run"]["prompt_tokens_exact"] is False
@@ -195,3 +216,62 @@ def test_a_server_refusing_ignore_eos_gets_requests_without_it(fake, capsys):
     # n = 0 the warm-up (its retry without ignore_eos); 1: 429, 2: 500, 3 and 4 ok
     assert s["run"]["ignore_eos"] is False
     assert (s["completed"], s["rejected_429"], s["errors"]) == (2, 1, 1)
+
+
+def _llama_server() -> Path | None:
+    from engine.config import cache_dir
+    found = sorted((cache_dir() / "llama-server").glob("*/llama-server"))
+    return found[0] if found else None
+
+
+def test_llama_server_peer(capsys, tmp_path):
+    """Against llama.cpp's own server (bench/build_llama_server.sh's cached binary; skipped
+    where it was not built): its /tokenize form, its usage, the same summary."""
+    import subprocess
+    from engine.config import cache_dir
+    from tests.helpers import wait_until
+    binary = _llama_server()
+    gguf = cache_dir() / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if binary is None or not gguf.is_file():
+        pytest.skip("llama-server not built here (bench/build_llama_server.sh) or no default model")
+    port = free_port()
+    with open(tmp_path / "llama-server.log", "wb") as log:
+        proc = subprocess.Popen([str(binary), "-m", str(gguf), "-t", "1", "-c", "4096",
+                                 "--parallel", "4", "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def up():
+            try:
+                return httpx.get(base + "/health", timeout=2).status_code == 200, None
+            except httpx.HTTPError as e:
+                return proc.poll() is not None, e
+        wait_until(up, 60, "llama-server /health")
+        assert proc.poll() is None, (tmp_path / "llama-server.log").read_text()[-2000:]
+        s, _ = bench(capsys, "--url", base, "--concurrency", "2", "--num-requests", "4",
+                     "--input-tokens", "40", "--output-tokens", "6")
+        sane(s, 4)
+        assert s["throughput_tok_s"] == pytest.approx(4 * 6 / s["duration_s"], rel=1e-3)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_client_timeout_is_an_error_and_duration_bounds_a_closed_loop(fake, capsys):
+    Fake.hang = {3}
+    t0 = time.monotonic()
+    s, _ = bench(capsys, "--url", fake, "--concurrency", "2", "--duration", "1.0",
+                 "--warmup", "0", "--output-tokens", "2", "--timeout", "0.5")
+    # well within the deadline (duration + 2 timeouts), the stalled request cut at 0.5 s
+    assert time.monotonic() - t0 < HANG_S
+    assert s["errors"] >= 1 and any("Timeout" in e for e in s["run"]["error_samples"])
+    assert s["requests"] == s["completed"] + s["errors"] + s["rejected_429"] > 4
+
+
+def test_measure_is_the_cli_without_printing(fake):
+    from pdserve.bench import measure, parse
+    summary, run, records = measure(parse(["--url", fake, "--concurrency", "1", "--num-requests",
+                                           "4", "--warmup", "0", "--no-progress"]))
+    assert (summary["requests"], summary["completed"], len(records)) == (4, 2, 4)
+    assert run["model"] == "fake-model" and not run["prompt_tokens_exact"]
