@@ -8,9 +8,10 @@ tokenizer.
 
 Tools reach the prompt through the chat template. A template with no tools section (it
 renders the same text with and without tools, as SmolLM2's does) gets them in pdserve's
-generic format instead, the way llama.cpp handles such templates: the tool list as JSON
-schemas and the JSON reply format, in the system prompt (`generic_tools_prompt`; a WARNING
-once per template; the format is documented in gateway/README.md).
+generic format instead, as llama.cpp does for such templates: the tool list as JSON
+schemas, the reply format (Hermes-style <tool_call> tags) and an example call in the system
+prompt (`generic_tools_prompt`), and that example as a first exchange (a WARNING once per
+template; the format is documented in gateway/README.md).
 
 `check_prompt` is what the gateway verifies before any worker sees a prompt (the gRPC API
 through `Gateway.generate()`, the OpenAI shim before it fans out); workers keep their own
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from typing import Any
 
 import grpc
@@ -33,16 +35,22 @@ from .validate import check_text
 
 log = logging.getLogger(__name__)
 
-GENERIC_TOOLS_HEADER = ("You can call these tools. Each line is one tool: its name, what it "
-                        "does and the JSON schema of its arguments.")
-GENERIC_TOOLS_REPLY = (
-    'To call a tool, reply with only a JSON object of this form and nothing else:\n'
-    '{"name": "<the tool\'s name>", "arguments": {<its arguments, as its schema says>}}\n'
-    "To call several tools at once, reply with a JSON array of such objects. "
-    "If no tool is needed, reply to the user as usual.")
+# The generic format (Hermes-style tags; bench/tool_auto.py measures it on SmolLM2-135M):
+# HEADER, <tools> one JSON line per tool </tools>, REPLY, an example call, OTHERWISE.
+GENERIC_TOOLS_HEADER = "You are a function calling AI model. You are given these tools:"
+GENERIC_TOOLS_REPLY = ("When the user asks for something a tool can do, do not answer yourself: "
+                       "call the tool by replying with only a <tool_call></tool_call> block "
+                       "holding a JSON object with the tool's name and arguments, like this:")
+GENERIC_TOOLS_OTHERWISE = "Otherwise reply to the user as usual."
+_EXAMPLE_VALUES = {"string": "...", "number": 1, "integer": 1, "boolean": True}
 _PROBE = ([{"role": "user", "content": "x"}],
           [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}])
-_renders_tools: dict[tuple, bool] = {}     # (templates, chat_template kwarg) -> has a section
+# (tokenizer, its chat_template kwarg) -> whether that template has a tools section: keyed by
+# the tokenizer's identity (its templates never change), not their text; the oldest entry goes
+# past RENDERS_TOOLS_MAX (a client's own template sources are keys too)
+_renders_tools: dict[tuple[Tokenizer, str], bool] = {}
+_renders_tools_lock = threading.Lock()      # _render runs in worker threads
+RENDERS_TOOLS_MAX = 64
 
 
 # template variables a request sets through its own fields (or a template source: not a kwarg)
@@ -105,15 +113,18 @@ async def encode(tok: Tokenizer, text: str, context_length: int, param: str = "p
 
 async def chat_prompt_ids(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                           tools: list[dict] | None = None, context_length: int = 0,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                          template_kwargs: dict[str, Any] | None = None,
+                          example_call: bool = True) -> list[int]:
     """Render `messages` (and `tools`) with the model's chat template and encode them.
     `template_kwargs` are more template variables (and `chat_template`, a template name or
-    source); their add_generation_prompt, when given, wins over the argument (as in vLLM)."""
+    source); their add_generation_prompt, when given, wins over the argument (as in vLLM).
+    `example_call`: the generic format's example exchange (with_generic_tools), which a
+    forced tool_choice, held to the format by its grammar, goes without."""
     extra = dict(template_kwargs or {})
     add_generation_prompt = bool(extra.pop("add_generation_prompt", add_generation_prompt))
     try:
         text = await asyncio.to_thread(_render, tok, messages, add_generation_prompt, tools,
-                                       extra)
+                                       extra, example_call)
     except Exception as e:  # template errors (raise_exception), no template
         raise PromptError("template", f"chat template: {e}") from None
     # Templates that begin with the BOS token already contain it.
@@ -121,35 +132,65 @@ async def chat_prompt_ids(tok: Tokenizer, messages: list[dict], add_generation_p
     return await encode(tok, text, context_length, "messages", add_special_tokens=not has_bos)
 
 
+def tagged_call(name: str, arguments: Any) -> str:
+    """One call in the generic format: a <tool_call> block holding {"name", "arguments"}."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def example_call(tools: list[dict]) -> tuple[str, str]:
+    """An example exchange for the first tool: a request in its description's words, and
+    the call, its arguments placeholders of their schema's types."""
+    f = tools[0].get("function", tools[0])
+    props = (f.get("parameters") or {}).get("properties") or {}
+    args = {k: _EXAMPLE_VALUES.get(v.get("type"), "...") for k, v in props.items()
+            if isinstance(v, dict)}
+    what = (f.get("description") or f["name"]).rstrip(".")
+    return f"Please {what[:1].lower()}{what[1:]}.", tagged_call(f["name"], args)
+
+
 def generic_tools_prompt(tools: list[dict]) -> str:
-    """The tool list and the reply format, for a system prompt (OpenAI `tools` entries)."""
+    """The tool list, the reply format and an example call, for a system prompt (OpenAI
+    `tools` entries)."""
     lines = [json.dumps({k: f[k] for k in ("name", "description", "parameters") if k in f})
              for f in (t.get("function", t) for t in tools)]
-    return "\n".join([GENERIC_TOOLS_HEADER, *lines, "", GENERIC_TOOLS_REPLY])
+    return "\n".join([GENERIC_TOOLS_HEADER, "<tools>", *lines, "</tools>", GENERIC_TOOLS_REPLY,
+                      example_call(tools)[1], GENERIC_TOOLS_OTHERWISE])
 
 
-def with_generic_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
+def with_generic_tools(messages: list[dict], tools: list[dict], example: bool = True) -> list[dict]:
     """`messages` with the tools in the system prompt (appended to the first message when it
-    is a system one, else a system message first) and earlier assistant tool calls written
-    as content in the same format, for a template that renders neither."""
+    is a system one, else a system message first), then (`example`) the example exchange as
+    the first turn (a small model follows a call it saw made: bench/tool_auto.py), and earlier
+    assistant tool calls written as content in the same format, for a template that renders
+    neither."""
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                     for c in m["tool_calls"]]
-            m = {**m, "content": json.dumps(calls[0] if len(calls) == 1 else calls)}
+            m = {**m, "content": "\n".join(tagged_call(c["function"]["name"], _arguments(c))
+                                           for c in m["tool_calls"])}
             del m["tool_calls"]
         out.append(m)
     prompt = generic_tools_prompt(tools)
+    ask, call = example_call(tools)
+    shot = [{"role": "user", "content": ask}, {"role": "assistant", "content": call}] if example else []
     if out and out[0]["role"] == "system":
-        return [{**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}, *out[1:]]
-    return [{"role": "system", "content": prompt}, *out]
+        return [{**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}, *shot, *out[1:]]
+    return [{"role": "system", "content": prompt}, *shot, *out]
+
+
+def _arguments(call: dict) -> Any:
+    """A call's arguments as JSON values (OpenAI messages carry them as JSON text)."""
+    args = call["function"].get("arguments", {})
+    try:
+        return json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        return args
 
 
 def _render(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool,
-            tools: list[dict] | None, template_kwargs: dict) -> str:
+            tools: list[dict] | None, template_kwargs: dict, example_call: bool = True) -> str:
     if tools and not _template_renders_tools(tok, template_kwargs):
-        messages, tools = with_generic_tools(messages, tools), None
+        messages, tools = with_generic_tools(messages, tools, example_call), None
     return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                    tools=tools, **template_kwargs)
 
@@ -157,13 +198,21 @@ def _render(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool,
 def _template_renders_tools(tok: Tokenizer, template_kwargs: dict) -> bool:
     """Whether the template has a tools section: a probe conversation rendered with and
     without a tool differs. Found once per template (a WARNING when it has none)."""
-    key = (tuple(sorted(tok.chat_templates.items())), str(template_kwargs.get("chat_template")))
-    if key not in _renders_tools:
-        messages, tools = _PROBE
-        with_tools = tok.apply_chat_template(messages, tools=tools, **template_kwargs)
-        _renders_tools[key] = with_tools != tok.apply_chat_template(messages, **template_kwargs)
-        if not _renders_tools[key]:
-            log.warning("the model's chat template has no tools section: requests with tools "
-                        "get them in the system prompt in pdserve's generic format "
-                        "(gateway/README.md, 'Tool calls')")
-    return _renders_tools[key]
+    key = (tok, str(template_kwargs.get("chat_template")))
+    with _renders_tools_lock:
+        known = _renders_tools.get(key)
+    if known is not None:
+        return known
+    messages, tools = _PROBE
+    with_tools = tok.apply_chat_template(messages, tools=tools, **template_kwargs)
+    renders = with_tools != tok.apply_chat_template(messages, **template_kwargs)
+    with _renders_tools_lock:
+        first = key not in _renders_tools
+        while len(_renders_tools) >= RENDERS_TOOLS_MAX:
+            del _renders_tools[next(iter(_renders_tools))]
+        _renders_tools[key] = renders
+    if first and not renders:
+        log.warning("the model's chat template has no tools section: requests with tools "
+                    "get them in the system prompt in pdserve's generic format "
+                    "(gateway/README.md, 'Tool calls')")
+    return renders

@@ -4,12 +4,20 @@ deadline, which follows the work:
     deadline = min(last progress + idle_s, reserved at + max_s)
 
 progress being the reservation itself, then every LAYER message written into it.
+`deadline_after` is that rule, the one place it is written: the receiver applies it to
+its clock, the prefill worker to its own view of the same reservation.
 """
 from __future__ import annotations
 
 import asyncio
 import enum
 from dataclasses import dataclass, field
+
+
+def deadline_after(progress_at: float, idle_s: float, hard_deadline: float) -> float:
+    """When a reservation expires unless more progress comes: idle_s after the last
+    progress (progress_at), never past its hard deadline (reserved at + max_s)."""
+    return min(progress_at + idle_s, hard_deadline)
 
 
 class TransferState(enum.Enum):
@@ -60,7 +68,7 @@ class _Transfer:
                               end - self.created, self.deadline)
 
     def progressed(self, now: float) -> None:
-        self.deadline = min(now + self.idle_s, self.hard_deadline)
+        self.deadline = deadline_after(now, self.idle_s, self.hard_deadline)
 
     def expiry_reason(self) -> str:
         """Why the reaper expired it: its hard bound, or no progress for the idle window."""

@@ -10,6 +10,7 @@ no host), so nothing of it is used. One connection instead:
     UCX endpoint from that worker address
     send(msg): UCX tag send (the tag)  ------->  recv: UCX tag recv of that tag, on the worker
     recv: a TCP frame      <-------------------  send(msg): a TCP frame (8-byte length + bytes)
+    close(): a BYE frame   ------------------->  how many UCX messages it sent, then TCP closes
 
 The connecting side's messages (HELLO, every LAYER: the KV) go over UCX; the accepting
 side's (HELLO_ACK / REJECT: small, host memory) over the TCP connection, which is also the
@@ -17,7 +18,14 @@ connection's life: its end (close, or a dead peer) makes both sides' calls raise
 ConnectionClosed. The tag is random per connection; the accepting side never parses
 anything a peer sends but the UCX messages of its tag (the receiver's HELLO token check,
 kvtransfer/receiver.py, still decides who may send KV); any byte arriving on its TCP
-connection is a protocol violation that closes it.
+connection but one BYE frame is a protocol violation that closes it.
+
+A connection's end, on the accepting side: UCX messages travel on other sockets than the
+TCP connection, so the peer's last ones may arrive after its TCP end. A peer that closed
+(BYE: n messages sent) is done once n arrived: the next receive fails at once, and one
+still short waits only for messages that are on their way. A peer that left without a BYE
+(it died) gets LAST_MESSAGES_S after its end for what it sent before, the deadline either
+way.
 
 UCX settings, applied with os.environ.setdefault before ucxx makes its UCX context (an
 operator's own UCX_* values always win; they are standard UCX variables, not pdserve
@@ -136,14 +144,16 @@ async def _progress_when_quiet(self: BlockingMode) -> None:
 BlockingMode._fd_reader_callback = _progress_and_rearm
 BlockingMode._progress_with_timeout = _progress_when_quiet
 
-MAGIC, VERSION = b"PDUX", 1
+MAGIC, VERSION = b"PDUX", 2             # 2: the BYE frame
 _BOOT = struct.Struct("<4sBQH")          # magic, version, tag, worker address length
 _FRAME = struct.Struct("<Q")             # a TCP frame's length
+_BYE, BYE = struct.Struct("<4sQ"), b"BYE!"   # the connecting side's last frame: UCX messages sent
 MAX_FRAME_BYTES = 1 << 20                # the accepting side's messages are small replies
 MAX_FRAMES = 16                          # unread ones
 MAX_ADDRESS_BYTES = 1 << 14
 # After the peer's TCP connection ended, its last UCX messages (sent before it closed, on
-# other sockets) still get this long to arrive; a dead peer's receive fails after it.
+# other sockets) still get this long to arrive; a dead peer's receive fails after it. A peer
+# that said BYE is waited for only while messages it counted are missing.
 LAST_MESSAGES_S = 2.0
 
 
@@ -162,6 +172,8 @@ class UcxConnection(Connection):
         self._gone = asyncio.Event()          # the TCP connection ended
         self._frames: collections.deque[bytes] = collections.deque()   # connecting side
         self._arrived = asyncio.Event()       # a frame arrived, or the connection ended
+        self._sent = self._received = 0       # UCX messages (connecting / accepting side)
+        self._promised: int | None = None     # accepting: the peer's BYE count (None: none yet)
         self._reading = asyncio.ensure_future(self._read_tcp())
 
     @property
@@ -173,6 +185,7 @@ class UcxConnection(Connection):
             raise ConnectionClosed(f"UCX connection to {self.peer} is closed")
         try:
             if not self._accepting:
+                self._sent += 1
                 await self._ep.send(as_buffer(buffer), tag=self._tag, force_tag=True)
             else:
                 data = memoryview(as_buffer(buffer)).cast("B")
@@ -214,7 +227,12 @@ class UcxConnection(Connection):
             recv.result()
         except UCXError as e:
             raise ConnectionClosed(f"UCX recv from {self.peer} failed: {type(e).__name__}: {e}") from e
+        self._received += 1
         return out
+
+    def _all_arrived(self) -> bool:
+        """The peer closed after a BYE and every message it counted was received."""
+        return self._gone.is_set() and self._promised is not None and self._received >= self._promised
 
     async def _recv_frame(self, out: Any) -> Any:
         """The connecting side: the next TCP frame, exactly the size of `out`."""
@@ -241,7 +259,7 @@ class UcxConnection(Connection):
         while not worker.tag_probe(self._tag).matched:
             if self._gone.is_set():
                 last = last or loop.time() + LAST_MESSAGES_S
-            if self._closed or (last and loop.time() >= last):
+            if self._closed or self._all_arrived() or (last and loop.time() >= last):
                 raise ConnectionClosed(f"UCX connection to {self.peer} closed")
             fut = loop.create_future()
             _progress_waiters.add(fut)
@@ -252,11 +270,16 @@ class UcxConnection(Connection):
 
     async def _read_tcp(self) -> None:
         """Frames into `_frames` until the TCP connection ends. The accepting side's peer
-        sends none after the bootstrap: a frame there, an oversized one or too many unread
-        end the connection."""
+        sends none after the bootstrap but its BYE: another frame there, an oversized one or
+        too many unread end the connection."""
         try:
             while True:
                 (n,) = _FRAME.unpack(await self._reader.readexactly(_FRAME.size))
+                if self._accepting and n == _BYE.size and self._promised is None:
+                    magic, count = _BYE.unpack(await self._reader.readexactly(n))
+                    if magic == BYE:
+                        self._promised = count
+                        continue
                 if self._accepting or n > MAX_FRAME_BYTES or len(self._frames) >= MAX_FRAMES:
                     log.warning("KV connection %s: unexpected TCP frame of %d bytes, closing", self.peer, n)
                     break
@@ -274,6 +297,8 @@ class UcxConnection(Connection):
         if self._closed:
             return
         self._closed = True
+        if not self._accepting and not self._gone.is_set():    # flushed by the close below
+            self._writer.write(_FRAME.pack(_BYE.size) + _BYE.pack(BYE, self._sent))
         self._reading.cancel()
         self._writer.close()
         self._arrived.set()

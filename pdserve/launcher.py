@@ -64,10 +64,15 @@ from .processes import (Child, LaunchError, ModelPools, free_port, ports_in_use,
                         wait_serving)
 
 
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` in `argv` (the last one wins, as for argparse; None: absent)."""
+    return argv[len(argv) - argv[::-1].index(flag)] if flag in argv else None
+
+
 @dataclass
 class Launcher:
     """Start/stop a whole local system. Also used by the e2e fixtures."""
-    model_dir: str = ""
+    model_dir: str = ""                     # "": the default model (start() fetches it)
     num_prefill: int = 1
     num_decode: int = 1
     host: str = "127.0.0.1"
@@ -105,16 +110,23 @@ class Launcher:
         return [c for c in self.children if c.role == role and model in (None, c.model)]
 
     def start(self, timeout_s: float = 300.0, cancel: threading.Event | None = None) -> None:
-        """Check the fixed ports are free, start everything and wait until it is all
-        SERVING, a line per process as it loads, warms up and is ready (`say`); stops all
-        on any failure (or when `cancel` is set)."""
-        deadline = time.monotonic() + timeout_s
+        """Check the fixed ports are free (the one check: before anything is fetched or
+        started, so a busy port is one line, not a probe answered by whoever holds it), fetch
+        the default model if model_dir is "" (and no models), start everything and wait
+        until it is all SERVING within timeout_s, a line per process as it loads, warms up
+        and is ready (`say`); stops all on any failure (or when `cancel` is set)."""
         self._cancel = cancel or threading.Event()
         busy = ports_in_use(self.host, {"the gateway's gRPC (--grpc-port)": self.grpc_port,
                                         "the gateway's REST (--http-port)": self.http_port})
         if busy:
             raise LaunchError(f"{' and '.join(busy)} on {self.host} already in use (another "
                               f"pdserve?); nothing was started")
+        if not self.model_dir and not self.models:
+            from .default_model import resolve_default_model
+            self.model_dir = str(resolve_default_model())
+            if self._cancel.is_set():
+                raise LaunchError("interrupted while fetching the default model; nothing was started")
+        deadline = time.monotonic() + timeout_s
         engine_args = config_argv(self.engine)   # before extra: a role's own args win
         try:
             if self.internal_token:      # a file: the token itself never shows in `ps`
@@ -151,7 +163,7 @@ class Launcher:
                         "--port", str(port), "--worker-id", worker_id,
                         "--metrics-port", str(free_port(self.host)), *engine_args,
                         *self._mtls_args(), *self._token_args(), *extra]
-                metrics = argv[len(argv) - argv[::-1].index("--metrics-port")]   # the last wins
+                metrics = flag_value(argv, "--metrics-port")
                 self._worker_metrics.append(f"{worker_id}=http://{self.host}:{metrics}/metrics")
                 self._spawn(Child(role, f"{self.host}:{port}", argv, model=m.name,
                                   env={k: None for k in {API_KEY_ENV, *self.gateway_env}}))  # no key

@@ -27,12 +27,14 @@ from engine.config import EngineOptions
 from services.cli_args import config_from_args, dataclass_args
 from sim.profile import SCHEMA, Profile
 
+from .profile_report import pdserve_version, print_summary
+
 # (chunk tokens, cached-prefix tokens, decode batch sizes, context per sequence, handover
 # prompt lengths, repeats): the full grid, and --quick's for tests
 GRIDS = {
-    "full": dict(chunks=(16, 64, 128, 256, 512, 1024, 2048), cached=(0, 512, 2048),
-                 cached_chunks=(64, 256, 1024), batches=(1, 4, 16, 32, 64), contexts=(128, 1024),
-                 handover=(128, 512, 2048), repeat=3, decode_steps=5),
+    "full": dict(chunks=(16, 64, 256, 1024, 2048), cached=(0, 1024), cached_chunks=(64, 512),
+                 batches=(1, 4, 16, 64), contexts=(128, 1024), handover=(128, 512, 2048),
+                 repeat=3, decode_steps=5),
     "quick": dict(chunks=(16, 32, 64), cached=(0, 32), cached_chunks=(16, 64),
                   batches=(1, 2, 4), contexts=(16, 64), handover=(32, 128), repeat=1,
                   decode_steps=3),
@@ -94,16 +96,8 @@ def machine_info(prefill_threads: int, decode_threads: int) -> dict:
         affinity = list(range(os.cpu_count() or 1))
     return {"cpu": cpu, "logical_cores": os.cpu_count(), "affinity": affinity,
             "threads": {"prefill": prefill_threads, "decode": decode_threads},
-            "load_avg_1m": round(os.getloadavg()[0], 2), "torch": torch.__version__,
+            "load_avg_1m": round(os.getloadavg()[0], 2), "torch": torch.__version__,   # at the end
             "python": platform.python_version(), "host": platform.node()}
-
-
-def pdserve_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("pdserve")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def main(args) -> int:
@@ -136,26 +130,37 @@ def measure(args, options: EngineOptions) -> Profile:
     repeat = args.repeat or grid["repeat"]
     p_threads, d_threads = role_threads(args)
     model = _model_path(args)
-    t_start = time.time()
+    t_start, load_start = time.time(), round(os.getloadavg()[0], 2)
     clock = pm.StepClock()
     torch.set_num_threads(p_threads)
     engine = LLMEngine.from_model_dir(model, options, step_observers=[clock])
     plan = _plan(grid, engine)
-    progress = pm.Progress(len(plan["prefill"]) + len(plan["decode"]) + len(plan["handover"]) + 1,
+    progress = pm.Progress(repeat * len(plan["prefill"]) + len(plan["decode"]) + len(plan["handover"]) + 1,
                            sys.stderr)
     m = pm.Measurer(engine, clock, repeat, progress, args.seed)
+    phases, t = {}, time.perf_counter()
+
+    def lap(name):
+        nonlocal t
+        phases[name] = round(time.perf_counter() - t, 1)
+        t = time.perf_counter()
     m.warm_up(max(c for c, _ in plan["prefill"]), max(b for b, _ in plan["decode"]))
-    prefill = [m.prefill_point(chunk, cached) for chunk, cached in plan["prefill"]]
+    lap("warm_up")
+    prefill = m.prefill_points(plan["prefill"])
+    lap("prefill")
     handover, transport = pm.handover_points(engine, plan["handover"], repeat, progress)
+    lap("handover")
     torch.set_num_threads(d_threads)
     decode = [m.decode_point(b, ctx, max(repeat, grid["decode_steps"])) for b, ctx in plan["decode"]]
+    lap("decode")
     gateway_s = pm.gateway_seconds(engine.tokenizer, max(repeat, 5)) if engine.tokenizer else 0.0
     progress.tick("gateway")
+    lap("gateway")
     return Profile(
         schema=SCHEMA, pdserve_version=pdserve_version(), created_unix=round(t_start, 3),
-        machine=machine_info(p_threads, d_threads), model=_model_info(engine, model),
-        options=_options_info(engine, options, p_threads, d_threads, transport,
-                              round(time.time() - t_start, 1), repeat),
+        machine={**machine_info(p_threads, d_threads), "load_avg_1m_start": load_start},
+        model=_model_info(engine, model),
+        options=_options_info(engine, options, p_threads, d_threads, transport, phases, repeat),
         prefill=prefill, decode=decode, handover=handover, gateway_s=gateway_s,
         kv={"block_size": engine.kv.block_size, "num_blocks": engine.num_blocks},
         threads=p_threads)
@@ -170,8 +175,8 @@ def _plan(grid: dict, engine) -> dict:
     prefill = [(n, c) for c in grid["cached"] for n in (grid["chunks"] if c == 0 else grid["cached_chunks"])
                if n <= sc.max_num_batched_tokens and c + n < min(max_len, cap_tokens) and c % bs == 0]
     decode = [(b, ctx) for ctx in grid["contexts"] for b in grid["batches"]
-              if b <= sc.max_num_seqs and ctx + 64 < max_len
-              and ctx + b * (bs + 2 * 64) < cap_tokens]
+              if b <= sc.max_num_seqs and ctx + grid["decode_steps"] + 8 < max_len
+              and ctx + b * (2 * bs + grid["decode_steps"] + 8) < cap_tokens]
     handover = [n for n in grid["handover"] if n < max_len and n <= cap_tokens]
     if not prefill or not decode:
         raise SystemExit("pdserve profile: the options leave no point to measure (a step budget, "
@@ -187,7 +192,7 @@ def _model_info(engine, path: str) -> dict:
             "max_model_len": mc.max_model_len, "vocab_size": mc.vocab_size}
 
 
-def _options_info(engine, options, p_threads, d_threads, transport, seconds, repeat) -> dict:
+def _options_info(engine, options, p_threads, d_threads, transport, phases, repeat) -> dict:
     sc, cc = engine.config.scheduler, engine.config.cache
     return {"threads": p_threads, "prefill_threads": p_threads, "decode_threads": d_threads,
             "block_size": cc.block_size, "max_num_seqs": sc.max_num_seqs,
@@ -195,37 +200,10 @@ def _options_info(engine, options, p_threads, d_threads, transport, seconds, rep
             "enable_prefix_caching": cc.enable_prefix_caching,
             "kv_cache_memory_gb": cc.kv_cache_memory_gb, "device": options.device,
             "kernel_backend": engine.config.kernel_backend, "repeat": repeat,
-            "profile_seconds": seconds,
+            "profile_seconds": round(sum(phases.values()), 1), "phase_seconds": phases,
             "methods": {"prefill": "in-process engine, one step per point (step observer)",
                         "decode": "in-process engine, median of timed decode steps",
                         "handover": f"kvtransfer KVSender->KVReceiver over {transport}, all "
                                     "layers back to back (upper bound: no compute overlap)",
                         "gateway": "gateway.prompt.chat_prompt_ids on a ~500-token chat "
                                    "message (template + tokenize; routing not included)"}}
-
-
-def print_summary(prof: Profile, out) -> None:
-    f = prof.fits
-    threads = prof.machine.get("threads", {})
-    out.write(f"\nprofile {prof.schema}: {prof.model.get('id')} on {prof.machine.get('cpu')}, "
-              f"threads prefill={threads.get('prefill')} decode={threads.get('decode')}\n")
-    out.write("| prefill chunk | cached | seconds | tok/s | fit |\n| --- | --- | --- | --- | --- |\n")
-    for p in prof.prefill:
-        n, c, s = p["chunk_tokens"], p["cached_tokens"], p["seconds"]
-        out.write(f"| {n:g} | {c:g} | {s:.4f} | {n / max(s, 1e-12):,.0f} | {prof.prefill_s(n, c):.4f} |\n")
-    out.write("| decode batch | context (sum) | seconds | tok/s | fit |\n| --- | --- | --- | --- | --- |\n")
-    for p in prof.decode:
-        b, c, s = p["batch"], p["context_tokens"], p["seconds"]
-        out.write(f"| {b:g} | {c:g} | {s:.4f} | {b / max(s, 1e-12):,.0f} | {prof.decode_s(b, c):.4f} |\n")
-    out.write("| handover prompt tokens | seconds |\n| --- | --- |\n")
-    for p in prof.handover:
-        out.write(f"| {p['prompt_tokens']} | {p['seconds']:.5f} |\n")
-    out.write(f"gateway per request: {prof.gateway_s * 1000:.2f} ms; KV: {prof.kv.get('num_blocks')} "
-              f"blocks of {prof.kv.get('block_size')} tokens per worker\n")
-    out.write(f"fits: prefill a,b,c = {_fmt(f['prefill'])}  (a + b*n + c*n*(cached + n/2)); "
-              f"decode a,b,c = {_fmt(f['decode'])}  (a + b*batch + c*context); "
-              f"handover a,b = {_fmt(f['handover'])}\n")
-
-
-def _fmt(coef) -> str:
-    return ", ".join(f"{c:.3g}" for c in coef)

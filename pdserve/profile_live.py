@@ -24,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.step_metrics import NAMES
 from sim.profile import SCHEMA, Profile
 
+from .profile_report import pdserve_version, print_summary
+
 PREFIXES = ("pdserve:", "vllm:")
 SCRAPE_TIMEOUT_S = 10.0
 
@@ -107,7 +109,6 @@ def refreshed(base: Profile | None, points: dict, num_blocks: int, info: dict) -
                        handover=[], gateway_s=0.0,
                        kv={"block_size": 16, "num_blocks": num_blocks, "block_size_assumed": True},
                        threads=0)
-    from .profile import pdserve_version
     options = {**base.options, "live": info}
     return replace(base, schema=SCHEMA, pdserve_version=pdserve_version(),
                    created_unix=round(time.time(), 3), options=options,
@@ -141,7 +142,6 @@ def refresh(args) -> int:
         if not points[kind]:
             print(f"pdserve profile: no live {kind} bucket with >= {args.min_steps} steps: "
                   f"the base's {kind} points are kept", file=sys.stderr)
-    from .profile import print_summary
     print_summary(prof, sys.stdout)
     print(f"wrote {args.out} ({len(points['prefill'])} live prefill and "
           f"{len(points['decode'])} live decode points)")

@@ -1,12 +1,14 @@
 """The measurements behind `pdserve profile`, with the engine in this process.
 
-    prefill   one prefill-only request per point, its chunk computed in ONE step (chunk <=
-              max_num_batched_tokens); a cached prefix is made by running the prefix first
-              (released, so its blocks stay in the prefix cache), then prefix + chunk: the
-              step computes only the chunk, after `cached_tokens` from the cache
-    decode    `batch` requests sharing one prompt prefix (computed once, from the prefix
-              cache for the others) of ~context/batch tokens each; once every one decodes,
-              k decode steps are timed (each advances every request by one token)
+    prefill   one prefill-only request per run, its chunk computed in ONE step (chunk <=
+              max_num_batched_tokens); for a cached prefix, a first pass of prefix + chunk
+              puts the prefix in the prefix cache (released, its blocks stay cached), and the
+              timed pass of prefix + a fresh chunk computes only the chunk, after
+              `cached_tokens` from the cache; the runs go in rounds over every point
+    decode    `batch` requests sharing one prompt prefix of ~context-1 tokens (computed once,
+              from the prefix cache for the others and for later points) plus one token of
+              their own; once every one decodes, k decode steps are timed (each advances
+              every request by one token)
     handover  the project's KVSender -> KVReceiver (kvtransfer) in one event loop, over UCX
               loopback where ucxx imports, else the in-process LoopbackTransport: the time
               from the first layer pushed to the receiver's DONE for a prompt's blocks, every
@@ -73,6 +75,7 @@ class Measurer:
         self.vocab = engine.config.model.vocab_size
         self.block_size = engine.kv.block_size
         self._ids = 0
+        self._prefixes: dict[int, list[int]] = {}
 
     def _tokens(self, n: int) -> list[int]:
         """Fresh random ids: no prefix-cache hit with anything run before."""
@@ -83,7 +86,8 @@ class Measurer:
         return f"profile-{self._ids}"
 
     def _run_prefill(self, prompt: list[int]) -> tuple[float, int, int]:
-        """Prefill `prompt` to its first token; (last step's seconds, its tokens, cached)."""
+        """Prefill `prompt` to its first token: (its last step's seconds, that step's tokens of
+        it, its prefix-cache hit)."""
         rid = self._id()
         req = self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True),
                                       prefill_only=True)
@@ -97,29 +101,45 @@ class Measurer:
         self.engine.release(rid)
         return seconds, tokens.get(rid, 0), max(req.num_cached_tokens, 0)
 
-    def prefill_point(self, chunk: int, cached: int) -> dict:
-        times, got_cached = [], cached
-        for _ in range(self.repeat):
-            prefix = self._tokens(cached)
-            if cached:
-                self._run_prefill(prefix)          # into the prefix cache
-            seconds, tokens, hit = self._run_prefill(prefix + self._tokens(chunk))
-            if tokens != chunk:
-                raise RuntimeError(f"prefill step computed {tokens} tokens, not {chunk}: "
-                                   f"is max_num_batched_tokens >= {chunk}?")
-            times.append(seconds)
-            got_cached = hit
-        self.progress.tick(f"prefill {chunk}+{cached}")
-        return {"chunk_tokens": chunk, "cached_tokens": got_cached,
-                "seconds": statistics.median(times)}
+    def _prefix(self, n: int) -> list[int]:
+        """The same `n` random tokens each call (block-aligned, kept per length): a prefix that
+        stays in the prefix cache between the points that share it."""
+        n = n // self.block_size * self.block_size
+        if n not in self._prefixes:
+            self._prefixes[n] = self._tokens(n)
+        return self._prefixes[n]
+
+    def prefill_points(self, plan: list[tuple[int, int]]) -> list[dict]:
+        """Each (chunk, cached) point `repeat` times, in rounds over all the points (a burst of
+        load on a shared machine then spoils one run of several points, not every run of
+        one); each point's median."""
+        times: dict[tuple[int, int], list[float]] = {pt: [] for pt in plan}
+        for r in range(self.repeat):
+            for chunk, cached in plan:
+                times[(chunk, cached)].append(self._prefill_once(chunk, cached))
+                self.progress.tick(f"prefill {chunk}+{cached} ({r + 1}/{self.repeat})")
+        return [{"chunk_tokens": chunk, "cached_tokens": cached,
+                 "seconds": statistics.median(times[(chunk, cached)])} for chunk, cached in plan]
+
+    def _prefill_once(self, chunk: int, cached: int) -> float:
+        """One step computing `chunk` fresh tokens after `cached` from the prefix cache."""
+        for _ in range(2):      # a prefix not (or no longer) cached: this pass puts it back
+            prompt = self._prefix(cached) + self._tokens(chunk)
+            seconds, tokens, hit = self._run_prefill(prompt)
+            if hit >= cached:
+                break
+        if tokens != chunk or hit != cached:
+            raise RuntimeError(f"prefill step computed {tokens} tokens after {hit} cached, not "
+                               f"{chunk} after {cached}: is max_num_batched_tokens >= {chunk}?")
+        return seconds
 
     def decode_point(self, batch: int, context_per_seq: int, steps: int) -> dict:
         """`batch` sequences of ~context_per_seq tokens each (a shared prefix + a few of their
         own), then `steps` timed decode steps; seconds: their median."""
-        own = min(self.block_size, max(1, context_per_seq // 2))
-        prefix = self._tokens(max(context_per_seq - own, 0) // self.block_size * self.block_size)
+        prefix = self._prefix(context_per_seq - 1)      # + one token of each request's own
+        own = max(1, context_per_seq - len(prefix))
         ids, reqs = [], []
-        params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+        params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)   # set-up: <= 2 more
         try:
             for i in range(batch):
                 rid = self._id()
@@ -160,8 +180,8 @@ class Measurer:
         """The first passes are slow (allocations, kernel builds): run and forget them."""
         counted, self.progress = self.progress, Progress(0)      # not counted points
         try:
-            for _ in range(2):
-                self._run_prefill(self._tokens(chunk))
+            for n in (chunk, min(chunk, 64)):
+                self._run_prefill(self._tokens(n))
             self.decode_point(batch, 2 * self.block_size, 3)
             self.decode_point(1, 2 * self.block_size, 3)
         finally:

@@ -19,8 +19,8 @@ from services.cli_args import check_ports
 from services.security import exposed, mtls_triple, tls_pair
 from services.worker_config import available_cores
 
-from .launcher import Launcher, _say
-from .processes import LaunchError, ModelPools, ports_in_use
+from .launcher import Launcher, _say, flag_value
+from .processes import LaunchError, ModelPools
 
 
 @dataclass
@@ -102,14 +102,17 @@ class UpConfig:
 
 
 def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
-    """One warning per port that listens beyond loopback without TLS (none on loopback)."""
+    """One warning per port that listens beyond loopback without TLS (none on loopback):
+    the gateway's, each worker's gRPC and its /metrics and health ports (HTTP, always plain)."""
     tls, mtls = bool(cfg.tls_cert), bool(cfg.mtls_ca)
     ports = {"gateway gRPC": (int(launcher.grpc_address.rpartition(":")[2]), tls),
              "gateway REST": (launcher.http_port, tls)}
     for c in launcher.children:
         if c.role != "gateway":
-            ports[f"{c.role} worker gRPC ({c.argv[c.argv.index('--worker-id') + 1]})"] = \
-                (int(c.address.rpartition(":")[2]), mtls)
+            worker = f"{c.role} worker %s ({flag_value(c.argv, '--worker-id')})"
+            ports[worker % "gRPC"] = (int(c.address.rpartition(":")[2]), mtls)
+            for flag, what in (("--metrics-port", "/metrics"), ("--health-port", "health")):
+                ports[worker % what] = (int(flag_value(c.argv, flag) or 0), False)
     lines = [f"{p} listens in plain text beyond loopback" for p in exposed(cfg.host, ports)]
     if lines:    # UCX carries KV without encryption: the KV ports too
         lines.append(f"decode workers' KV (UCX) ports on {cfg.host} are never encrypted: "
@@ -139,22 +142,11 @@ def main(cfg: UpConfig) -> int:
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr, flush=True)
         return 2
-    busy = ports_in_use(cfg.host, {"the gateway's gRPC (--grpc-port)": cfg.grpc_port,
-                                   "the gateway's REST (--http-port)": cfg.http_port})
-    if busy:          # before a model is fetched or any process started
-        print(f"pdserve up: {' and '.join(busy)} on {cfg.host} already in use (another "
-              f"pdserve?); nothing was started", file=sys.stderr, flush=True)
-        return 1
-    if cfg.model or models:
-        model = cfg.model
-    else:
-        from .default_model import resolve_default_model
-        model = str(resolve_default_model())
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port = cfg.http_port
     prefill_args, decode_args = worker_args(cfg, models)
-    launcher = Launcher(model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
+    launcher = Launcher(cfg.model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
                         prefill_args=prefill_args, decode_args=decode_args,
                         gateway_args=gateway_argv(cfg), engine=cfg.engine,   # the key: by env,
                         gateway_env={API_KEY_ENV: cfg.api_key} if cfg.api_key else {},  # not ps
@@ -175,6 +167,7 @@ def main(cfg: UpConfig) -> int:
             print(f"pdserve model {m.name}: prefill={w['prefill']} decode={w['decode']} "
                   f"model={m.model_dir}", flush=True)
         w = {r: ",".join(c.address for c in launcher.workers(r)) for r in ("prefill", "decode")}
+        model = launcher.model_dir       # the default model's, fetched by start() if not given
         print(f"pdserve ready: grpc={launcher.grpc_address}{http} prefill={w['prefill']} "
               f"decode={w['decode']} model={model or ','.join(m.name for m in models)}"
               + ("" if models else f" id={cfg.served_model_name or default_model_id(model)}"),

@@ -42,6 +42,7 @@ from engine.async_engine import EngineError
 from engine.kv_cache_manager import cdiv
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from kvtransfer.reservation import deadline_after
 from kvtransfer.sender import KVTransferTimeout, TransferStats
 from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
@@ -286,14 +287,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 
     @staticmethod
     def _deadline(call: _Call) -> float | None:
-        """When the decoder lets the reservation go (time.monotonic(); None: never), as its
-        receiver computes it: idle_s after the last layer pushed, up to the bound."""
+        """When the decoder lets the reservation go (time.monotonic(); None: never): its
+        receiver's rule from the last layer pushed, never before the reserved deadline."""
         if call.expires is None:
             return None
         pushed = call.push.progress_at if call.push is not None else 0.0
         if not call.idle_s or not pushed:
             return call.expires
-        return min(max(call.expires, pushed + call.idle_s), call.bound)
+        return max(call.expires, deadline_after(pushed, call.idle_s, call.bound))
 
     @staticmethod
     def _expiry_cause(call: _Call) -> str:

@@ -162,10 +162,12 @@ class Flow:
 
     def _fits(self, f: Flight) -> bool:
         """The engine's own refusal (LLMEngine._make_request): the request's blocks past
-        the whole cache, or its tokens past the context."""
+        the whole cache, or its tokens past the context (and an empty prompt or output,
+        which the gateway's validation refuses)."""
         need = cdiv(f.input_length + f.output_length, self.block_size)
         too_long = self.max_len and f.input_length + f.output_length > self.max_len
-        return need <= int(self.profile.kv["num_blocks"]) and not too_long and f.input_length > 0
+        return (need <= int(self.profile.kv["num_blocks"]) and not too_long
+                and f.input_length > 0 and f.output_length > 0)
 
     def _pick(self, pool: list[SimWorker], kind: str, exclude, hashes) -> SimWorker | None:
         g = self.system

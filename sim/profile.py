@@ -99,6 +99,19 @@ def _dot(coef: list[float], feats: list[float]) -> float:
 
 @dataclass
 class Profile:
+    """One machine + model + engine options, measured (pdserve/profile.py writes it).
+
+    machine   cpu, logical_cores, affinity, threads {"prefill": p, "decode": d} (the torch
+              threads each role was measured with), load averages, torch/python versions
+    model     path, id, architecture, layers, quantization, dtype, kv_dtype, max_model_len
+    options   the engine options (block_size, max_num_seqs, max_num_batched_tokens, ...),
+              prefill_threads / decode_threads, how each cost was measured ("methods"), and
+              after a live refresh "live" (url, window, steps seen)
+    prefill / decode / handover   the measured points (keys in _POINT_KEYS; a live point
+              also has "steps", "bucket", "source": "live")
+    threads   the prefill role's threads (the decode role's: machine["threads"]["decode"])
+    fits      derived from the points (recomputed on load, written for people to read)
+    """
     schema: str
     pdserve_version: str
     created_unix: float

@@ -90,6 +90,7 @@ class SimResult:
     requests: list[SimRequest]
     duration_s: float            # first arrival to the last request's end
     utilisation: dict            # {"prefill": 0..1, "decode": 0..1}: busy fraction, pool mean
+                                 # (prefill 0 when colocated: the decode workers' is all)
     queue: dict                  # time-averaged and most requests: "prefill_*" admitted and
                                  # before their first token, "decode_*" preempted mid-decode
                                  # and waiting for a batch place: {"prefill_mean",

@@ -49,7 +49,13 @@ def use_cpu(backend: str) -> bool:
 
 
 def _triton_op(module: str, name: str):
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    try:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    except ModuleNotFoundError as e:     # a CPU install without the gpu extra
+        if e.name != "triton":
+            raise
+        raise ModuleNotFoundError("the Triton kernels need triton, which is not installed: "
+                                  "pip install 'pdserve[gpu]'", name="triton") from None
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

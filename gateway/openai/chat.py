@@ -72,7 +72,8 @@ class Chat(Endpoint):
         try:
             check_template_kwargs(b.chat_template_kwargs)
             return await chat_prompt_ids(self.gw.tokenizer, messages, b.add_generation_prompt, tools,
-                                         self.gw.max_model_len, b.chat_template_kwargs)
+                                         self.gw.max_model_len, b.chat_template_kwargs,
+                                         example_call=not self.forced)
         except PromptError as e:
             raise from_prompt(e, "messages") from None
 

@@ -157,10 +157,11 @@ def test_named_tool_choice_streams_the_call(pdserve_up):
 def test_forced_call_cut_by_max_tokens_is_still_a_call(pdserve_up):
     """Named and required, cut by a small max_tokens, streamed and not: a tool call with the
     arguments generated so far (the start of the uncut call's, greedy) and finish_reason
-    length; the internal wrapper never comes back as content."""
+    length; the internal wrapper never comes back as content. One call (parallel_tool_calls
+    off): with several allowed, "required" makes SmolLM2 add a get_weather call."""
     url, model = pdserve_up
     client = _sdk(url)
-    kw = dict(model=MODEL_ID, messages=ASK_TIME, tools=TOOLS, temperature=0)
+    kw = dict(model=MODEL_ID, messages=ASK_TIME, tools=TOOLS, temperature=0, parallel_tool_calls=False)
     for choice in (NAMED, "required"):
         (_, full), = _call(client.chat.completions.create(
             tool_choice=choice, max_tokens=200, **kw).choices[0])
@@ -176,7 +177,8 @@ def test_forced_call_cut_by_max_tokens_is_still_a_call(pdserve_up):
 @pytest.mark.timeout(1800)
 def test_tools_reach_a_prompt_whose_template_has_no_tools_section(pdserve_up):
     """SmolLM2's template renders no tools: with tools the prompt grows by exactly the generic
-    format's system message (transformers' own tokenizer and template on the same messages),
+    format's system message and example exchange (transformers' own tokenizer and template on
+    the same messages),
     and auto still answers (a call or content, never an error; the model follows the format
     only loosely)."""
     import transformers as T

@@ -8,17 +8,18 @@ serve it 1P1D (one torch thread per worker, the profile's), replay a small trace
             (queueing, chunking, batching, the handover). Asserted: TTFT p50, ITL p50 and
             throughput within FIDELITY (a loose 50%)
     quick   the quick profile alone: printed, and only the throughput asserted (an arrival-
-            bound figure). --quick times prefill chunks of 16-64 tokens and decode at
-            contexts of 16 and 64 only, one run a point, on a shared noisy machine: its fits
-            extrapolated to these prompts were off by 3x (TTFT) and 36x (ITL: a decode slope
-            per context token fit to noise) in the run below
+            bound figure): --quick times a small grid once a point on a shared noisy
+            machine, so its fits extrapolated to these prompts are the weaker part
 
-Seen (16 requests at 0.8/s, prompts 200-1000, outputs 32-64; the machine shared by other
-jobs):   measured   live   quick
-    TTFT p50 ms       279    283      82
-    ITL p50 ms       1.61   1.72    58.7
-    throughput tok/s 34.2   34.2    29.2
-    TTFT p90 ms       585    540     114
+Seen (16 requests at 0.8/s, prompts 200-1000, outputs 32-64; the 2-core machine shared by
+other jobs, so the measured figures themselves moved by ~50% between runs). Runs 1-2 with
+the first --quick grid (contexts of 16 and 64 only: its decode slope per context token, fit
+to noise, put ITL 2-36x high), run 3 with the later one:
+                      measured            live               quick
+    TTFT p50 ms       279 / 339 / 163     283 / 250 / 182    82 / 531 / 109
+    ITL p50 ms       1.61 / 1.86 / 1.63  1.72 / 1.64 / 1.99  58.7 / 3.8 / 1.05
+    throughput tok/s 34.2 / 34.1 / 34.4  34.2 / 34.3 / 34.3  29.2 / 33.9 / 34.4
+    TTFT p90 ms       585 / 475 / 287     540 / 488 / 313    114 / 965 / 178
 """
 from __future__ import annotations
 

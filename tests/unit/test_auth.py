@@ -82,11 +82,23 @@ def test_plain_text_ports_beyond_loopback():
     assert exposed("127.0.0.1", {"x": (1, False)}) == []
     assert exposed("0.0.0.0", {"a": (1, False), "b": (2, True), "off": (0, False)}) == ["a 0.0.0.0:1"]
     launcher = Launcher("m", host="0.0.0.0", http_port=8000, children=[
-        Child("prefill", "0.0.0.0:7001", ["prefill", "--worker-id", "prefill-0"]),
+        Child("prefill", "0.0.0.0:7001", ["prefill", "--worker-id", "prefill-0",
+                                           "--metrics-port", "7101", "--metrics-port", "7102"]),
+        Child("decode", "0.0.0.0:7002", ["decode", "--worker-id", "decode-0", "--metrics-port",
+                                         "7103", "--health-port", "7104"]),
         Child("gateway", "0.0.0.0:7000", ["gateway"])])
     lines = plain_text_ports(UpConfig(host="0.0.0.0"), launcher)
-    assert any("gateway gRPC 0.0.0.0:7000" in s for s in lines)
-    assert any("gateway REST 0.0.0.0:8000" in s for s in lines)
-    assert any("prefill worker gRPC (prefill-0) 0.0.0.0:7001" in s for s in lines)
-    assert any("KV (UCX)" in s for s in lines)
+    assert lines[:-1] == [f"{p} listens in plain text beyond loopback" for p in (
+        "gateway gRPC 0.0.0.0:7000", "gateway REST 0.0.0.0:8000",
+        "prefill worker gRPC (prefill-0) 0.0.0.0:7001",
+        "prefill worker /metrics (prefill-0) 0.0.0.0:7102",       # the last --metrics-port wins
+        "decode worker gRPC (decode-0) 0.0.0.0:7002", "decode worker /metrics (decode-0) 0.0.0.0:7103",
+        "decode worker health (decode-0) 0.0.0.0:7104")]
+    assert "KV (UCX)" in lines[-1]
+    # mTLS and TLS cover the gRPC and REST ports; the workers' HTTP ports stay plain
+    tls = plain_text_ports(UpConfig(host="0.0.0.0", tls_cert="c", tls_key="k", mtls_ca="a",
+                                    mtls_cert="c", mtls_key="k"), launcher)
+    assert [s.split(" listens")[0] for s in tls[:-1]] == [
+        "prefill worker /metrics (prefill-0) 0.0.0.0:7102", "decode worker /metrics (decode-0) 0.0.0.0:7103",
+        "decode worker health (decode-0) 0.0.0.0:7104"]
     assert plain_text_ports(UpConfig(host="127.0.0.1"), launcher) == []

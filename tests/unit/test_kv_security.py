@@ -226,3 +226,32 @@ def test_a_receive_from_a_sender_killed_mid_message_ends():
         assert isinstance(await asyncio.wait_for(got.get(), 15), ConnectionClosed)
         await rx.close()
     asyncio.run(asyncio.wait_for(main(), 90))
+
+
+def test_a_closed_senders_last_messages_arrive_then_the_receive_ends_at_once(monkeypatch):
+    """A sender that sends and closes at once: every message it sent (small ones, eager, and a
+    large one, rendezvous) arrives, then the next receive ends at once: its BYE said how many
+    to expect, so no grace period is waited (LAST_MESSAGES_S is an hour here)."""
+    from kvtransfer import ucx
+    monkeypatch.setattr(ucx, "LAST_MESSAGES_S", 3600.0)
+    sizes = [64, 8 << 20, 64, 4096]
+
+    async def main():
+        rx, tx, got = ucx.UcxTransport("127.0.0.1", 0), ucx.UcxTransport(), asyncio.Queue()
+
+        async def handler(conn):
+            try:
+                for n in [*sizes, 64]:                   # one receive more than was sent
+                    await got.put(bytes(await conn.recv(into=bytearray(n)))[:1])
+            except ConnectionClosed as e:
+                await got.put(e)
+        conn = await tx.connect(await rx.listen(handler))
+        for i, n in enumerate(sizes):
+            await conn.send(bytearray([i + 1]) * n)
+        await conn.close()
+        for i in range(len(sizes)):
+            assert await asyncio.wait_for(got.get(), 60) == bytes([i + 1])
+        assert isinstance(await asyncio.wait_for(got.get(), 60), ConnectionClosed)
+        await tx.close()
+        await rx.close()
+    asyncio.run(asyncio.wait_for(main(), 120))

@@ -145,3 +145,30 @@ def test_per_call_windows_and_the_fixed_deadline_without_a_bound():
         tx.cancel(h)
         await tx.close(); await rx.close()
     run(main())
+
+
+def test_the_prefill_worker_sees_the_receivers_deadline():
+    """The prefill worker's view of a reservation (PrefillServicer._deadline) is the
+    receiver's own deadline at every push, the bound included: one rule, not two."""
+    from types import SimpleNamespace
+
+    from prefill_worker.server import PrefillServicer, _Call
+
+    async def main():
+        clock = Clock()
+        rx, tx, addr = await _pair(clock, expiry_s=10.0, max_s=30.0)
+        t0 = clock.t
+        rx.reserve("seen", list(range(8)))
+        call = _Call("r", [1], None, None, 0, push=SimpleNamespace(progress_at=0.0),
+                     expires=t0 + 10.0, idle_s=10.0, bound=t0 + 30.0)
+        assert PrefillServicer._deadline(call) == rx.poll("seen").deadline == t0 + 10.0
+        h = await tx.open("seen", addr, list(range(8, 12)) + list(range(4)), list(range(8)))
+        for chunk in range(5):             # at t0 + 7, 14, 21, 28, 35 (the last past the bound)
+            clock.t += 7.0
+            await _push(rx, tx, h, "seen", chunk, chunk + 1)
+            call.push.progress_at = clock.t
+            assert PrefillServicer._deadline(call) == rx.poll("seen").deadline
+        assert PrefillServicer._deadline(call) == t0 + 30.0
+        tx.cancel(h)
+        await tx.close(); await rx.close()
+    run(main())

@@ -190,3 +190,16 @@ def test_the_defaults_are_the_workers_own():
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (s.max_num_seqs, s.max_num_batched_tokens)
     with pytest.raises(ValueError):
         SystemConfig(1, 0, 2)
+
+
+def test_what_the_engine_or_gateway_would_refuse_is_an_error():
+    small = dict(example().to_json(), kv={"block_size": 16, "num_blocks": 8},
+                 model={"max_model_len": 200})
+    from sim.profile import Profile
+    res = simulate(Profile.from_json(small), SystemConfig(1, 1, 2), [
+        TraceRecord(0.0, 100, 20),          # fits: 8 blocks of 16, within the context
+        TraceRecord(1.0, 100, 40),          # 9 blocks
+        TraceRecord(2.0, 190, 20),          # past the context of 200
+        TraceRecord(3.0, 10, 0)])           # nothing to generate
+    assert [r.status for r in res.requests] == ["ok", "error", "error", "error"]
+    assert res.summary()["errors"] == 3
