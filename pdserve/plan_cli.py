@@ -56,8 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-batched-tokens", type=_ints,
                    default=list(plan.DEFAULT_MAX_NUM_BATCHED_TOKENS),
                    help="per-worker step token budgets (prefill chunk) to try")
-    s.add_argument("--seeds", type=int, default=2, help="simulations per candidate "
-                   "(a synthetic workload is drawn afresh for each)")
+    s.add_argument("--seeds", type=int, default=0, help="simulations per candidate, a "
+                   "synthetic workload drawn afresh for each (0: 3 for --rate, 1 for --trace)")
     s.add_argument("--admission", action="store_true", help="simulate the gateway's "
                    "admission control at the SLOs (`pdserve gateway --slo-ttft-ms ...`; "
                    "`pdserve up` runs without it)")
@@ -129,6 +129,7 @@ def main(args) -> int:
         workload = workload_from(args)
     except (OSError, ValueError) as e:
         raise SystemExit(f"pdserve plan: {e}")
+    args.seeds = args.seeds or (1 if args.trace else 3)
     if args.max_workers < 1 or not 0 < args.attainment <= 1 or args.seeds < 1:
         raise SystemExit("pdserve plan: --max-workers and --seeds must be >= 1, "
                          "--attainment in (0, 1]")
