@@ -79,13 +79,28 @@ def test_the_gateway_slo_admission_refuses_under_overload():
     trace = _poisson(4.0, 200, seed=2)
     big = small_kv(20_000)
     cfg = dict(prefill=1, decode=1, cores=2, max_queued_prefill_tokens=10**7, max_num_seqs=512,
-               kv_expiry_s=1e6, kv_max_reservation_s=1e6)      # nothing else refuses
+               kv_expiry_s=1e6, kv_max_reservation_s=1e6,
+               max_queue_delay_factor=0)                          # nothing else refuses
     free = simulate(big, SystemConfig(**cfg), trace)
     slo = simulate(big, SystemConfig(**cfg, slo_ttft_s=5.0), trace)
     a, b = free.summary(slo_ttft_ms=5000), slo.summary(slo_ttft_ms=5000)
     assert a["rejected_429"] == 0
     assert b["rejected_429"] > 0
     assert b["ttft_p50_ms"] < a["ttft_p50_ms"] and b["goodput_rps"] > a["goodput_rps"]
+
+
+def test_the_prefill_slowdown_bound_refuses_under_overload():
+    """The prefill worker's own default (--max-queue-delay-factor 10), no SLO given: past
+    capacity it refuses what would wait over 10x its own compute, and the admitted keep a
+    TTFT far below the unbounded queue's."""
+    trace = _poisson(4.0, 200, seed=2)
+    big = small_kv(20_000)
+    cfg = dict(prefill=1, decode=1, cores=2, max_queued_prefill_tokens=10**7, max_num_seqs=512,
+               kv_expiry_s=1e6, kv_max_reservation_s=1e6)
+    free = simulate(big, SystemConfig(**cfg, max_queue_delay_factor=0), trace).summary()
+    bound = simulate(big, SystemConfig(**cfg), trace).summary()
+    assert free["rejected_429"] == 0 < bound["rejected_429"]
+    assert bound["ttft_p90_ms"] < 0.5 * free["ttft_p90_ms"]
 
 
 def test_the_prefill_queue_bound_refuses():
