@@ -152,7 +152,7 @@ def test_sigstop_decode_streams_migrate(supervised, llm):
     unanswered for --stall-timeout-s the gateway cuts its streams and migrates them, so
     every stream completes with the engine's greedy tokens while it is still stopped. After
     SIGCONT the stopped worker frees the blocks of the streams it lost and serves again."""
-    ps, n_tokens = prompts(llm, 6), 100
+    ps, n_tokens = prompts(llm, 6), 400      # long enough to outlast the pick of the victim
     want = greedy(llm, ps, n_tokens)
     stub = gen_stub(supervised.grpc_address)
     started = [threading.Event() for _ in ps]
