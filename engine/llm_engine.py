@@ -254,8 +254,9 @@ class LLMEngine:
         outputs = self._postprocess(sched, out)
         if self.step_observers:
             tokens = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}
+            seconds = time.perf_counter() - t0          # one reading: every observer agrees
             for o in self.step_observers:
-                o.on_step(time.perf_counter() - t0, tokens)
+                o.on_step(seconds, tokens)
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
