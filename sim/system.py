@@ -32,8 +32,9 @@ from prefill_worker.config import PrefillWorkerConfig
 from .flow import Flow
 from .stats import mean_itl_s, summarize
 
-# decode_worker/config.py's defaults (sim may not import a decode worker; a test compares)
-KV_EXPIRY_S = 30.0
+# decode_worker/config.py's hard bound on a reservation (sim may not import a decode worker; a
+# test compares). Its idle window (--kv-expiry-s) is not modelled: a queued prompt's reservation
+# is kept alive by the prefill worker's KEEPALIVEs, so only the hard bound ends one.
 KV_MAX_RESERVATION_S = 600.0
 
 
@@ -59,7 +60,6 @@ class SystemConfig:
     decode_affinity_slack: int = _default(GatewayConfig, "decode_affinity_slack")
     max_queued_prefill_tokens: int = _default(PrefillWorkerConfig, "max_queued_prefill_tokens")
     max_queue_delay_factor: float = _default(PrefillWorkerConfig, "max_queue_delay_factor")
-    kv_expiry_s: float = KV_EXPIRY_S
     kv_max_reservation_s: float = KV_MAX_RESERVATION_S
 
     def __post_init__(self):

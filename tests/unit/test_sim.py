@@ -14,7 +14,7 @@ import pytest
 from sim.cores import Cores
 from sim.profile import example
 from sim.stats import SUMMARY_KEYS
-from sim.system import KV_EXPIRY_S, KV_MAX_RESERVATION_S, SystemConfig, simulate
+from sim.system import KV_MAX_RESERVATION_S, SystemConfig, simulate
 from sim.trace import TraceRecord
 from sim.workers import fixed_cost
 
@@ -184,7 +184,7 @@ def test_the_defaults_are_the_workers_own():
     from decode_worker.config import DecodeWorkerConfig
     from engine.config import SchedulerConfig
     d = {f.name: f.default for f in fields(DecodeWorkerConfig)}
-    assert (d["kv_expiry_s"], d["kv_max_reservation_s"]) == (KV_EXPIRY_S, KV_MAX_RESERVATION_S)
+    assert d["kv_max_reservation_s"] == KV_MAX_RESERVATION_S
     s = SchedulerConfig()
     cfg = SystemConfig(1, 1, 2)
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (s.max_num_seqs, s.max_num_batched_tokens)

@@ -79,7 +79,7 @@ def test_the_gateway_slo_admission_refuses_under_overload():
     trace = _poisson(4.0, 200, seed=2)
     big = small_kv(20_000)
     cfg = dict(prefill=1, decode=1, cores=2, max_queued_prefill_tokens=10**7, max_num_seqs=512,
-               kv_expiry_s=1e6, kv_max_reservation_s=1e6,
+               kv_max_reservation_s=1e6,
                max_queue_delay_factor=0)                          # nothing else refuses
     free = simulate(big, SystemConfig(**cfg), trace)
     slo = simulate(big, SystemConfig(**cfg, slo_ttft_s=5.0), trace)
@@ -96,7 +96,7 @@ def test_the_prefill_slowdown_bound_refuses_under_overload():
     trace = _poisson(4.0, 200, seed=2)
     big = small_kv(20_000)
     cfg = dict(prefill=1, decode=1, cores=2, max_queued_prefill_tokens=10**7, max_num_seqs=512,
-               kv_expiry_s=1e6, kv_max_reservation_s=1e6)
+               kv_max_reservation_s=1e6)
     free = simulate(big, SystemConfig(**cfg, max_queue_delay_factor=0), trace).summary()
     bound = simulate(big, SystemConfig(**cfg), trace).summary()
     assert free["rejected_429"] == 0 < bound["rejected_429"]
