@@ -110,13 +110,17 @@ class Cluster:
     """The dev overlay's Deployments as pods, a readiness/liveness loop as the kubelet runs
     it, and the headless Services' endpoints."""
 
-    def __init__(self, docs: list[dict], workdir: Path, secrets: dict[str, dict[str, bytes]]):
-        self.docs, self.workdir, self.secrets = docs, workdir, secrets
+    def __init__(self, docs: list[dict], workdir: Path, secrets: dict[str, dict[str, bytes]],
+                 api=None, services: str = "headless"):
+        self.docs, self.workdir, self.secrets, self.api = docs, workdir, secrets, api
         self.deployments = by_kind(docs, "Deployment")
         self.config_maps = {n: cm.get("data", {}) for n, cm in by_kind(docs, "ConfigMap").items()}
         self.services = by_kind(docs, "Service")
+        # DNS: headless Services' names (one record per ready pod); services="all" answers a
+        # ClusterIP Service's name the same way (its ready pods' IPs, not a virtual IP: the
+        # pods serve its ports under the same numbers), for clients that dial it by name.
         self.endpoints = Endpoints([s for s in self.services.values()
-                                    if s["spec"].get("clusterIP") == "None"],
+                                    if services == "all" or s["spec"].get("clusterIP") == "None"],
                                    workdir / "cluster-dns.json")
         subnet = f"127.{random.randint(1, 254)}.{random.randint(1, 254)}"
         self._ips = (f"{subnet}.{i}" for i in range(2, 250))
@@ -130,7 +134,7 @@ class Cluster:
         dep = self.deployments[deployment]
         n = sum(p.deployment is dep for p in self.pods)
         pod = Pod(dep, f"{deployment}-{n}", next(self._ips), self.workdir, {}, self.secrets,
-                  self.endpoints.path, self.config_maps)
+                  self.endpoints.path, self.config_maps, self.api)
         with self._lock:
             self.pods.append(pod)
         pod.start()
