@@ -75,6 +75,9 @@ class GatewayConfig:
     trace_file: str = field(default="", metadata={
         "help": "append finished trace spans as JSON lines to this file (tests); OTLP export "
                 "is enabled by OTEL_EXPORTER_OTLP_ENDPOINT"})
+    planner_url: str = field(default="", metadata={
+        "help": "the autoscaler's GET /plan URL, shown on the REST port's /status page "
+                "(fetched by the gateway, cached a few seconds; empty: no planner attached)"})
     prefill: str = field(default="", metadata={"help": "prefill workers, host:port,host:port"})
     decode: str = field(default="", metadata={"help": "decode workers, host:port,host:port"})
     prefill_dns: str = field(default="", metadata={
@@ -156,6 +159,8 @@ class GatewayConfig:
         check_metrics_prefix(self.metrics_prefix)
         if any("=" not in x for x in self.worker_metrics.split(",") if x.strip()):
             raise ValueError(f"--worker-metrics: expected ID=URL,ID=URL, got {self.worker_metrics!r}")
+        if self.planner_url and not re.match(r"https?://", self.planner_url):
+            raise ValueError(f"--planner-url must be an http(s) URL, got {self.planner_url!r}")
         check_ports(grpc_port=self.grpc_port, http_port=self.http_port,
                     metrics_port=self.metrics_port)
 

@@ -9,6 +9,8 @@ dashboard sums over pods:
         time_to_first_token_seconds, inter_token_latency_seconds, e2e_request_latency_seconds,
         prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason},
         request_errors_total{code}, num_requests_running (in flight), kv_transfer_fallbacks_total
+        and the TTFT and ITL observations again in `recent_ttft` / `recent_itl`
+        (services/recent.py: the last minute, exact, for the gateway's /status page)
     prefill / decode  (engine-level)
         num_requests_running, num_requests_waiting, kv_cache_usage_perc, prefill_queue_tokens,
         prefix_cache_queries_total, prefix_cache_hits_total, num_preemptions_total,
@@ -39,6 +41,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from .recent import RecentWindow
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +108,8 @@ class Metrics:
                               "Time to first token, as the gateway sees it", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds",
                              "Time between consecutive output tokens", ITL_BUCKETS)
+        # the same observations over the last minute, exact (the gateway's /status)
+        self.recent_ttft, self.recent_itl = RecentWindow(), RecentWindow()
         self.e2e = histogram("e2e_request_latency_seconds",
                              "End-to-end request latency", REQUEST_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests").labels(role)
@@ -155,6 +161,7 @@ class Metrics:
     # ---------------------------------------------------------------- gateway
     def observe_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
+        self.recent_ttft.add(ttft_s)
 
     def observe_itl(self, seconds: float, num_tokens: int = 1) -> None:
         """`num_tokens` arrived together `seconds` after the previous ones: one observation
@@ -164,12 +171,13 @@ class Metrics:
         per = seconds / num_tokens
         for _ in range(num_tokens):
             self.itl.observe(per)
+        self.recent_itl.add(per, num_tokens)
 
     def observe_finished(self, e2e_s: float, prompt_tokens: int, gen_tokens: int,
                          finish_reason: str, ttft_s: float | None = None) -> None:
         """A request that finished without error (finish_reason: stop | length | abort)."""
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
+            self.observe_first_token(ttft_s)
         self.e2e.observe(e2e_s)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(gen_tokens)
