@@ -108,7 +108,8 @@ def test_prod_workers_parse_to_cuda_with_memory_sizing(rendered):
 # ------------------------------------------------------------------- the dev overlay, run
 class Cluster:
     """The dev overlay's Deployments as pods, a readiness/liveness loop as the kubelet runs
-    it, and the headless Services' endpoints."""
+    it, and the headless Services' endpoints. With `api` (tests/e2e/kube_api.py) every pod
+    gets its ServiceAccount token as the kubelet mounts it (tests/e2e/test_planner_k8s.py)."""
 
     def __init__(self, docs: list[dict], workdir: Path, secrets: dict[str, dict[str, bytes]],
                  api=None, services: str = "headless"):

@@ -2,7 +2,7 @@
 
 What is real: the rendered dev-planner overlay (kustomize), every pod's process (`pdserve
 gateway|prefill|decode|planner` from this checkout, as tests/e2e/kubelet.py runs them), the
-gateway's /metrics after real requests, the planner's HTTPS calls with the token and CA the
+gateway's /metrics after real requests, its /status.json showing the plan, the planner's HTTPS calls with the token and CA the
 kubelet mounted, RBAC decided from the rendered Role and RoleBinding, and kubectl as a client
 of the emulated API. What is emulated (tests/e2e/kube_api.py, kubelet.py): the API server
 (the Deployment and scale endpoints only), the Deployment controller (pods follow
@@ -180,6 +180,17 @@ def test_planner_scales_the_pools_and_the_new_pods_become_ready(docs, tmp_path):
         assert plan["mode"] == "autoscale" and plan["target"]["prefill"] + \
             plan["target"]["decode"] <= 3 and plan["reasons"]
         requests_succeed()   # through the new pool
+        # The gateway's status page shows the plan, fetched through the planner's Service.
+        status_url = f"http://{cluster.service_address('pdserve-gateway', 'http')}/status.json"
+
+        def status_plan():
+            req = urllib.request.Request(status_url, headers={"Authorization": f"Bearer {API_KEY}"})
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return json.loads(r.read())["planner"]
+        wait_until(lambda: (status_plan().get("plan") or {}).get("current")
+                   == {"prefill": 2, "decode": 1}, 30, "the status page never showed the plan",
+                   lambda: json.dumps(status_plan()))
+        assert status_plan()["plan"]["target"] == get_json(plan_url)["target"]
         # The budget holds: no PATCH ever asked for more than 3 pods in all.
         assert api.replicas(NS, "pdserve-prefill") + api.replicas(NS, "pdserve-decode") == 3
         patched = [c for c in api.calls if c[1] == "PATCH"]

@@ -55,6 +55,13 @@ def test_planner_overlay_validates_and_parses(rendered, overlay):
         mount = next(m for m in c["volumeMounts"] if cfg.gateway_ca.startswith(m["mountPath"] + "/"))
         vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
         assert vol["secret"]["secretName"] == "pdserve-gateway-tls"
+    # the gateway's status page reads the plan through the planner's Service
+    gw = _kind(docs, "Deployment")["pdserve-gateway"]["spec"]["template"]["spec"]["containers"][0]
+    url = gw["args"][gw["args"].index("--planner-url") + 1]
+    plan_svc = _kind(docs, "Service")["pdserve-planner"]
+    assert plan_svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert url == f"http://pdserve-planner.$(POD_NAMESPACE).svc.cluster.local:" \
+                  f"{plan_svc['spec']['ports'][0]['port']}/plan"
     assert cfg.autoscale.max_workers == (3 if overlay == "dev-planner" else 48)
     assert all(c[k]["httpGet"]["port"] == cfg.plan_port
                for k in ("startupProbe", "readinessProbe", "livenessProbe"))
