@@ -72,9 +72,6 @@ class GatewayConfig:
     worker_metrics_file: str = field(default="", metadata={
         "help": "more workers' /metrics as a file of ID=URL lines, re-read at every scrape "
                 "(`pdserve up --autoscale` rewrites it as workers come and go)"})
-    planner_url: str = field(default="", metadata={
-        "help": "the autoscaler's plan (its GET /plan JSON) shown on /status (empty: no "
-                "planner attached)"})
     metrics_prefix: str = field(default="pdserve", metadata={
         "help": "metric name prefix: pdserve (pdserve:...) or vllm (vllm:..., the names "
                 "vLLM's dashboards query)"})
