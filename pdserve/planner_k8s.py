@@ -1,8 +1,9 @@
 """`pdserve planner`: the autoscaler of `pdserve up --autoscale`, acting on a Kubernetes cluster.
 
 It runs the same `Autoscaler` (pdserve/autoscale.py) on the same signals (the gateway's
-/metrics, which merge the workers'), with a `KubeActuator` (pdserve/kube_client.py) in place
-of the local launcher: a decision sets the prefill and decode Deployments' replicas through
+/metrics, plus the ready worker pods' found through their headless Services' DNS:
+pdserve/planner_metrics.py), with a `KubeActuator` (pdserve/kube_client.py) in place of
+the local launcher: a decision sets the prefill and decode Deployments' replicas through
 their scale subresource, with the pod's ServiceAccount token. The Deployment controller
 then starts or stops pods; a new worker is routed to only once its readiness probe passes
 (the headless Services list ready pods only), and a removed one drains on SIGTERM (its
@@ -13,14 +14,15 @@ subresource, by name, nothing else), the RoleBinding and this Deployment.
 Each interval:
 
     step()  ->  actuator.current()   GET both Deployments  (spec.replicas; readyReplicas kept)
-            ->  signals from the gateway's /metrics   (a failed scrape: hold, "unknown")
+            ->  signals: the gateway's /metrics + the pods'  (a failed scrape: hold, "unknown")
             ->  decision                              (never above --max-workers)
             ->  actuator.scale(p, d) if it changed    PATCH .../deployments/NAME/scale
 
 A call the API refuses (401/403: the Role does not allow it; 409; 5xx) or cannot answer is
 logged, with the API's message, and the planner holds: nothing changes until a later
-interval's calls succeed. The plan (`Autoscaler.state()`) is served at `GET /plan` on
---plan-port for the gateway's status page (--planner-url).
+interval's calls succeed. The plan (`Autoscaler.state()`; before the first decision, the
+reason it holds) is served at `GET /plan` on --plan-port for the probes and the gateway's
+status page (--planner-url), without an API call per request.
 
 Do not run it together with HorizontalPodAutoscalers on the same Deployments: both would
 write spec.replicas. The planner component deletes the autoscaling component's HPAs from
@@ -36,8 +38,9 @@ from dataclasses import dataclass, field
 
 from services.cli_args import config_from_args, dataclass_args
 
-from .autoscale_standin import AutoscaleConfig, Autoscaler, MetricsSource, serve_plan
+from .autoscale import AutoscaleConfig, Autoscaler, serve_plan
 from .kube_client import SA_DIR, InCluster, KubeActuator, KubeClient, KubeError
+from .planner_metrics import ClusterMetrics
 
 log = logging.getLogger("pdserve.planner")
 
@@ -49,9 +52,17 @@ class PlannerConfig:
                 "http://pdserve-gateway.NS.svc.cluster.local:8000)"})
     prefill_deployment: str = field(metadata={"help": "the prefill pool's Deployment"})
     decode_deployment: str = field(metadata={"help": "the decode pool's Deployment"})
+    autoscale: AutoscaleConfig   # --slo-ttft-ms, --slo-itl-ms, --max-workers, --interval-s, ...
     namespace: str = field(default="", metadata={
         "help": "the Deployments' namespace (empty: the ServiceAccount's)"})
-    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    prefill_metrics_dns: str = field(default="", metadata={
+        "help": "host:port of the prefill pods' /metrics through their headless Service (one "
+                "record per ready pod), added to the gateway's (pdserve/planner_metrics.py)"})
+    decode_metrics_dns: str = field(default="", metadata={
+        "help": "the same for the decode pods"})
+    profile: str = field(default="", metadata={
+        "help": "a profile from `pdserve profile` (JSON) measured on the pools' hardware "
+                "(empty: the built-in example profile, a small CPU model's)"})
     kube_sa_dir: str = field(default=SA_DIR, metadata={
         "help": "the ServiceAccount directory the kubelet mounts (token, ca.crt, namespace)"})
     api_timeout_s: float = field(default=5.0, metadata={
@@ -93,15 +104,41 @@ def build(cfg: PlannerConfig) -> Autoscaler:
                             cfg.autoscale.max_workers)
     context = ssl.create_default_context(cafile=cfg.gateway_ca or None) \
         if cfg.gateway_url.startswith("https:") else None
-    source = MetricsSource(cfg.gateway_url, cfg.api_timeout_s, context)
-    return Autoscaler(cfg.autoscale, source, actuator, None)
+    source = ClusterMetrics(cfg.gateway_url, [cfg.prefill_metrics_dns, cfg.decode_metrics_dns],
+                            cfg.api_timeout_s, context)
+    return Autoscaler(cfg.autoscale, source, actuator, load_profile(cfg.profile))
 
 
-def step_or_hold(autoscaler: Autoscaler) -> bool:
+def load_profile(path: str):
+    from sim.profile import Profile, example
+    if path:
+        return Profile.load(path)
+    log.warning("planner: no --profile: planning with the built-in example profile")
+    return example()
+
+
+class PlanView:
+    """What GET /plan serves: the autoscaler's state() once it has decided, before that the
+    I2 shape with the reason it holds, so /plan (the probes', the status page's) never calls
+    the Kubernetes API itself."""
+
+    def __init__(self, autoscaler: Autoscaler):
+        self.autoscaler, self.holding = autoscaler, "no decision yet"
+
+    def state(self) -> dict:
+        if self.autoscaler.last is not None:
+            return self.autoscaler.state()
+        return {"mode": "autoscale", "target": {}, "current": {}, "reasons": [self.holding],
+                "signals": {"known": False}, "updated_unix": 0.0, "history": [],
+                "max_workers": self.autoscaler.cfg.max_workers}
+
+
+def step_or_hold(autoscaler: Autoscaler, view: PlanView) -> bool:
     """One interval; a refused or unanswered API call is logged and held (False)."""
     try:
         d = autoscaler.step()
     except KubeError as e:
+        view.holding = f"kubernetes API: {e}: holding"
         log.warning("kubernetes API: %s; holding, retrying next interval", e)
         return False
     except ValueError as e:   # the actuator's budget check
@@ -116,13 +153,14 @@ def step_or_hold(autoscaler: Autoscaler) -> bool:
 
 def run(cfg: PlannerConfig, stop: threading.Event) -> int:
     autoscaler = build(cfg)
-    server = serve_plan(autoscaler, cfg.plan_host, cfg.plan_port) if cfg.plan_port else None
+    view = PlanView(autoscaler)
+    server = serve_plan(view, cfg.plan_host, cfg.plan_port) if cfg.plan_port else None
     log.info("planner: %s and %s in %s, budget %d workers, every %.1f s", cfg.prefill_deployment,
              cfg.decode_deployment, autoscaler.actuator.base, cfg.autoscale.max_workers,
              cfg.autoscale.interval_s)
     try:
         while not stop.is_set():
-            step_or_hold(autoscaler)
+            step_or_hold(autoscaler, view)
             stop.wait(cfg.autoscale.interval_s)
     finally:
         if server is not None:

@@ -10,9 +10,10 @@ spec.replicas; readyReplicas from the readiness probes), pod networking and clus
 ClusterIP Service's name answers with its ready pods' IPs).
 
 The recommendation is forced through the real metrics: the test sets the planner's SLOs
-below what any request can meet (--slo-ttft-ms 0.001), so the first interval that sees
-requests asks for one more worker, up to the overlay's budget of 3 pods. That keeps the test
-bounded without a load generator.
+below what any request can meet (--slo-ttft-ms 0.001) and sends sequential requests, so
+the first interval that measures them is an SLO breach and the autoscaler applies the shape
+with the most capacity in the overlay's budget (3 pods) at once, without its up-hold. That
+keeps the test bounded without a load generator; no request may fail meanwhile.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -142,7 +144,6 @@ def wait_until(check, timeout_s: float, what: str, tail=lambda: "") -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_planner_scales_the_pools_and_the_new_pods_become_ready(docs, tmp_path):
-    import openai
     docs = copy.deepcopy(docs)
     planner = by_kind(docs, "Deployment")["pdserve-planner"]
     planner_args(planner, slo_ttft_ms="0.001", slo_itl_ms="0.001")
@@ -152,56 +153,91 @@ def test_planner_scales_the_pools_and_the_new_pods_become_ready(docs, tmp_path):
     api = KubeAPI(docs, CA(tmp_path / "kube-ca"), tmp_path).start()
     cluster = Cluster(docs, tmp_path, secrets(tmp_path), api=api, services="all")
     controller = ReplicaController(api, cluster, list(POOLS))
+    load = Load()
     cluster.start()
     try:
         cluster.start_all()
         cluster.deployments[unbound["metadata"]["name"]] = unbound   # started below, once
         controller.start()
         pod = next(p for p in cluster.pods if p.deployment is planner)
+        gateway = cluster.service_address("pdserve-gateway", "http")
+        load.start(gateway)
+        # Each interval sees TTFT over its SLO; the autoscaler asks for the shape with the
+        # most capacity within the budget at once (an SLO breach skips the hold); the
+        # controller starts the pods; they pass their readiness probes.
+        wait_until(lambda: sum(api.ready.get((NS, p), 0) for p in POOLS) == 3, 240,
+                   "the planner's scale-up never became Ready pods", pod.tail)
+        for p in POOLS:
+            assert api.ready[(NS, p)] == api.replicas(NS, p) == len(controller.pods(p))
+            assert all(x.name in cluster.endpoints.ready for x in controller.pods(p))
         plan_url = f"http://{pod.ip}:8090/plan"
-        client = openai.OpenAI(base_url=f"http://{cluster.service_address('pdserve-gateway', 'http')}/v1",
-                               api_key=API_KEY, timeout=60, max_retries=0)
-
-        def requests_succeed(n: int = 3) -> None:
-            for _ in range(n):
-                r = client.completions.create(model="M", prompt=[5, 17, 42], max_tokens=4,
-                                              temperature=0)
-                assert r.usage.completion_tokens >= 1
-        requests_succeed()
-        # The planner's next interval sees TTFT over its SLO and adds a prefill pod; the
-        # controller starts it; it passes its readiness probe.
-        wait_until(lambda: api.ready.get((NS, "pdserve-prefill")) == 2, 240,
-                   "the planner's scale-up never became a Ready prefill pod", pod.tail)
-        prefill = [p for p in controller.pods("pdserve-prefill")]
-        assert len(prefill) == 2 and all(p.name in cluster.endpoints.ready for p in prefill)
-        wait_until(lambda: get_json(plan_url)["current"] == {"prefill": 2, "decode": 1}, 60,
+        wait_until(lambda: sum(get_json(plan_url)["current"].values()) == 3, 60,
                    "the planner never saw its change applied", pod.tail)
         plan = get_json(plan_url)
-        assert plan["mode"] == "autoscale" and plan["target"]["prefill"] + \
-            plan["target"]["decode"] <= 3 and plan["reasons"]
-        requests_succeed()   # through the new pool
+        assert plan["current"] == {"prefill": api.replicas(NS, POOLS[0]),
+                                   "decode": api.replicas(NS, POOLS[1])}
+        assert plan["history"] and "SLO breach" in " ".join(plan["history"][0]["reasons"])
+        load.served_after(time.monotonic())   # requests keep succeeding on the new shape
         # The gateway's status page shows the plan, fetched through the planner's Service.
-        status_url = f"http://{cluster.service_address('pdserve-gateway', 'http')}/status.json"
-
-        def status_plan():
-            req = urllib.request.Request(status_url, headers={"Authorization": f"Bearer {API_KEY}"})
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return json.loads(r.read())["planner"]
-        wait_until(lambda: (status_plan().get("plan") or {}).get("current")
-                   == {"prefill": 2, "decode": 1}, 30, "the status page never showed the plan",
-                   lambda: json.dumps(status_plan()))
-        assert status_plan()["plan"]["target"] == get_json(plan_url)["target"]
-        # The budget holds: no PATCH ever asked for more than 3 pods in all.
-        assert api.replicas(NS, "pdserve-prefill") + api.replicas(NS, "pdserve-decode") == 3
+        wait_until(lambda: (status(gateway).get("plan") or {}).get("current")
+                   == plan["current"], 30, "the status page never showed the plan",
+                   lambda: json.dumps(status(gateway)))
         patched = [c for c in api.calls if c[1] == "PATCH"]
         assert patched and all(c[3] == 200 and c[0].endswith(":pdserve-planner")
                                for c in patched), patched
         check_unbound_planner_holds(cluster, api, unbound["metadata"]["name"])
+        load.stop()
+        assert not load.failures, load.failures[:5]
         assert not controller.errors, controller.errors
     finally:
+        load.stop()
         controller.stop()
         cluster.stop()
         api.stop()
+
+
+class Load:
+    """Sequential requests through the gateway Service until stopped; every failure kept."""
+
+    def __init__(self):
+        self.failures: list[str] = []
+        self.done: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, gateway: str) -> None:
+        import openai
+        client = openai.OpenAI(base_url=f"http://{gateway}/v1", api_key=API_KEY, timeout=60,
+                               max_retries=0)
+
+        def run():
+            while not self._stop.is_set():
+                try:
+                    r = client.completions.create(model="M", prompt=[5, 17, 42], max_tokens=4,
+                                                  temperature=0)
+                    assert r.usage.completion_tokens >= 1
+                    self.done.append(time.monotonic())
+                except Exception as e:   # noqa: BLE001 - the test reports them
+                    self.failures.append(repr(e))
+                self._stop.wait(0.2)
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def served_after(self, t: float, n: int = 3) -> None:
+        wait_until(lambda: sum(d > t for d in self.done) >= n, 60,
+                   "no requests served after the scale-up", lambda: str(self.failures[-3:]))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=90)
+
+
+def status(gateway: str) -> dict:
+    req = urllib.request.Request(f"http://{gateway}/status.json",
+                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())["planner"]
 
 
 def check_unbound_planner_holds(cluster, api, name: str) -> None:
@@ -212,6 +248,8 @@ def check_unbound_planner_holds(cluster, api, name: str) -> None:
     wait_until(lambda: "403" in pod.tail() and "holding" in pod.tail(), 60,
                "the unbound planner never logged the refusal", pod.tail)
     assert "cannot get resource" in pod.tail()
+    plan = get_json(f"http://{pod.ip}:8090/plan")
+    assert plan["target"] == {} and "403" in plan["reasons"][0], plan
     refused = [c for c in api.calls if c[0].endswith(":default")]
     assert refused and all(c[3] == 403 for c in refused), refused
     assert pod.proc.poll() is None, pod.tail()
