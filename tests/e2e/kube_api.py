@@ -208,6 +208,7 @@ class ReplicaController:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.errors: list[str] = []
+        self.exits: list[tuple[str, int]] = []   # (pod, exit code; -9: killed after its grace)
 
     def start(self) -> "ReplicaController":
         self._thread.start()
@@ -228,7 +229,7 @@ class ReplicaController:
         if len(pods) < want:
             self.cluster.start_pod(name)   # blocks until its startup probe passes
         elif len(pods) > want:
-            self.cluster.terminate(pods[-1])
+            self.exits.append((pods[-1].name, self.cluster.terminate(pods[-1])))
         self.api.ready[(ns, name)] = sum(p.name in self.cluster.endpoints.ready
                                          for p in self.pods(name))
 

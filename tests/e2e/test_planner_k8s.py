@@ -147,6 +147,9 @@ def test_planner_scales_the_pools_and_the_new_pods_become_ready(docs, tmp_path):
     docs = copy.deepcopy(docs)
     planner = by_kind(docs, "Deployment")["pdserve-planner"]
     planner_args(planner, slo_ttft_ms="0.001", slo_itl_ms="0.001")
+    # Down after 2 quiet intervals (not 6) and a cool-down of 1, to keep the test short.
+    planner["spec"]["template"]["spec"]["containers"][0]["args"] += [
+        "--down-intervals", "2", "--cooldown-intervals", "1"]
     unbound = copy.deepcopy(planner)   # the same pod with the namespace's default identity
     unbound["metadata"]["name"] = "pdserve-planner-unbound"
     unbound["spec"]["template"]["spec"]["serviceAccountName"] = "default"
@@ -188,6 +191,19 @@ def test_planner_scales_the_pools_and_the_new_pods_become_ready(docs, tmp_path):
         check_unbound_planner_holds(cluster, api, unbound["metadata"]["name"])
         load.stop()
         assert not load.failures, load.failures[:5]
+        # No load: the plan is the smallest shape (1P1D: no colocated); after the quiet
+        # intervals the planner scales down, the removed pods drain and exit on SIGTERM.
+        wait_until(lambda: [len(controller.pods(p)) for p in POOLS] == [1, 1]
+                   and all(api.ready.get((NS, p)) == 1 for p in POOLS), 240,
+                   "the planner never scaled back down to 1P1D", pod.tail)
+        assert [api.replicas(NS, p) for p in POOLS] == [1, 1]
+        assert controller.exits and all(rc == 0 for _, rc in controller.exits), controller.exits
+        assert "scale down to 1P1D" in " ".join(get_json(plan_url)["history"][-1]["reasons"])
+        after = Load()   # the shrunk system serves
+        after.start(gateway)
+        after.served_after(time.monotonic(), n=2)
+        after.stop()
+        assert not after.failures, after.failures
         assert not controller.errors, controller.errors
     finally:
         load.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.kube_api import rule_allows
+from tests.e2e.kubelet import selects
 from tests.unit.test_deploy import K8S, _render, _validate_docs
 
 PLANNER_OVERLAYS = ("dev-planner", "prod-planner")
@@ -120,3 +121,41 @@ def test_only_gateways_reach_the_planner(rendered, overlay):
     assert rule["ports"] == [{"port": 8090}]
     assert rule["from"] == [{"podSelector": {"matchLabels": {
         "app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": "gateway"}}}]
+
+
+@pytest.mark.parametrize("overlay", PLANNER_OVERLAYS)
+def test_the_planner_reads_every_workers_metrics_port(rendered, overlay):
+    """Its --*-metrics-dns name each pool's headless Service and the port the pods serve
+    /metrics on, and a NetworkPolicy lets the planner's pods reach that port (the base lets
+    only Prometheus)."""
+    docs = rendered[overlay]
+    deps, svcs = _kind(docs, "Deployment"), _kind(docs, "Service")
+    planner = deps["pdserve-planner"]
+    cfg = _planner_cfg(planner)
+    planner_labels = planner["spec"]["template"]["metadata"]["labels"]
+    for pool, dns in (("pdserve-prefill", cfg.prefill_metrics_dns),
+                      ("pdserve-decode", cfg.decode_metrics_dns)):
+        host, port = dns.rsplit(":", 1)
+        assert host == f"{pool}.ns.svc.cluster.local" and svcs[pool]["spec"]["clusterIP"] == "None"
+        c = deps[pool]["spec"]["template"]["spec"]["containers"][0]
+        assert c["args"][c["args"].index("--metrics-port") + 1] == port
+        labels = deps[pool]["spec"]["template"]["metadata"]["labels"]
+        assert any(selects(pol["spec"]["podSelector"], labels) and any(
+            any(int(p["port"]) == int(port) for p in rule.get("ports", []))
+            and any("podSelector" in f and "namespaceSelector" not in f
+                    and selects(f["podSelector"], planner_labels) for f in rule.get("from", []))
+            for rule in pol["spec"].get("ingress", []))
+            for pol in _kind(docs, "NetworkPolicy").values()), (overlay, pool)
+
+
+def test_the_planners_profile(rendered):
+    """dev-planner: the built-in example profile; prod-planner: one measured on the pools'
+    GPUs, from a ConfigMap the operator creates (the pod waits for it)."""
+    assert _planner_cfg(_kind(rendered["dev-planner"], "Deployment")["pdserve-planner"]).profile == ""
+    dep = _kind(rendered["prod-planner"], "Deployment")["pdserve-planner"]
+    cfg, spec = _planner_cfg(dep), dep["spec"]["template"]["spec"]
+    mount = next(m for m in spec["containers"][0]["volumeMounts"]
+                 if cfg.profile.startswith(m["mountPath"] + "/"))
+    vol = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    assert vol["configMap"] == {"name": "pdserve-planner-profile"}   # not optional
+    assert not cfg.autoscale.allow_colocated
