@@ -72,10 +72,18 @@ def test_every_overlay_renders(rendered):
 
 
 def test_every_process_gets_the_internal_credential_from_the_secret(rendered):
+    """... every process that calls a worker; the planner (pdserve planner) gets none."""
     for name, docs in rendered.items():
         for dep_name, dep in by_kind(docs, "Deployment").items():
             spec = dep["spec"]["template"]["spec"]
             args = spec["containers"][0]["args"]
+            if dep["spec"]["template"]["metadata"]["labels"][
+                    "app.kubernetes.io/component"] == "planner":
+                # it calls no worker RPC (it reads /metrics, which are open): no credential
+                assert "--internal-token-file" not in args, (name, dep_name)
+                assert not {v.get("secret", {}).get("secretName") for v in spec.get(
+                    "volumes", [])} & {"pdserve-internal-token", "pdserve-mtls"}, name
+                continue
             path = args[args.index("--internal-token-file") + 1]
             mount = next(m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "internal-token")
             volume = next(v for v in spec["volumes"] if v["name"] == "internal-token")
