@@ -63,7 +63,7 @@ def test_planner_overlay_validates_and_parses(rendered, overlay):
     assert plan_svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     assert url == f"http://pdserve-planner.$(POD_NAMESPACE).svc.cluster.local:" \
                   f"{plan_svc['spec']['ports'][0]['port']}/plan"
-    assert cfg.autoscale.max_workers == (3 if overlay == "dev-planner" else 48)
+    assert cfg.autoscale.max_workers == (3 if overlay == "dev-planner" else 16)
     assert all(c[k]["httpGet"]["port"] == cfg.plan_port
                for k in ("startupProbe", "readinessProbe", "livenessProbe"))
 
