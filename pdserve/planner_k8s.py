@@ -120,30 +120,37 @@ def load_profile(path: str):
 class PlanView:
     """What GET /plan serves: the autoscaler's state() once it has decided, before that the
     I2 shape with the reason it holds, so /plan (the probes', the status page's) never calls
-    the Kubernetes API itself."""
+    the Kubernetes API itself. `holding`: why the last interval held on a failure ("" after
+    a step that succeeded), put first in the reasons."""
 
     def __init__(self, autoscaler: Autoscaler):
         self.autoscaler, self.holding = autoscaler, "no decision yet"
 
     def state(self) -> dict:
-        if self.autoscaler.last is not None:
-            return self.autoscaler.state()
-        return {"mode": "autoscale", "target": {}, "current": {}, "reasons": [self.holding],
-                "signals": {"known": False}, "updated_unix": 0.0, "history": [],
-                "max_workers": self.autoscaler.cfg.max_workers}
+        if self.autoscaler.last is None:
+            return {"mode": "autoscale", "target": {}, "current": {}, "reasons": [self.holding],
+                    "signals": {"known": False}, "updated_unix": 0.0, "history": [],
+                    "max_workers": self.autoscaler.cfg.max_workers}
+        state = self.autoscaler.state()
+        if self.holding:
+            state["reasons"] = [self.holding] + state["reasons"]
+        return state
 
 
 def step_or_hold(autoscaler: Autoscaler, view: PlanView) -> bool:
-    """One interval; a refused or unanswered API call is logged and held (False)."""
+    """One interval; a refused or unanswered API call (or any other failure) is logged and
+    held (False): the next interval tries again."""
     try:
         d = autoscaler.step()
     except KubeError as e:
         view.holding = f"kubernetes API: {e}: holding"
         log.warning("kubernetes API: %s; holding, retrying next interval", e)
         return False
-    except ValueError as e:   # the actuator's budget check
-        log.error("%s; holding", e)
+    except Exception as e:   # noqa: BLE001 - the budget check, a planning bug: never fatal
+        view.holding = f"step failed ({type(e).__name__}: {e}): holding"
+        log.exception("planner step failed; holding, retrying next interval")
         return False
+    view.holding = ""
     obs = autoscaler.actuator.observed
     log.info("plan %dP%dD (ready %sP%sD): %s", d.prefill, d.decode,
              obs.get("prefill", {}).get("ready"), obs.get("decode", {}).get("ready"),

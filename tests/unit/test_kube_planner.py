@@ -118,3 +118,29 @@ def test_an_api_that_never_answers_fails_within_the_timeout(tmp_path):
     listener.close()
     with pytest.raises(KubeError, match="not in a cluster"):
         InCluster.from_env(str(tmp_path), {})
+
+
+def test_a_failure_after_a_decision_is_shown_first_then_cleared(servers):
+    gw, _ = servers
+
+    class Flaky:
+        observed: dict = {}
+        fail = False
+
+        def current(self):
+            if self.fail:
+                raise KubeError(0, "GET ...: timed out")
+            return (1, 1)
+
+        def scale(self, p, d):
+            pass
+    act = Flaky()
+    cfg = AutoscaleConfig(slo_ttft_ms=100, slo_itl_ms=50, max_workers=3, allow_colocated=False)
+    auto = Autoscaler(cfg, ClusterMetrics(f"http://127.0.0.1:{gw}", []), act, example())
+    view = PlanView(auto)
+    assert step_or_hold(auto, view) and view.state()["current"] == {"prefill": 1, "decode": 1}
+    act.fail = True
+    assert not step_or_hold(auto, view)
+    assert view.state()["reasons"][0] == "kubernetes API: no answer: GET ...: timed out: holding"
+    act.fail = False
+    assert step_or_hold(auto, view) and not view.state()["reasons"][0].startswith("kubernetes")
