@@ -34,6 +34,17 @@ SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, set by ea
 at its start from `--parent-pid`: `processes.die_with_parent`), so none is ever orphaned.
 Every wait has a deadline. Each child's spec and command line: processes.py.
 
+Live pools (`pdserve up --autoscale`, pdserve/autoscale_local.py): with `discovery_files`
+the gateway learns its workers from files (`--prefill-file`, `--decode-file`, re-read every
+--discovery-interval-s; `--worker-metrics-file` for their /metrics) and the prefill workers
+their decode workers (`--decode-file`), each rewritten atomically (services/address_file.py).
+`add_worker(role)` starts one more worker, waits until it is SERVING, and only then writes
+it into the files (ready before routed to). `retire(child)` removes it from the files
+first, waits a discovery interval (the gateway stops routing to it), then SIGTERM: the
+worker drains (health NOT_SERVING, new work refused UNAVAILABLE, in-flight calls get
+--drain-timeout-s), SIGKILL after drain + grace; supervision never restarts a retired
+worker (`Child.retired`).
+
 `pdserve up` closes the workers' RPCs (`internal_token`): a fresh random token in a 0600 file,
 whose path every child gets as `--internal-token-file` (so `ps` never shows the token); the
 file is removed at stop.
@@ -58,6 +69,7 @@ from engine.config import EngineOptions
 from engine.gguf import model_name
 from gateway.auth import API_KEY_ENV
 from services.cli_args import config_argv
+from services.address_file import write_addresses
 from services.security import write_token
 
 from .processes import (Child, LaunchError, ModelPools, free_port, ports_in_use,  # noqa: F401
@@ -97,10 +109,17 @@ class Launcher:
     gateway_env: dict[str, str] = field(default_factory=dict)   # the gateway's alone (a key)
     say: Callable[[str], None] = field(default=lambda line: _say(f"pdserve up: {line}"),
                                        repr=False)   # a line a person follows start-up by
+    discovery_files: bool = False           # live pools: workers named in files (see above)
+    discovery_interval_s: float = 1.0       # the gateway's re-read of them (with the files)
+    drain_timeout_s: float = 30.0           # a retired worker's drain (its --drain-timeout-s)
+    retire_grace_s: float = 5.0             # after the drain, before SIGKILL
     children: list[Child] = field(default_factory=list)
     _models_file: str = field(default="", init=False, repr=False)   # the gateway's, if several
     token_file: str = field(default="", init=False, repr=False)     # with internal_token
     _worker_metrics: list[str] = field(default_factory=list, init=False, repr=False)  # ID=URL
+    _files: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # kind -> path
+    _spawned: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # role -> n
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @property
     def grpc_address(self) -> str:
@@ -133,15 +152,18 @@ class Launcher:
                 fd, self.token_file = tempfile.mkstemp(prefix="pdserve-internal-")
                 os.close(fd)
                 write_token(self.token_file)
+            if self.discovery_files:
+                self._make_files()
             for m in self.models or [ModelPools("", self.model_dir, self.num_prefill,
                                                 self.num_decode)]:
                 self._spawn_workers(m, engine_args)
             self._wait_serving(list(self.children), deadline)
+            self.write_discovery()
             port = self.grpc_port or free_port(self.host)
             gw = [
                 "gateway", *self._gateway_models(), "--host", self.host,
                 "--grpc-port", str(port), "--http-port", str(self.http_port),
-                "--worker-metrics", ",".join(self._worker_metrics),
+                *self._metrics_args(),
                 *self._mtls_args(), *self._token_args(),
                 *(["--tls-cert", self.tls_cert, "--tls-key", self.tls_key] if self.tls_cert else []),
                 *self.gateway_args]
@@ -155,23 +177,38 @@ class Launcher:
         ports = {r: [free_port(self.host) for _ in range(n)]
                  for r, n in (("prefill", m.num_prefill), ("decode", m.num_decode))}
         decoders = ",".join(f"{self.host}:{p}" for p in ports["decode"])
-        for role, extra in (("prefill", ["--decode", decoders, *self.prefill_args]),
-                            ("decode", self.decode_args)):
-            for i, port in enumerate(ports[role]):
-                worker_id = f"{m.name}-{role}-{i}" if m.name else f"{role}-{i}"
-                argv = [role, "--model-dir", str(m.model_dir), "--host", self.host,
-                        "--port", str(port), "--worker-id", worker_id,
-                        "--metrics-port", str(free_port(self.host)), *engine_args,
-                        *self._mtls_args(), *self._token_args(), *extra]
-                metrics = flag_value(argv, "--metrics-port")
-                self._worker_metrics.append(f"{worker_id}=http://{self.host}:{metrics}/metrics")
-                self._spawn(Child(role, f"{self.host}:{port}", argv, model=m.name,
-                                  env={k: None for k in {API_KEY_ENV, *self.gateway_env}}))  # no key
+        for role in ("prefill", "decode"):
+            for port in ports[role]:
+                self._spawn_worker(m, role, port, engine_args, decoders)
+
+    def _spawn_worker(self, m: ModelPools, role: str, port: int, engine_args: list[str],
+                      decoders: str = "") -> Child:
+        i = self._spawned.get(m.name + role, 0)       # ids never reused: metrics stay apart
+        self._spawned[m.name + role] = i + 1
+        worker_id = f"{m.name}-{role}-{i}" if m.name else f"{role}-{i}"
+        where = ["--decode-file", self._files["decode"]] if self._files else ["--decode", decoders]
+        extra = [*where, *self.prefill_args] if role == "prefill" else self.decode_args
+        argv = [role, "--model-dir", str(m.model_dir), "--host", self.host,
+                "--port", str(port), "--worker-id", worker_id,
+                "--metrics-port", str(free_port(self.host)), *engine_args,
+                *self._mtls_args(), *self._token_args(), *extra]
+        metrics = flag_value(argv, "--metrics-port")
+        c = Child(role, f"{self.host}:{port}", argv, model=m.name,
+                  env={k: None for k in {API_KEY_ENV, *self.gateway_env}})   # no key
+        c.metrics = f"{worker_id}=http://{self.host}:{metrics}/metrics"
+        if not self._files:
+            self._worker_metrics.append(c.metrics)
+        self._spawn(c)
+        return c
 
     def _gateway_models(self) -> list[str]:
         """The gateway's model and pool options: one model's, or a models file of several."""
         def pool(role, model=None):
             return ",".join(c.address for c in self.workers(role, model))
+        if self._files:
+            return ["--model", str(self.model_dir), "--prefill-file", self._files["prefill"],
+                    "--decode-file", self._files["decode"],
+                    "--discovery-interval-s", str(self.discovery_interval_s)]
         if not self.models:
             return ["--model", str(self.model_dir), "--prefill", pool("prefill"),
                     "--decode", pool("decode")]
@@ -185,13 +222,85 @@ class Launcher:
     def _spawn(self, c: Child) -> None:
         if self.log_dir is not None:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-            n = sum(1 for x in self.children if x.role == c.role)
+            n = self._spawned.get("log " + c.role, 0)
+            self._spawned["log " + c.role] = n + 1
             c.log = open(Path(self.log_dir) / f"{c.role}-{n}.log", "ab")
         c.start()
         self.children.append(c)
         self.say(f"{c.label}: loading {model_name(c.argv[c.argv.index('--model-dir') + 1])} "
                  f"on {c.address} ..." if c.role != "gateway" else
                  f"gateway: starting on {c.address} ...")
+
+    # ------------------------------------------------------------ live pools
+    def _make_files(self) -> None:
+        if self.models:
+            raise LaunchError("live pools (--autoscale) serve one model: not with --models-file")
+        for kind in ("prefill", "decode", "metrics"):
+            fd, self._files[kind] = tempfile.mkstemp(prefix=f"pdserve-{kind}-", suffix=".txt")
+            os.close(fd)
+
+    def _metrics_args(self) -> list[str]:
+        if self._files:
+            return ["--worker-metrics-file", self._files["metrics"]]
+        return ["--worker-metrics", ",".join(self._worker_metrics)]
+
+    def write_discovery(self) -> None:
+        """Rewrite the files from the workers now serving and not retired (atomically)."""
+        if not self._files:
+            return
+        with self._lock:
+            live = [c for c in self.children if c.role != "gateway" and not c.retired]
+            for role in ("prefill", "decode"):
+                write_addresses(self._files[role], [c.address for c in live if c.role == role])
+            tmp = self._files["metrics"] + ".tmp"
+            Path(tmp).write_text("".join(f"{c.metrics}\n" for c in live))
+            os.replace(tmp, self._files["metrics"])
+
+    def add_worker(self, role: str, timeout_s: float = 300.0) -> Child:
+        """One more `role` worker (live pools only): started, SERVING within timeout_s
+        (else stopped: LaunchError), then written into the discovery files."""
+        if not self._files:
+            raise LaunchError("add_worker needs discovery_files (pdserve up --autoscale)")
+        m = ModelPools("", self.model_dir, 0, 0)
+        with self._lock:
+            c = self._spawn_worker(m, role, free_port(self.host), config_argv(self.engine))
+            c.retired = True                       # not supervised until it is ready
+        try:
+            self._wait_serving([c], time.monotonic() + timeout_s)
+        except BaseException:
+            self._end(c, 0.0)
+            raise
+        c.retired = False
+        self.write_discovery()
+        return c
+
+    def retire(self, child: Child, drain_timeout_s: float | None = None,
+               grace_s: float | None = None) -> None:
+        """Take `child` out of the discovery files, wait one discovery interval (the gateway
+        and the prefill workers stop sending it work), SIGTERM (it drains: NOT_SERVING, new
+        work refused UNAVAILABLE), SIGKILL after drain + grace. Never restarted."""
+        child.retired = True
+        self.write_discovery()
+        if self._files:
+            time.sleep(2 * self.discovery_interval_s)
+        self.say(f"retiring {child.label} on {child.address} (drain up to "
+                 f"{self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s:g} s)")
+        self._end(child, (self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s)
+                  + (self.retire_grace_s if grace_s is None else grace_s))
+
+    def _end(self, c: Child, wait_s: float) -> None:
+        if c.popen is not None and c.popen.poll() is None:
+            c.popen.send_signal(signal.SIGTERM)
+            try:
+                c.popen.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                self.say(f"{c.label} did not exit in {wait_s:g} s: SIGKILL")
+                c.popen.kill()
+                c.popen.wait(5)
+        if c.log is not None:
+            c.log.close()
+        with self._lock:
+            self.children = [x for x in self.children if x is not c]
 
     def _mtls_args(self) -> list[str]:
         if self.mtls is None:
@@ -229,7 +338,9 @@ class Launcher:
     def check_children(self, now: float) -> str | None:
         """One supervision pass: note new crashes, restart processes whose backoff is over.
         Returns why everything must stop, or None."""
-        for c in self.children:
+        for c in list(self.children):
+            if c.retired:
+                continue
             if c.restart_at is not None:
                 if now >= c.restart_at:
                     c.restart_at = None
@@ -268,7 +379,7 @@ class Launcher:
                 c.popen.wait(5)
             if c.log is not None:
                 c.log.close()
-        for f in (self._models_file, self.token_file):
+        for f in (self._models_file, self.token_file, *self._files.values()):
             if f:
                 Path(f).unlink(missing_ok=True)
 

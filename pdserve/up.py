@@ -2,7 +2,9 @@
 engine option), what it hands each process (`worker_args`, `gateway_argv`), and `main`: check
 the ports, fetch the default model if none is given, start everything through
 `pdserve.launcher.Launcher` (its docstring draws the start-up, supervision and shutdown),
-print the ready line and supervise until SIGINT/SIGTERM.
+print the ready line and supervise until SIGINT/SIGTERM. With `--autoscale` the pools are
+live (pdserve/autoscale_up.py: the Autoscaler in a thread of this supervisor, its /plan on
+a free port handed to the gateway as --planner-url).
 """
 from __future__ import annotations
 
@@ -76,6 +78,24 @@ class UpConfig:
         "help": "the prefill workers' --max-queue-delay-factor: a prompt that would wait in a "
                 "prefill queue longer than this many times its own compute is refused up front "
                 "(429 with Retry-After; keeps latency under overload; 0: off)"})
+    autoscale: bool = field(default=False, metadata={
+        "help": "change the pools live to meet --slo-ttft-ms / --slo-itl-ms within "
+                "--max-workers (pdserve/autoscale.py; its plan at the printed /plan URL)"})
+    slo_ttft_ms: float = field(default=0.0, metadata={
+        "help": "with --autoscale: the time-to-first-token SLO the pools are sized for"})
+    slo_itl_ms: float = field(default=0.0, metadata={
+        "help": "with --autoscale: the inter-token latency SLO the pools are sized for"})
+    max_workers: int = field(default=0, metadata={
+        "help": "with --autoscale: the most prefill + decode workers at once"})
+    autoscale_interval_s: float = field(default=10.0, metadata={
+        "help": "with --autoscale: seconds between its scrapes and decisions"})
+    profile: str = field(default="", metadata={
+        "help": "with --autoscale: the step costs to plan from (`pdserve profile`; empty: "
+                "bench/profiles/smollm2-2core.json, corrected live by the workers' measured "
+                "steps)"})
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "help": "every worker's --drain-timeout-s: a retired (or stopped) worker's time to "
+                "finish its streams"})
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self):
@@ -96,6 +116,17 @@ class UpConfig:
             raise ValueError("--max-queue-delay-factor must be >= 0 (0: off)")
         if not 0 < self.kv_expiry_s <= self.kv_max_reservation_s:
             raise ValueError("--kv-expiry-s must be > 0 and at most --kv-max-reservation-s")
+        if self.autoscale:
+            if self.models_file:
+                raise ValueError("--autoscale serves one model: not with --models-file")
+            if self.slo_ttft_ms <= 0 or self.slo_itl_ms <= 0 or self.max_workers < 1:
+                raise ValueError("--autoscale needs --slo-ttft-ms, --slo-itl-ms (> 0) and "
+                                 "--max-workers (>= 1)")
+            if self.prefill + self.decode > self.max_workers:
+                raise ValueError(f"--prefill {self.prefill} + --decode {self.decode} is over "
+                                 f"--max-workers {self.max_workers}")
+            if self.autoscale_interval_s <= 0:
+                raise ValueError("--autoscale-interval-s must be > 0")
 
     def threads(self, models: list[ModelPools] = (), cores: int | None = None) -> tuple[int, int]:
         """(prefill, decode) torch threads per worker: as given, else each role's share of
@@ -136,6 +167,11 @@ def worker_args(cfg: UpConfig, models: list[ModelPools] = ()) -> tuple[list[str]
              "--kv-max-reservation-s", str(cfg.kv_max_reservation_s)])
 
 
+def drain_args(cfg: UpConfig) -> list[str]:
+    """Every worker's drain, as `up` was told (only when it is not the workers' default)."""
+    return [] if cfg.drain_timeout_s == 30.0 else ["--drain-timeout-s", str(cfg.drain_timeout_s)]
+
+
 def gateway_argv(cfg: UpConfig) -> list[str]:
     """The gateway's own options from `up`'s (its key goes by environment: gateway_env)."""
     values = {"--api-key-file": cfg.api_key_file, "--served-model-name": cfg.served_model_name,
@@ -149,10 +185,19 @@ def main(cfg: UpConfig) -> int:
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr, flush=True)
         return 2
+    planner = None
+    if cfg.autoscale:
+        from .autoscale_up import UpAutoscaler
+        try:
+            planner = UpAutoscaler(cfg)
+        except (OSError, ValueError) as e:
+            print(f"pdserve up: --autoscale: {e}", file=sys.stderr, flush=True)
+            return 2
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port = cfg.http_port
     prefill_args, decode_args = worker_args(cfg, models)
+    prefill_args, decode_args = prefill_args + drain_args(cfg), decode_args + drain_args(cfg)
     launcher = Launcher(cfg.model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
                         prefill_args=prefill_args, decode_args=decode_args,
                         gateway_args=gateway_argv(cfg), engine=cfg.engine,   # the key: by env,
@@ -160,7 +205,10 @@ def main(cfg: UpConfig) -> int:
                         mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
                         tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, internal_token=True,
                         restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts,
-                        models=models)
+                        models=models, discovery_files=cfg.autoscale,
+                        drain_timeout_s=cfg.drain_timeout_s)
+    if planner is not None:
+        launcher.gateway_args += planner.gateway_args()
     try:
         try:
             launcher.start(cfg.ready_timeout, cancel=stop)
@@ -181,8 +229,12 @@ def main(cfg: UpConfig) -> int:
               flush=True)
         for line in plain_text_ports(cfg, launcher):
             print(f"pdserve up: WARNING: {line}", file=sys.stderr, flush=True)
+        if planner is not None:
+            planner.start(launcher, stop)
         return launcher.supervise(stop)
     finally:
+        if planner is not None:
+            planner.stop()
         began, alive = time.monotonic(), sum(c.popen.poll() is None for c in launcher.children)
         if alive:
             _say(f"pdserve up: stopping {alive} process(es) (requests in flight may finish) ...")
