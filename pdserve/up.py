@@ -179,25 +179,19 @@ def gateway_argv(cfg: UpConfig) -> list[str]:
     return [x for flag, value in values.items() if value for x in (flag, value)]
 
 
-def main(cfg: UpConfig) -> int:
+def main(cfg: UpConfig, autoscaler=None) -> int:
+    """`autoscaler`: with --autoscale, its maker (pdserve/autoscale_up.py's UpAutoscaler,
+    given by pdserve/cli.py: `up` itself does not import the simulator)."""
     try:
         models = ModelPools.read(cfg.models_file) if cfg.models_file else []
-    except ValueError as e:
+        planner = autoscaler(cfg) if cfg.autoscale and autoscaler is not None else None
+    except (OSError, ValueError) as e:
         print(f"pdserve up: {e}", file=sys.stderr, flush=True)
         return 2
-    planner = None
-    if cfg.autoscale:
-        from .autoscale_up import UpAutoscaler
-        try:
-            planner = UpAutoscaler(cfg)
-        except (OSError, ValueError) as e:
-            print(f"pdserve up: --autoscale: {e}", file=sys.stderr, flush=True)
-            return 2
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port = cfg.http_port
-    prefill_args, decode_args = worker_args(cfg, models)
-    prefill_args, decode_args = prefill_args + drain_args(cfg), decode_args + drain_args(cfg)
+    prefill_args, decode_args = (a + drain_args(cfg) for a in worker_args(cfg, models))
     launcher = Launcher(cfg.model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
                         prefill_args=prefill_args, decode_args=decode_args,
                         gateway_args=gateway_argv(cfg), engine=cfg.engine,   # the key: by env,
@@ -207,8 +201,7 @@ def main(cfg: UpConfig) -> int:
                         restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts,
                         models=models, discovery_files=cfg.autoscale,
                         drain_timeout_s=cfg.drain_timeout_s)
-    if planner is not None:
-        launcher.gateway_args += planner.gateway_args()
+    launcher.gateway_args += planner.gateway_args() if planner is not None else []
     try:
         try:
             launcher.start(cfg.ready_timeout, cancel=stop)
