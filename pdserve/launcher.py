@@ -34,6 +34,13 @@ SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, set by ea
 at its start from `--parent-pid`: `processes.die_with_parent`), so none is ever orphaned.
 Every wait has a deadline. Each child's spec and command line: processes.py.
 
+Scale-down (`Launcher.retire(child)`, what the autoscaler calls): the child is marked
+retired (supervision never restarts it), gets SIGTERM and drains (a worker: NOT_SERVING,
+new work refused; a prefill worker hands its queued prompts back, a decode worker its
+streams still running near the end, which the gateway migrates: services/worker_server.py),
+and is waited for its --drain-timeout-s + RETIRE_GRACE_S; SIGKILL only after that. It then
+leaves `children`.
+
 `pdserve up` closes the workers' RPCs (`internal_token`): a fresh random token in a 0600 file,
 whose path every child gets as `--internal-token-file` (so `ps` never shows the token); the
 file is removed at stop.
@@ -62,6 +69,10 @@ from services.security import write_token
 
 from .processes import (Child, LaunchError, ModelPools, free_port, ports_in_use,  # noqa: F401
                         wait_serving)
+
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0          # a worker's --drain-timeout-s when its argv has none
+RETIRE_GRACE_S = 10.0                   # past the drain: the server's stop, engine shutdown
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:
@@ -229,7 +240,9 @@ class Launcher:
     def check_children(self, now: float) -> str | None:
         """One supervision pass: note new crashes, restart processes whose backoff is over.
         Returns why everything must stop, or None."""
-        for c in self.children:
+        for c in list(self.children):        # retire() may remove one meanwhile
+            if c.retired:
+                continue
             if c.restart_at is not None:
                 if now >= c.restart_at:
                     c.restart_at = None
@@ -249,6 +262,32 @@ class Launcher:
             self.say(f"{c.label} on {c.address} exited with code {code}; restart "
                      f"#{c.restarts + 1} in {delay:g}s")
         return None
+
+    def retire(self, child: Child, timeout_s: float | None = None) -> None:
+        """Stop `child` for good (scale-down): never restarted, SIGTERM (it drains), waited
+        for up to `timeout_s` (None: its --drain-timeout-s + RETIRE_GRACE_S), SIGKILL only
+        after; then out of `children`. Blocks, bounded."""
+        if timeout_s is None:
+            drain = flag_value(child.argv, "--drain-timeout-s")
+            timeout_s = (float(drain) if drain else DEFAULT_DRAIN_TIMEOUT_S) + RETIRE_GRACE_S
+        child.retired, child.restart_at = True, None
+        t0 = time.monotonic()
+        how = "drained"
+        if child.popen is not None and child.popen.poll() is None:
+            self.say(f"retiring {child.label} on {child.address} (drain, up to {timeout_s:g} s) ...")
+            child.popen.send_signal(signal.SIGTERM)
+            try:
+                child.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                how = "killed (SIGKILL) after its drain"
+                child.popen.kill()
+                child.popen.wait(5)
+        if child.log is not None:
+            child.log.close()
+        if child in self.children:
+            self.children.remove(child)
+        self.say(f"{child.label} on {child.address} retired: {how} in "
+                 f"{time.monotonic() - t0:.1f} s")
 
     def stop(self, grace_s: float = 35.0) -> None:
         """SIGTERM every child (gateway first), SIGKILL what is left after grace_s: longer

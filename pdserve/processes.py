@@ -123,6 +123,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)   # added to (or, None: removed from)
     #                                          the launcher's environment, e.g. a secret
     started_at: float = 0.0                 # monotonic time of its last start
+    retired: bool = False                   # Launcher.retire: stopped for good, never restarted
 
     @property
     def label(self) -> str:
