@@ -247,3 +247,44 @@ def test_drained_prefill_worker_hands_its_queue_back(model_dir, greedy):
         p.run(p.all_free([w for w in p.workers if not w["task"].done()]))
     finally:
         _close(p)
+
+
+def test_structured_stream_runs_to_the_end_of_the_drain_then_fails_clearly(model_dir, caplog):
+    """A structured-output stream cannot migrate (its grammar's state): the drained worker
+    lets it run past the hand-off of the others to the end of its drain, then ends it with
+    UNAVAILABLE "worker draining", which the gateway reports as such (not a cut)."""
+    from engine.structured import StructuredOutput
+    from gateway.request import GatewayError
+    caplog.set_level(logging.WARNING)
+    p = _system(model_dir, 1, 2, {"prefill": 5.0, "decode": 1.5}, migrate_s=0.75)
+    try:
+        async def body():
+            started = asyncio.Event()
+            params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True,
+                                    structured=StructuredOutput(regex="[a-z ]+"))
+
+            async def one():
+                n = 0
+                async for ev in p.gateway.generate(GenerateInput("s0", _prompt(8, 1), params)):
+                    n += len(ev.token_ids)
+                    if n >= 2:
+                        started.set()
+                return n
+            run = asyncio.ensure_future(one())
+            await asyncio.wait_for(started.wait(), 60)
+            victim = next(w for w in p.of("decode")
+                          if p.gateway.decode.workers[w["address"]].in_flight)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            victim["stop"].set()
+            with pytest.raises(GatewayError) as err:
+                await asyncio.wait_for(run, 30)
+            return err.value, loop.time() - t0, victim
+        err, took, victim = p.run(body())
+        assert err.code.name == "UNAVAILABLE" and "worker draining" in err.message, err
+        assert took >= 1.5 - 0.375 - 0.05, f"ended {took:.2f}s into a 1.5 s drain: too early"
+        assert any("cannot migrate" in r.getMessage() for r in caplog.records)
+        assert not [r for r in caplog.records if "drain timeout" in r.getMessage()]
+        p.run(p.all_free([w for w in p.workers if w is not victim]))
+    finally:
+        _close(p)
