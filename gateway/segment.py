@@ -10,7 +10,8 @@
                   finished); not: fails before its first event (D's reservation lapsed: 429)
               D's TokenChunks -> OutputProcessor -> events; a stop string matched here:
                   the segment ends, cleanup aborts D
-    D's stream breaks (UNAVAILABLE, EOF), or D is lost (its probes unanswered: stalled; the
+    D's stream breaks (UNAVAILABLE, EOF; also a draining D's "worker draining", before the
+    first token or after), or D is lost (its probes unanswered: stalled; the
     registry cuts the segment's calls, Segment.cut) -> _DecodeLost -> migrate: a new
     segment ("#m1") whose prompt is prompt + tokens so far, on another pair (WARNING,
     counted); no migration (off, structured output, deadline passed): UNAVAILABLE
@@ -42,7 +43,7 @@ from .registry import Worker
 from .request import GatewayError, GenerateEvent, RequestState
 from .routing import Router, no_worker
 from .worker_errors import (DECODE_REFUSALS, LostCall, PrefillRetries, blames_destination,
-                            rpc_error)
+                            refusal_reason, rpc_error)
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class Segments:
                 f"decode worker {e.worker.address} failed mid-stream after {n} token(s): {e}")
             ) from None
         self.metrics.observe_kv_fallback("migrate")
-        log.warning("request %s: decode worker %s failed after %d token(s) (%s); migrating: "
+        log.warning("request %s: decode worker %s lost after %d token(s) (%s); migrating: "
                     "re-prefilling prompt + tokens so far on another pair",
                     req.inp.request_id, e.worker.address, n, e)
 
@@ -185,8 +186,12 @@ class Segments:
             return
         seg.submit_task = asyncio.create_task(self._submit_first(seg, resp.first_token, req.deadline))
         seg.submit_task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        # accepted before the client sees the token: a lapsed reservation fails before a 200
-        await seg.submit_task
+        try:   # accepted before the client sees the token: a lapsed reservation fails before a 200
+            await seg.submit_task
+        except _DecodeLost:
+            if ev is not None:
+                yield ev         # the client's: a migration continues after it (req.out has it)
+            raise
         if ev is not None:
             yield ev
         async for ev in self._relay(req, seg):
@@ -283,22 +288,11 @@ class Segments:
                 raise _DecodeLost(w, f"SubmitFirstToken: {e.details()}") from None
             raise rpc_error(f"decode worker {w.address} (SubmitFirstToken)", e) from None
         if not r.accepted:
-            code, why = await self._refusal_reason(seg)
+            code, why = await refusal_reason(seg.decode_call)
+            if code == grpc.StatusCode.UNAVAILABLE:       # draining (or gone): migrate
+                raise _DecodeLost(w, f"before its first token: {why}")
             raise GatewayError(code, f"decode worker {w.address} did not accept the first "
                                      f"token of {seg.rid} ({why})")
-
-    @staticmethod
-    async def _refusal_reason(seg: Segment) -> tuple[grpc.StatusCode, str]:
-        """Why the decode worker ended the request before its first token: INTERNAL and
-        the error of its stream's last chunk if one comes within a second (a failed KV
-        transfer, ...), else RESOURCE_EXHAUSTED: the reservation lapsed (overload)."""
-        try:
-            msg = await asyncio.wait_for(seg.decode_call.read(), 1.0)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
-            msg = None
-        if msg and msg is not grpc.aio.EOF and msg.HasField("tokens") and msg.tokens.error:
-            return grpc.StatusCode.INTERNAL, msg.tokens.error
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, "reservation expired or aborted"
 
     async def _relay(self, req: RequestState, seg: Segment) -> AsyncIterator[GenerateEvent]:
         """The decode worker's TokenChunks as events, until the request finishes."""

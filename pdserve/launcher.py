@@ -34,16 +34,20 @@ SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, set by ea
 at its start from `--parent-pid`: `processes.die_with_parent`), so none is ever orphaned.
 Every wait has a deadline. Each child's spec and command line: processes.py.
 
+Scale-down (`Launcher.retire(child)`, what the autoscaler calls): the child is marked
+retired (supervision never restarts it), leaves the discovery files first when the pools
+are live (below) and is given two discovery intervals to leave the gateway's routing, gets
+SIGTERM and drains (a worker: NOT_SERVING, new work refused; a prefill worker hands its
+queued prompts back, a decode worker its streams still running near the end, which the
+gateway migrates: services/worker_server.py), and is waited for its --drain-timeout-s +
+RETIRE_GRACE_S; SIGKILL only after that. It then leaves `children`.
+
 Live pools (`pdserve up --autoscale`, pdserve/autoscale_local.py): with `discovery_files`
 the gateway learns its workers from files (`--prefill-file`, `--decode-file`, re-read every
 --discovery-interval-s; `--worker-metrics-file` for their /metrics) and the prefill workers
 their decode workers (`--decode-file`), each rewritten atomically (services/address_file.py).
 `add_worker(role)` starts one more worker, waits until it is SERVING, and only then writes
-it into the files (ready before routed to). `retire(child)` removes it from the files
-first, waits a discovery interval (the gateway stops routing to it), then SIGTERM: the
-worker drains (health NOT_SERVING, new work refused UNAVAILABLE, in-flight calls get
---drain-timeout-s), SIGKILL after drain + grace; supervision never restarts a retired
-worker (`Child.retired`).
+it into the files (ready before routed to); `retire` takes it out of them before its drain.
 
 `pdserve up` closes the workers' RPCs (`internal_token`): a fresh random token in a 0600 file,
 whose path every child gets as `--internal-token-file` (so `ps` never shows the token); the
@@ -69,11 +73,15 @@ from engine.config import EngineOptions
 from engine.gguf import model_name
 from gateway.auth import API_KEY_ENV
 from services.cli_args import config_argv
-from services.address_file import write_addresses
 from services.security import write_token
 
+from .live_pools import LivePools
 from .processes import (Child, LaunchError, ModelPools, free_port, ports_in_use,  # noqa: F401
                         wait_serving)
+
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0          # a worker's --drain-timeout-s when its argv has none
+RETIRE_GRACE_S = 10.0                   # past the drain: the server's stop, engine shutdown
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:
@@ -82,7 +90,7 @@ def flag_value(argv: list[str], flag: str) -> str | None:
 
 
 @dataclass
-class Launcher:
+class Launcher(LivePools):
     """Start/stop a whole local system. Also used by the e2e fixtures."""
     model_dir: str = ""                     # "": the default model (start() fetches it)
     num_prefill: int = 1
@@ -111,8 +119,6 @@ class Launcher:
                                        repr=False)   # a line a person follows start-up by
     discovery_files: bool = False           # live pools: workers named in files (see above)
     discovery_interval_s: float = 1.0       # the gateway's re-read of them (with the files)
-    drain_timeout_s: float = 30.0           # a retired worker's drain (its --drain-timeout-s)
-    retire_grace_s: float = 5.0             # after the drain, before SIGKILL
     children: list[Child] = field(default_factory=list)
     _models_file: str = field(default="", init=False, repr=False)   # the gateway's, if several
     token_file: str = field(default="", init=False, repr=False)     # with internal_token
@@ -231,77 +237,6 @@ class Launcher:
                  f"on {c.address} ..." if c.role != "gateway" else
                  f"gateway: starting on {c.address} ...")
 
-    # ------------------------------------------------------------ live pools
-    def _make_files(self) -> None:
-        if self.models:
-            raise LaunchError("live pools (--autoscale) serve one model: not with --models-file")
-        for kind in ("prefill", "decode", "metrics"):
-            fd, self._files[kind] = tempfile.mkstemp(prefix=f"pdserve-{kind}-", suffix=".txt")
-            os.close(fd)
-
-    def _metrics_args(self) -> list[str]:
-        if self._files:
-            return ["--worker-metrics-file", self._files["metrics"]]
-        return ["--worker-metrics", ",".join(self._worker_metrics)]
-
-    def write_discovery(self) -> None:
-        """Rewrite the files from the workers now serving and not retired (atomically)."""
-        if not self._files:
-            return
-        with self._lock:
-            live = [c for c in self.children if c.role != "gateway" and not c.retired]
-            for role in ("prefill", "decode"):
-                write_addresses(self._files[role], [c.address for c in live if c.role == role])
-            tmp = self._files["metrics"] + ".tmp"
-            Path(tmp).write_text("".join(f"{c.metrics}\n" for c in live))
-            os.replace(tmp, self._files["metrics"])
-
-    def add_worker(self, role: str, timeout_s: float = 300.0) -> Child:
-        """One more `role` worker (live pools only): started, SERVING within timeout_s
-        (else stopped: LaunchError), then written into the discovery files."""
-        if not self._files:
-            raise LaunchError("add_worker needs discovery_files (pdserve up --autoscale)")
-        m = ModelPools("", self.model_dir, 0, 0)
-        with self._lock:
-            c = self._spawn_worker(m, role, free_port(self.host), config_argv(self.engine))
-            c.retired = True                       # not supervised until it is ready
-        try:
-            self._wait_serving([c], time.monotonic() + timeout_s)
-        except BaseException:
-            self._end(c, 0.0)
-            raise
-        c.retired = False
-        self.write_discovery()
-        return c
-
-    def retire(self, child: Child, drain_timeout_s: float | None = None,
-               grace_s: float | None = None) -> None:
-        """Take `child` out of the discovery files, wait one discovery interval (the gateway
-        and the prefill workers stop sending it work), SIGTERM (it drains: NOT_SERVING, new
-        work refused UNAVAILABLE), SIGKILL after drain + grace. Never restarted."""
-        child.retired = True
-        self.write_discovery()
-        if self._files:
-            time.sleep(2 * self.discovery_interval_s)
-        self.say(f"retiring {child.label} on {child.address} (drain up to "
-                 f"{self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s:g} s)")
-        self._end(child, (self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s)
-                  + (self.retire_grace_s if grace_s is None else grace_s))
-
-    def _end(self, c: Child, wait_s: float) -> None:
-        if c.popen is not None and c.popen.poll() is None:
-            c.popen.send_signal(signal.SIGTERM)
-            try:
-                c.popen.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                self.say(f"{c.label} did not exit in {wait_s:g} s: SIGKILL")
-                c.popen.kill()
-                c.popen.wait(5)
-        if c.log is not None:
-            c.log.close()
-        with self._lock:
-            self.children = [x for x in self.children if x is not c]
-
     def _mtls_args(self) -> list[str]:
         if self.mtls is None:
             return []
@@ -338,7 +273,7 @@ class Launcher:
     def check_children(self, now: float) -> str | None:
         """One supervision pass: note new crashes, restart processes whose backoff is over.
         Returns why everything must stop, or None."""
-        for c in list(self.children):
+        for c in list(self.children):        # retire() may remove one meanwhile
             if c.retired:
                 continue
             if c.restart_at is not None:
@@ -360,6 +295,35 @@ class Launcher:
             self.say(f"{c.label} on {c.address} exited with code {code}; restart "
                      f"#{c.restarts + 1} in {delay:g}s")
         return None
+
+    def retire(self, child: Child, timeout_s: float | None = None) -> None:
+        """Stop `child` for good (scale-down): never restarted, SIGTERM (it drains), waited
+        for up to `timeout_s` (None: its --drain-timeout-s + RETIRE_GRACE_S), SIGKILL only
+        after; then out of `children`. Blocks, bounded."""
+        if timeout_s is None:
+            drain = flag_value(child.argv, "--drain-timeout-s")
+            timeout_s = (float(drain) if drain else DEFAULT_DRAIN_TIMEOUT_S) + RETIRE_GRACE_S
+        child.retired, child.restart_at = True, None
+        t0 = time.monotonic()
+        if self._files:                      # out of routing before its drain begins
+            self.write_discovery()
+            time.sleep(2 * self.discovery_interval_s)
+        how = "drained"
+        if child.popen is not None and child.popen.poll() is None:
+            self.say(f"retiring {child.label} on {child.address} (drain, up to {timeout_s:g} s) ...")
+            child.popen.send_signal(signal.SIGTERM)
+            try:
+                child.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                how = "killed (SIGKILL) after its drain"
+                child.popen.kill()
+                child.popen.wait(5)
+        if child.log is not None:
+            child.log.close()
+        with self._lock:
+            self.children = [c for c in self.children if c is not child]
+        self.say(f"{child.label} on {child.address} retired: {how} in "
+                 f"{time.monotonic() - t0:.1f} s")
 
     def stop(self, grace_s: float = 35.0) -> None:
         """SIGTERM every child (gateway first), SIGKILL what is left after grace_s: longer

@@ -123,7 +123,8 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)   # added to (or, None: removed from)
     #                                          the launcher's environment, e.g. a secret
     started_at: float = 0.0                 # monotonic time of its last start
-    retired: bool = False                   # being retired (Launcher.retire): never restarted
+    retired: bool = False                   # Launcher.retire (or still starting in
+    #                                          add_worker): never restarted
     metrics: str = ""                       # a worker's "ID=URL" of its /metrics
 
     @property

@@ -199,8 +199,7 @@ def main(cfg: UpConfig, autoscaler=None) -> int:
                         mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
                         tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, internal_token=True,
                         restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts,
-                        models=models, discovery_files=cfg.autoscale,
-                        drain_timeout_s=cfg.drain_timeout_s)
+                        models=models, discovery_files=cfg.autoscale)
     launcher.gateway_args += planner.gateway_args() if planner is not None else []
     try:
         try:
