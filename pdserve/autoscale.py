@@ -98,18 +98,20 @@ class Autoscaler:
     the shapes' predictions (default: a `Planner` on `profile`), replaceable in tests."""
 
     def __init__(self, cfg: AutoscaleConfig, source, actuator: Actuator, profile,
-                 planner: Planner | None = None, clock=time.monotonic):
+                 planner: Planner | None = None, clock=time.monotonic, scheduler=None):
+        """`scheduler`: the workers' SchedulerConfig (batch limits the plan simulates)."""
         self.cfg, self.source, self.actuator, self.clock = cfg, source, actuator, clock
         self.planner = planner or Planner(
             profile, cfg.max_workers, (cfg.slo_ttft_ms, cfg.slo_itl_ms), cfg.allow_colocated,
             cfg.attainment, cfg.window_s, cfg.seeds, cfg.cores,
-            CostCorrection(profile, cfg.new_worker_intervals))
+            CostCorrection(profile, cfg.new_worker_intervals), scheduler)
         self._snaps: list[Snapshot] = []          # the last rate_intervals + 1 scrapes
         self._streak: tuple[str, tuple[int, int] | None, int] = ("", None, 0)
         self._cooldown = 0
         self._lock = threading.Lock()
         self.last: Decision | None = None
         self.history: list[dict] = []
+        self.notify = None        # notify(line) on each change, before it is made (pdserve up)
 
     # ------------------------------------------------------------------ one interval
     def step(self) -> Decision:
@@ -129,7 +131,10 @@ class Autoscaler:
         if target != current:
             self._cooldown = self.cfg.cooldown_intervals
             self._streak = ("", None, 0)
-            log.warning("autoscale: %dP%dD -> %dP%dD: %s", *current, *target, "; ".join(reasons))
+            line = f"autoscale: {_name(current)} -> {_name(target)}: {'; '.join(reasons)}"
+            log.warning("%s", line)
+            if self.notify is not None:
+                self.notify(line)
             self.actuator.scale(*target)
             self.history = (self.history + [{"at_unix": decision.at_unix, "prefill": target[0],
                                              "decode": target[1], "reasons": reasons}])[-self.cfg.history:]

@@ -17,7 +17,7 @@ max_workers 2; `Recommendation.took_ms` carries each step's own time.
 Measured costs (`CostCorrection`): each settled worker's step counters over the interval
 (services/step_metrics.py: per kind and power-of-two bucket, steps / seconds / tokens /
 requests / context) against what the profile predicts for the same steps; the ratio of
-their sums per kind (prefill, decode), smoothed (EWMA) and bounded to [1/5, 5], scales the
+their sums per kind (prefill, decode), smoothed (EWMA) and bounded to [1/100, 100], scales the
 profile's points of that kind (a refit). A worker's first `skip_intervals` intervals are
 left out: its cold passes (compilation, first-touch allocation) are not its cost.
 """
@@ -33,7 +33,7 @@ from . import plan
 
 MIN_REQUESTS = 24
 MAX_WINDOW_S = 300.0
-FACTOR_BOUNDS = (0.2, 5.0)
+FACTOR_BOUNDS = (0.01, 100.0)
 
 
 @dataclass
@@ -121,15 +121,18 @@ class Planner:
     seeds: int = 1
     cores: float = 0.0                     # 0: the profile's machine
     correction: CostCorrection | None = None
+    scheduler: SchedulerConfig | None = None   # the workers' (None: the profile's options)
 
     def __post_init__(self):
         self.cores = self.cores or plan.profile_cores(self.profile)
         if self.correction is None:
             self.correction = CostCorrection(self.profile)
-        eng = SchedulerConfig()
-        self.settings = {"max_num_seqs": int(self.profile.options.get("max_num_seqs") or eng.max_num_seqs),
-                         "max_num_batched_tokens": int(self.profile.options.get(
-                             "max_num_batched_tokens") or eng.max_num_batched_tokens)}
+        eng, opts = SchedulerConfig(), self.profile.options
+        if self.scheduler is not None:
+            eng, opts = self.scheduler, {}
+        self.settings = {"max_num_seqs": int(opts.get("max_num_seqs") or eng.max_num_seqs),
+                         "max_num_batched_tokens": int(opts.get("max_num_batched_tokens")
+                                                       or eng.max_num_batched_tokens)}
 
     def shapes(self) -> list[tuple[int, int]]:
         return [(p, d) for p, d in plan.shapes(self.max_workers) if p > 0 or self.allow_colocated]

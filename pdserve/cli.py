@@ -70,6 +70,9 @@ def _run_up(args) -> int:
         cfg = config_from_args(up_command.UpConfig, args)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"pdserve up: {e}")
+    if cfg.autoscale:                      # the simulator: only when it is asked for
+        from .autoscale_up import UpAutoscaler
+        return up_command.main(cfg, UpAutoscaler)
     return up_command.main(cfg)
 
 

@@ -8,7 +8,8 @@ dashboard sums over pods:
     gateway  (request-level, as the client sees it)
         time_to_first_token_seconds, inter_token_latency_seconds, e2e_request_latency_seconds,
         prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason},
-        request_errors_total{code}, num_requests_running (in flight), kv_transfer_fallbacks_total
+        request_errors_total{code}, num_requests_running (in flight), kv_transfer_fallbacks_total,
+        prefills_total{kind=disaggregated|local} (gateway/disagg.py's choice, per segment),
         and the TTFT and ITL observations again in `recent_ttft` / `recent_itl`
         (services/recent.py: the last minute, exact, for the gateway's /status page)
     prefill / decode  (engine-level)
@@ -119,6 +120,11 @@ class Metrics:
             "request_success", "Finished requests, by finish reason", "finished_reason")
         self.request_errors = counter(
             "request_errors", "Requests that failed, by gRPC status code name", "code")
+        self.prefills = counter(
+            "prefills", "Prompts computed, by where: a prefill worker (disaggregated) or the "
+            "decode worker itself (local)", "kind")
+        for kind in ("disaggregated", "local"):       # both series from the start (0)
+            self.prefills.labels(role, kind)
 
     def _worker_metrics(self, restarts: int) -> None:
         """Engine-level: queues, cache, phases, KV transfers."""
@@ -190,6 +196,10 @@ class Metrics:
     def in_flight(self):
         """`with metrics.in_flight():` counts the block in num_requests_running."""
         return self.num_requests_running.track_inprogress()
+
+    def observe_prefill(self, kind: str) -> None:
+        """One segment's prompt computed: kind "disaggregated" or "local"."""
+        self.prefills.labels(self.role, kind).inc()
 
     def observe_error(self, code: str) -> None:
         """A failed request; `code` is a grpc.StatusCode name such as "UNAVAILABLE"."""

@@ -223,11 +223,15 @@ class Pod:
             time.sleep(poll_s)
 
     def terminate(self) -> int:
-        """SIGTERM, then SIGKILL after terminationGracePeriodSeconds; the exit code (-9: it
-        had to be killed)."""
+        """The preStop sleep (a kubelet's sleep action; it counts within the grace), SIGTERM,
+        then SIGKILL after terminationGracePeriodSeconds; the exit code (-9: it had to be
+        killed)."""
+        grace = self.spec.get("terminationGracePeriodSeconds", 30)
+        pre_stop = self.container.get("lifecycle", {}).get("preStop", {}).get("sleep", {})
+        time.sleep(min(pre_stop.get("seconds", 0), grace))
         self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout=self.spec.get("terminationGracePeriodSeconds", 30))
+            return self.proc.wait(timeout=max(grace - pre_stop.get("seconds", 0), 1))
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
