@@ -30,7 +30,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
-from services.metrics import merge_families, scrape_workers
+from services.metrics_merge import merge_families, scrape_workers
 
 from .config import GatewayConfig
 from .core import Gateway

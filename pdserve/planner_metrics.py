@@ -1,7 +1,7 @@
 """The planner's signals on Kubernetes: the gateway's /metrics plus every ready worker's.
 
 `pdserve up` hands its gateway the workers' metrics URLs (`--worker-metrics`), so one
-gateway scrape holds the whole system (services/metrics.py `scrape_workers`). On
+gateway scrape holds the whole system (services/metrics_merge.py `scrape_workers`). On
 Kubernetes the gateway is given none, and the autoscaler (pdserve/autoscale_signals.py)
 holds while a pool's metrics are missing ("unknown", never zero load). So the planner
 finds the workers the way the gateway finds them, through the headless Services' DNS (one
@@ -25,7 +25,8 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry
 
-from services.metrics import merge_families, render_metrics, scrape_workers
+from services.metrics import render_metrics
+from services.metrics_merge import merge_families, scrape_workers
 
 
 def resolve(host_port: str) -> list[str]:
