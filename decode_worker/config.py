@@ -28,11 +28,20 @@ class DecodeWorkerConfig(WorkerConfig):
                 "all; set it when several gateways share the decode workers, so that one cannot "
                 "hold every slot: with the internal credential nobody else can call)"})
 
+    drain_migrate_s: float = field(default=5.0, metadata={
+        "help": "this long before the end of a drain (--drain-timeout-s; at most half of it) "
+                "the streams still running end with UNAVAILABLE \"worker draining\" and the "
+                "gateway migrates them (prompt + tokens so far, on another decode worker), so "
+                "none races the deadline; a structured-output stream (which cannot migrate) "
+                "keeps running to the end of the drain"})
+
     _positive = ("kv_expiry_s", "kv_max_reservation_s", "drain_timeout_s")
     _ports = ("port", "kv_port", "metrics_port", "health_port")
 
     def __post_init__(self):
         super().__post_init__()
+        if self.drain_migrate_s < 0:
+            raise ValueError(f"drain_migrate_s must be >= 0, got {self.drain_migrate_s}")
         if self.max_reservations_per_caller < 0:
             raise ValueError("max_reservations_per_caller must be >= 0")
         if self.kv_max_reservation_s < self.kv_expiry_s:

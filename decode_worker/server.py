@@ -19,6 +19,10 @@ state (shared with SubmitFirstToken and Abort), in five phases:
     admit (or fall back, below): remote_kv_done(first token)
     stream:       tokens 2..n (last chunk: finish_reason + usage)
 
+    local_prefill (conditional disaggregation, decode_worker/local.py): no reserve, announce
+    or wait: the prompt joins this engine as a local request (prefix cache, chunked prefill)
+    and the stream carries every token from the first on
+
     Failure (expired, failed transfer, or no first token in time), by policy:
       fail:      free the blocks, end the stream with FINISH_REASON_ERROR and the reason
       recompute: abort the reservation and re-add the request locally with prompt (+ the
@@ -27,6 +31,8 @@ state (shared with SubmitFirstToken and Abort), in five phases:
     Abort(request_id) or the caller's cancel: abort in the receiver (late KV is dropped by
     transfer id) and in the engine (blocks freed); an Abort ends the stream with
     FINISH_REASON_ABORT.
+    Drain (SIGTERM): the same abort near the drain's end for the calls still open, but the
+    stream ends with UNAVAILABLE "worker draining": the gateway migrates it (handoff.py).
 
 Token accounting on the stream: the first token went to the client from PrefillResponse, so
 it is never repeated here, except when the decoder recomputed without knowing it.
@@ -50,6 +56,8 @@ from services.security import caller_of, new_transfer_id
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .config import DecodeWorkerConfig
+from .handoff import DRAINING, Handoff
+from .local import local_decode
 from .pending import Counters, Aborted, error_chunk, Pending
 
 log = logging.getLogger(__name__)
@@ -67,6 +75,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self.token = parts.token
         self._pending: dict[str, Pending] = {}
         self.counters = Counters()
+        self.handoff = Handoff(lambda: list(self._pending.values()), self._hand_off,
+                               self.cfg.drain_timeout_s, self.cfg.drain_migrate_s)
+        self.srv.on_drain(self.handoff.start)
 
     # -------------------------------------------------------------- RPCs
     async def Decode(self, request, context):
@@ -104,13 +115,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if pend is None or pend.aborted:
             return common_pb2.AbortResponse(found=False)
         log.info("abort %s: %s", request.request_id, request.reason or "no reason given")
-        pend.aborted, pend.abort_reason = True, request.reason
+        await self._abort(pend, request.reason)
+        return common_pb2.AbortResponse(found=True)
+
+    async def _abort(self, pend: Pending, reason: str) -> None:
+        """Stop `pend` wherever it is: its transfer, its first-token wait, its engine
+        request (blocks freed); its stream then ends by _abort_chunk."""
+        pend.aborted, pend.abort_reason = True, reason
         if pend.transfer_id:
-            self.receiver.abort(pend.transfer_id, f"request aborted: {request.reason}")
+            self.receiver.abort(pend.transfer_id, f"request aborted: {reason}")
         if not pend.first_token.done():
             pend.first_token.set_exception(Aborted())
-        await worker_server.abort_quietly(self.ae, request.request_id)
-        return common_pb2.AbortResponse(found=True)
+        await worker_server.abort_quietly(self.ae, pend.request_id)
+
+    async def _hand_off(self, pend: Pending) -> None:
+        """Draining: end `pend` with UNAVAILABLE "worker draining" (the gateway migrates it)."""
+        pend.drained = True
+        await self._abort(pend, DRAINING)
 
     async def Stats(self, request, context):
         st, r, c = self.ae.stats(), self.receiver, self.counters
@@ -151,6 +172,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         pend = self._validate(request, span, caller)
         self._pending[pend.request_id] = pend
         try:
+            if request.local_prefill:          # conditional disaggregation: local.py
+                async for msg in local_decode(self, pend):
+                    yield msg
+                return
             await self._reserve(pend)
             if pend.aborted:
                 yield self._abort_chunk(pend)
@@ -295,6 +320,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if joules is not None:
             usage.energy_joules = joules
             span.set_attribute("energy_joules", joules)
+        if pend.local:                 # the engine's own prefix hit for the prompt
+            usage.cached_tokens = max(out.num_cached_tokens, 0)
         chunk.finish_reason = protoconv.FINISH_TO_PROTO[out.finish_reason]
         chunk.usage.CopyFrom(usage)
         pend.finished = True
@@ -330,6 +357,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         return 0 if first is None else 1
 
     def _abort_chunk(self, pend: Pending, sent: int = 0) -> decode_pb2.DecodeResponse:
+        """The chunk an aborted stream ends with; a drained one ends UNAVAILABLE instead."""
+        if pend.drained:
+            raise RpcStatus(grpc.StatusCode.UNAVAILABLE, DRAINING)
         pend.usage.completion_tokens = sent
         pend.finished = True
         return error_chunk(pend.request_id, common_pb2.FINISH_REASON_ABORT,

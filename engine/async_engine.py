@@ -188,6 +188,26 @@ class AsyncEngine:
         self._unclaimed.pop(request_id, None)
         return found
 
+    async def abort_unscheduled(self, request_ids: list[str]) -> list[str]:
+        """Those of `request_ids` no step has computed anything of yet: the ones the engine
+        holds unscheduled are aborted (as abort() does) in the same engine-thread command,
+        so no step can start them meanwhile; ids it does not hold are returned too (not
+        started). A draining prefill worker hands these back."""
+        def cmd():
+            out = []
+            for rid in request_ids:
+                req = self.engine.requests.get(rid)
+                if req is not None and (req.first_scheduled_time is not None or req.is_finished):
+                    continue
+                if req is not None:
+                    self.engine.abort_request(rid)
+                    q = self._streams.pop(rid, None)
+                    if q is not None:
+                        self._put(q, RequestOutput(rid, [], [], [], "", True, "abort"))
+                out.append(rid)
+            return out
+        return await self.call(cmd)
+
     async def recompute_locally(self, request_id: str, prompt: list[int],
                                 params: SamplingParams | None = None,
                                 generated: list[int] = ()) -> None:

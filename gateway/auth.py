@@ -12,7 +12,10 @@ re-read when it changes (checked at most every `reload_interval_s`, on the next 
 so a key added is accepted and a key removed is refused without a restart. With no key at
 all the APIs are open. Limits: `rpm` requests per minute (a token bucket holding `rpm`
 tokens, refilled at rpm/60 per second) and `concurrency` requests in flight (a stream holds
-its slot until it ends); 0 is unlimited. Health, metrics and reflection stay open.
+its slot until it ends); 0 is unlimited. Health, metrics and reflection stay open, and so
+does the status page's HTML (`/status`, which holds no data); its data, `/status.json`
+(worker addresses and errors, which client-facing errors never show), needs a key like /v1
+(the page asks for one when it gets 401 and keeps it in the tab's sessionStorage).
 
 A key is never logged; a request is known in logs by the key's short hash (`key_id`).
 """
@@ -168,12 +171,19 @@ class KeyStore:
 
 # -- REST -----------------------------------------------------------------------------------
 
+KEYED_PATHS = ("/status.json",)      # besides everything under /v1
+
+
+def needs_key(path: str) -> bool:
+    return path.startswith("/v1") or path in KEYED_PATHS
+
+
 def rest_middleware(store: KeyStore, error_response):
-    """A pure ASGI middleware: /v1 requests need a key; the lease is held until the whole
+    """A pure ASGI middleware: /v1 and /status.json requests need a key; the lease is held until the whole
     response (a stream included) is sent. `error_response(status, message)` -> ASGI app."""
     def wrap(app):
         async def middleware(scope, receive, send):
-            if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            if scope["type"] != "http" or not needs_key(scope["path"]):
                 return await app(scope, receive, send)
             auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
             try:

@@ -12,7 +12,8 @@ from services.cli_args import check_ports
 from services.security import mtls_triple, tls_pair
 
 
-METRICS_PREFIXES = ("pdserve", "vllm")      # pdserve:... or vLLM's own names (vllm:...)
+METRICS_PREFIXES = ("pdserve", "vllm")
+DISAGGREGATION_MODES = ("always", "never", "auto")     # gateway/disagg.py's MODES      # pdserve:... or vLLM's own names (vllm:...)
 
 
 def check_metrics_prefix(prefix: str) -> None:
@@ -69,19 +70,30 @@ class GatewayConfig:
     worker_metrics: str = field(default="", metadata={
         "help": "workers' /metrics to include in this gateway's, each labelled worker=ID: "
                 "ID=URL,ID=URL (`pdserve up` passes its workers')"})
+    worker_metrics_file: str = field(default="", metadata={
+        "help": "more workers' /metrics as a file of ID=URL lines, re-read at every scrape "
+                "(`pdserve up --autoscale` rewrites it as workers come and go)"})
     metrics_prefix: str = field(default="pdserve", metadata={
         "help": "metric name prefix: pdserve (pdserve:...) or vllm (vllm:..., the names "
                 "vLLM's dashboards query)"})
     trace_file: str = field(default="", metadata={
         "help": "append finished trace spans as JSON lines to this file (tests); OTLP export "
                 "is enabled by OTEL_EXPORTER_OTLP_ENDPOINT"})
+    planner_url: str = field(default="", metadata={
+        "help": "the autoscaler's GET /plan URL, shown on the REST port's /status page "
+                "(fetched by the gateway, cached a few seconds; empty: no planner attached)"})
     prefill: str = field(default="", metadata={"help": "prefill workers, host:port,host:port"})
     decode: str = field(default="", metadata={"help": "decode workers, host:port,host:port"})
     prefill_dns: str = field(default="", metadata={
         "help": "prefill workers as one DNS name:port (e.g. a headless Service)"})
     decode_dns: str = field(default="", metadata={"help": "decode workers as one DNS name:port"})
+    prefill_file: str = field(default="", metadata={
+        "help": "prefill workers as a file of addresses, one per line, re-read every "
+                "--discovery-interval-s (`pdserve up --autoscale` rewrites it)"})
+    decode_file: str = field(default="", metadata={
+        "help": "decode workers as a file of addresses, as --prefill-file"})
     discovery_interval_s: float = field(default=5.0, metadata={
-        "help": "seconds between DNS refreshes"})
+        "help": "seconds between DNS or file refreshes"})
     health_interval_s: float = field(default=1.0, metadata={
         "help": "seconds between health/Stats probes of each worker"})
     probe_timeout_s: float = field(default=1.0, metadata={"help": "deadline of one probe"})
@@ -126,8 +138,26 @@ class GatewayConfig:
         "help": "a decode worker: prefix affinity wins only while its worker has at most this "
                 "many more requests in flight than the least loaded one (decode load sets "
                 "every stream's token rate; a decode-side prefix hit saves only KV transfer)"})
+    disaggregation: str = field(default="auto", metadata={
+        "help": "who computes a prompt: always a prefill worker (its KV handed to the decode "
+                "worker), never (the decode worker itself: colocated; no prefill workers "
+                "needed), or auto: per request, whichever pays (gateway/disagg.py)"})
+    profile: str = field(default="", metadata={
+        "help": "a cost profile from `pdserve profile` (JSON) seeding --disaggregation auto's "
+                "prefill and handover costs (empty: defaults; both are learnt online)"})
+    disagg_max_local_tokens: int = field(default=64, metadata={
+        "help": "auto: a prompt whose part the decode worker does not hold is at most this "
+                "long is computed there (unless the worker is too loaded)"})
+    disagg_max_stall_ms: float = field(default=50.0, metadata={
+        "help": "auto: a decode worker with streams running computes no prompt whose "
+                "estimated prefill takes longer than this (it stalls them; 0: no bound)"})
 
     def __post_init__(self):
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"--disaggregation must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                             f"got {self.disaggregation!r}")
+        if self.disagg_max_local_tokens < 0 or self.disagg_max_stall_ms < 0:
+            raise ValueError("disagg_max_local_tokens and disagg_max_stall_ms must be >= 0")
         if self.health_interval_s <= 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.drain_timeout_s < 0:
@@ -140,13 +170,13 @@ class GatewayConfig:
             raise ValueError("request_timeout_per_token_s must be >= 0 and max_request_timeout_s "
                              ">= request_timeout_s")
         per_model = ("model", "served_model_name", "prefill", "decode", "prefill_dns",
-                     "decode_dns", "max_model_len")
+                     "decode_dns", "prefill_file", "decode_file", "max_model_len")
         if self.models_file and any(getattr(self, k) for k in per_model):
             raise ValueError("--models-file names each model and its pools: give none of "
                              + ", ".join("--" + k.replace("_", "-") for k in per_model))
         for pool in ("prefill", "decode"):
-            if getattr(self, pool) and getattr(self, pool + "_dns"):
-                raise ValueError(f"give --{pool} or --{pool}-dns, not both")
+            if sum(bool(getattr(self, pool + x)) for x in ("", "_dns", "_file")) > 1:
+                raise ValueError(f"give only one of --{pool}, --{pool}-dns, --{pool}-file (not both)")
         if self.max_in_flight < 1 or self.slo_ttft_ms < 0 or self.slo_itl_ms < 0:
             raise ValueError("max_in_flight must be >= 1, slo_ttft_ms and slo_itl_ms >= 0")
         if self.api_key_rpm < 0 or self.api_key_concurrency < 0:
@@ -156,11 +186,21 @@ class GatewayConfig:
         check_metrics_prefix(self.metrics_prefix)
         if any("=" not in x for x in self.worker_metrics.split(",") if x.strip()):
             raise ValueError(f"--worker-metrics: expected ID=URL,ID=URL, got {self.worker_metrics!r}")
+        if self.planner_url and not re.match(r"https?://", self.planner_url):
+            raise ValueError(f"--planner-url must be an http(s) URL, got {self.planner_url!r}")
         check_ports(grpc_port=self.grpc_port, http_port=self.http_port,
                     metrics_port=self.metrics_port)
 
     def worker_metrics_urls(self) -> dict[str, str]:
-        return dict(x.strip().split("=", 1) for x in self.worker_metrics.split(",") if x.strip())
+        """--worker-metrics, and the lines of --worker-metrics-file as it reads now (a file
+        that cannot be read adds nothing: its workers are then absent from a scrape)."""
+        items = [x for x in self.worker_metrics.split(",") if x.strip()]
+        if self.worker_metrics_file:
+            try:
+                items += Path(self.worker_metrics_file).read_text().splitlines()
+            except OSError:
+                pass
+        return dict(x.strip().split("=", 1) for x in items if "=" in x)
 
     def resolved_model_dir(self) -> Path:
         """The model directory (the launcher fills in the embedded default: making it needs

@@ -226,7 +226,8 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
         from .openai import start_http
         http = await start_http(models, cfg.host, cfg.http_port, keys,
                                 (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None,
-                                drain_timeout_s=cfg.drain_timeout_s)
+                                drain_timeout_s=cfg.drain_timeout_s,
+                                planner_url=cfg.planner_url)
     for line in security.exposed(cfg.host, {"gRPC": (port, bool(cfg.tls_cert)),
                                             "REST": (cfg.http_port, bool(cfg.tls_cert))}):
         log.warning("public %s listens in plain text beyond loopback (no --tls-cert)", line)

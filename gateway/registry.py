@@ -247,6 +247,10 @@ class WorkerPool:
             out["healthy" if w.healthy else "wrong_model" if w.wrong_model else "unhealthy"] += 1
         return out
 
+    def retiring(self) -> list[Worker]:
+        """Workers removed from discovery that still have calls on them (closed once none)."""
+        return list(self._retiring)
+
     async def _check(self, w: Worker) -> int:
         try:
             r = await w.health.Check(health_pb2.HealthCheckRequest(service=self._service),

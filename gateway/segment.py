@@ -10,7 +10,10 @@
                   finished); not: fails before its first event (D's reservation lapsed: 429)
               D's TokenChunks -> OutputProcessor -> events; a stop string matched here:
                   the segment ends, cleanup aborts D
-    D's stream breaks (UNAVAILABLE, EOF), or D is lost (its probes unanswered: stalled; the
+    local (placement.py + disagg.py decide per segment, once D is picked): no P; Decode(local_
+      prefill): D computes the prompt, streams every token from the first; prefills_total{kind}
+    D's stream breaks (UNAVAILABLE, EOF; also a draining D's "worker draining", before the
+    first token or after), or D is lost (its probes unanswered: stalled; the
     registry cuts the segment's calls, Segment.cut) -> _DecodeLost -> migrate: a new
     segment ("#m1") whose prompt is prompt + tokens so far, on another pair (WARNING,
     counted); no migration (off, structured output, deadline passed): UNAVAILABLE
@@ -41,26 +44,19 @@ from .config import GatewayConfig
 from .registry import Worker
 from .request import GatewayError, GenerateEvent, RequestState
 from .routing import Router, no_worker
+from .placement import Placement, Ticket
+from .decode_calls import DecodeLost as _DecodeLost, remaining as _remaining, submit_first
 from .worker_errors import (DECODE_REFUSALS, LostCall, PrefillRetries, blames_destination,
                             rpc_error)
 
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0
-_SUBMIT_TIMEOUT_S = 10.0
 _DESTINATION_FIELDS = ("decode_worker_id", "kv_endpoint", "transfer_id", "num_cached_tokens",
                        "compat", "expires_at_unix_ms", "idle_timeout_ms", "max_expires_at_unix_ms")
 # A decode worker whose KV endpoint failed stays out of routing this long: its gRPC health
 # does not cover the KV endpoint, so its next probe would bring it back at once.
 KV_FAULT_HOLD_S = 10.0
-
-
-class _DecodeLost(Exception):
-    """The decode worker's stream broke mid-request (the worker died or went away)."""
-
-    def __init__(self, worker: Worker, detail: str):
-        super().__init__(detail)
-        self.worker = worker
 
 
 @dataclass(eq=False)
@@ -76,6 +72,8 @@ class Segment:
     metadata: object = None            # gRPC metadata for the workers (trace context)
     lost: str = ""                     # why the decode worker's calls were cut (cut())
     prefill_lost: str = ""             # why the Prefill was cut
+    ticket: Ticket | None = None       # where its prompt is computed (gateway/placement.py)
+    first_chunk: object = None         # local: the stream's first TokenChunk, read at open
 
     def attach_decode(self, w: Worker, call) -> None:
         """`call` (w's Decode stream) is this segment's; `w` counts it until detach(w)."""
@@ -126,6 +124,7 @@ class Segments:
 
     def __init__(self, router: Router, cfg: GatewayConfig, metrics: Metrics):
         self.router, self.cfg, self.metrics = router, cfg, metrics
+        self.placement = Placement.from_config(cfg, router and router.prefill, metrics)
         self._background: set[asyncio.Task] = set()
 
     async def run(self, req: RequestState) -> AsyncIterator[GenerateEvent]:
@@ -162,7 +161,7 @@ class Segments:
                 f"decode worker {e.worker.address} failed mid-stream after {n} token(s): {e}")
             ) from None
         self.metrics.observe_kv_fallback("migrate")
-        log.warning("request %s: decode worker %s failed after %d token(s) (%s); migrating: "
+        log.warning("request %s: decode worker %s lost after %d token(s) (%s); migrating: "
                     "re-prefilling prompt + tokens so far on another pair",
                     req.inp.request_id, e.worker.address, n, e)
 
@@ -173,6 +172,13 @@ class Segments:
         prompt = out.prompt_token_ids + out.token_ids
         params = out.remaining_params()
         kv, resp = await self._prefill_with_retry(seg, prompt, params, req)
+        self.placement.counted(seg.ticket, seg.rid)
+        if first and req.span is not None:
+            req.span.set_attribute("prefill_kind", seg.ticket.choice.kind)
+        if kv is None:                 # local: the decode worker computed the prompt
+            async for ev in self._relay(req, seg, first):
+                yield req.final(ev) if out.finished else ev
+            return
         if first:
             req.cached_tokens = max(kv.num_cached_tokens, resp.num_cached_tokens)
         req.add_energy(resp)
@@ -183,10 +189,14 @@ class Segments:
         if out.finished:
             yield req.final(ev)
             return
-        seg.submit_task = asyncio.create_task(self._submit_first(seg, resp.first_token, req.deadline))
+        seg.submit_task = asyncio.create_task(submit_first(seg, resp.first_token, req.deadline))
         seg.submit_task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        # accepted before the client sees the token: a lapsed reservation fails before a 200
-        await seg.submit_task
+        try:   # accepted before the client sees the token: a lapsed reservation fails before a 200
+            await seg.submit_task
+        except _DecodeLost:
+            if ev is not None:
+                yield ev         # the client's: a migration continues after it (req.out has it)
+            raise
         if ev is not None:
             yield ev
         async for ev in self._relay(req, seg):
@@ -195,15 +205,21 @@ class Segments:
     async def _prefill_with_retry(self, seg: Segment, prompt: list[int], params,
                                   req: RequestState):
         """Open Decode (KvReady), then Prefill; a failed one is retried (PrefillRetries),
-        each time with a fresh decode reservation. Returns (KvReady, PrefillResponse)."""
+        each time with a fresh decode reservation. Returns (KvReady, PrefillResponse), or
+        (None, None) when the decode worker computes the prompt itself (local)."""
         retries = PrefillRetries()
         for attempt in itertools.count():
             if attempt:
                 self.cleanup(seg)
                 seg.retry(attempt)
             kv = await self._open_decode(seg, prompt, params, req)
+            if kv is None:
+                return None, None
+            self.placement.started(seg.ticket)
             try:
-                return kv, await self._prefill(seg, prompt, params, kv, req.deadline, retries)
+                resp = await self._prefill(seg, prompt, params, kv, req.deadline, retries)
+                self.placement.first_token(seg.ticket, asyncio.get_running_loop().time())
+                return kv, resp
             except grpc.aio.AioRpcError as e:
                 if blames_destination(e):
                     # The decode worker's KV endpoint failed: its fault, not the prefill's.
@@ -224,13 +240,16 @@ class Segments:
                 log.warning("request %s: Prefill on %s failed (%s: %s); retrying without %s "
                             "worker %s", seg.rid, seg.prefill.address, e.code().name, e.details(),
                             w.kind, w.address)
+            finally:
+                self.placement.done(seg.ticket)
         raise AssertionError("unreachable")
 
     # -- the decode half -------------------------------------------------------------------
     async def _open_decode(self, seg: Segment, prompt: list[int], params,
-                           req: RequestState) -> decode_pb2.KvReady:
-        """Pick a decode worker, open its stream and read KvReady; a refusing or unreachable
-        worker is skipped for the next one."""
+                           req: RequestState) -> decode_pb2.KvReady | None:
+        """Pick a decode worker, decide where the prompt is computed (seg.ticket), open its
+        stream and read KvReady (None: local, its first chunk read); a refusing or
+        unreachable worker is skipped for the next one (which decides again)."""
         tried = set(req.lost)
         hashes = self.router.hashes(self.router.decode, prompt)
         last_error = None
@@ -239,7 +258,9 @@ class Segments:
             if w is None:
                 raise last_error if last_error is not None else no_worker(self.router.decode)
             tried.add(w.address)
-            kv = await self._reserve(seg, w, prompt, params, req.deadline)
+            seg.ticket = self.placement.choose(w, prompt, self.router.cached_on(w, hashes),
+                                               params.prompt_logprobs is not None)
+            kv = await self._reserve(seg, w, prompt, params, req.deadline, seg.ticket.local)
             if isinstance(kv, GatewayError):
                 last_error = kv
                 continue
@@ -247,12 +268,15 @@ class Segments:
             return kv
 
     async def _reserve(self, seg: Segment, w: Worker, prompt: list[int], params,
-                       deadline: float) -> decode_pb2.KvReady | GatewayError:
-        """Open `w`'s Decode stream and read its KvReady; the error when `w` refused
-        (DECODE_REFUSALS: another worker may take it)."""
+                       deadline: float, local: bool = False) -> decode_pb2.KvReady | GatewayError | None:
+        """Open `w`'s Decode stream and read its KvReady (local: its first TokenChunk, kept
+        in seg.first_chunk; returns None); the error when `w` refused (DECODE_REFUSALS:
+        another worker may take it)."""
         req = decode_pb2.DecodeRequest(request_id=seg.rid, prompt_token_ids=prompt,
                                        sampling=sampling_to_proto(params),
-                                       kv_timeout_ms=self.cfg.kv_timeout_ms)
+                                       kv_timeout_ms=self.cfg.kv_timeout_ms, local_prefill=local)
+        if seg.ticket is not None:
+            seg.ticket.t_open = asyncio.get_running_loop().time()
         seg.attach_decode(w, w.stub.Decode(req, timeout=_remaining(deadline), metadata=seg.metadata))
         try:
             msg = await seg.decode_call.read()
@@ -265,43 +289,22 @@ class Segments:
             log.warning("request %s: decode worker %s refused (%s: %s); trying another",
                         seg.rid, w.address, e.code().name, e.details())
             return rpc_error(f"decode worker {w.address}", e)
-        if msg is grpc.aio.EOF or not msg.HasField("kv_ready"):
+        want = "tokens" if local else "kv_ready"
+        if msg is grpc.aio.EOF or not msg.HasField(want):
             seg.detach(w)
-            raise GatewayError(grpc.StatusCode.INTERNAL,
-                               f"decode worker {w.address} did not start with KvReady")
-        return msg.kv_ready
+            raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {w.address} did not "
+                               f"start with {'a TokenChunk' if local else 'KvReady'}")
+        if not local:
+            return msg.kv_ready
+        seg.first_chunk = msg.tokens
+        if msg.tokens.tokens:
+            self.placement.first_token(seg.ticket, asyncio.get_running_loop().time())
+        return None
 
-    async def _submit_first(self, seg: Segment, first: common_pb2.TokenLogprob, deadline: float):
-        w = seg.decode
-        try:
-            r = await w.stub.SubmitFirstToken(
-                decode_pb2.SubmitFirstTokenRequest(request_id=seg.rid, first_token=first),
-                timeout=min(_SUBMIT_TIMEOUT_S, _remaining(deadline)))
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                w.mark_failed(e.details() or "UNAVAILABLE")
-                raise _DecodeLost(w, f"SubmitFirstToken: {e.details()}") from None
-            raise rpc_error(f"decode worker {w.address} (SubmitFirstToken)", e) from None
-        if not r.accepted:
-            code, why = await self._refusal_reason(seg)
-            raise GatewayError(code, f"decode worker {w.address} did not accept the first "
-                                     f"token of {seg.rid} ({why})")
-
-    @staticmethod
-    async def _refusal_reason(seg: Segment) -> tuple[grpc.StatusCode, str]:
-        """Why the decode worker ended the request before its first token: INTERNAL and
-        the error of its stream's last chunk if one comes within a second (a failed KV
-        transfer, ...), else RESOURCE_EXHAUSTED: the reservation lapsed (overload)."""
-        try:
-            msg = await asyncio.wait_for(seg.decode_call.read(), 1.0)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
-            msg = None
-        if msg and msg is not grpc.aio.EOF and msg.HasField("tokens") and msg.tokens.error:
-            return grpc.StatusCode.INTERNAL, msg.tokens.error
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, "reservation expired or aborted"
-
-    async def _relay(self, req: RequestState, seg: Segment) -> AsyncIterator[GenerateEvent]:
-        """The decode worker's TokenChunks as events, until the request finishes."""
+    async def _relay(self, req: RequestState, seg: Segment, first: bool = False
+                     ) -> AsyncIterator[GenerateEvent]:
+        """The decode worker's TokenChunks as events, until the request finishes (`first`:
+        a local first segment, whose last chunk's usage says the prompt's cached tokens)."""
         w = seg.decode
         while True:
             chunk = await self._next_chunk(seg)
@@ -316,6 +319,8 @@ class Segments:
                 seg.decode_done = True
             if chunk.HasField("usage"):
                 req.add_energy(chunk.usage)
+                if first:
+                    req.cached_tokens = chunk.usage.cached_tokens
             ev = _add(req, chunk.tokens, fin)
             if ev is not None:
                 yield ev
@@ -326,6 +331,9 @@ class Segments:
         """The next message of the decode stream when it is a TokenChunk (else None);
         a broken stream raises _DecodeLost."""
         w = seg.decode
+        if seg.first_chunk is not None:            # local: read when the stream opened
+            chunk, seg.first_chunk = seg.first_chunk, None
+            return chunk
         try:
             msg = await seg.decode_call.read()
         except grpc.aio.AioRpcError as e:
@@ -390,10 +398,3 @@ def _add(req: RequestState, tokens, finish_reason: str | None) -> GenerateEvent 
     d = req.out.add([t.token_id for t in tokens], [logprob_from_proto(t) for t in tokens],
                     finish_reason)
     return None if d is None else GenerateEvent.of(d)
-
-
-def _remaining(deadline: float) -> float:
-    left = deadline - asyncio.get_running_loop().time()
-    if left <= 0:
-        raise asyncio.TimeoutError
-    return left

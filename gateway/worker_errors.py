@@ -12,9 +12,13 @@
                                             worker
       anything it does not retry            ends the request: rpc_error(), the worker's
                                             code where it is in PASS_THROUGH, else INTERNAL
+      Decode, mid-stream or before the      the decode worker is lost (died, or draining:
+      first token: UNAVAILABLE              it hands its streams off so): migrate
     LostCall: a call the gateway cut itself (its worker was lost), read as that status.
 """
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 
@@ -53,6 +57,25 @@ def rpc_error(where: str, e: grpc.aio.AioRpcError) -> GatewayError:
     """The request's error for a worker call that failed with `e`, at `where`."""
     code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.INTERNAL
     return GatewayError(code, f"{where}: {e.code().name}: {e.details()}")
+
+
+async def refusal_reason(decode_call) -> tuple[grpc.StatusCode, str]:
+    """Why the decode worker ended the request before its first token (it refused
+    SubmitFirstToken), from its Decode stream: INTERNAL and the error of its last chunk if
+    one comes within a second (a failed KV transfer, ...); UNAVAILABLE and its details when
+    the stream ended so (the worker is draining: the gateway migrates the request); else
+    RESOURCE_EXHAUSTED: the reservation lapsed (overload)."""
+    try:
+        msg = await asyncio.wait_for(decode_call.read(), 1.0)
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return e.code(), e.details() or "UNAVAILABLE"
+        msg = None
+    except asyncio.TimeoutError:
+        msg = None
+    if msg and msg is not grpc.aio.EOF and msg.HasField("tokens") and msg.tokens.error:
+        return grpc.StatusCode.INTERNAL, msg.tokens.error
+    return grpc.StatusCode.RESOURCE_EXHAUSTED, "reservation expired or aborted"
 
 
 class PrefillRetries:

@@ -1,5 +1,5 @@
 """The `pdserve` command. Subcommands: make-tiny-model, up, gateway, prefill, decode, eval, bench,
-profile, plan.
+profile, plan, planner.
 
 Each role's options are generated from its typed config dataclass
 (`services.cli_args.dataclass_args`), so the CLI and the config never drift apart. A role's
@@ -70,6 +70,9 @@ def _run_up(args) -> int:
         cfg = config_from_args(up_command.UpConfig, args)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"pdserve up: {e}")
+    if cfg.autoscale:                      # the simulator: only when it is asked for
+        from .autoscale_up import UpAutoscaler
+        return up_command.main(cfg, UpAutoscaler)
     return up_command.main(cfg)
 
 
@@ -120,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV cache variants, crossed with --quantization")
     pp.set_defaults(func=_run_eval)
     bench_command.add_parser(sub)
+    from .planner_k8s import add_parser as planner_parser
+    planner_parser(sub)
     from .plan_cli import LENGTHS_HELP, add_arguments as plan_arguments
     plan_arguments(sub.add_parser("plan", allow_abbrev=False, help="size a deployment: "
                                   "P and D counts and settings for TTFT/ITL SLOs, simulated",

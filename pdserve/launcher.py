@@ -34,6 +34,21 @@ SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, set by ea
 at its start from `--parent-pid`: `processes.die_with_parent`), so none is ever orphaned.
 Every wait has a deadline. Each child's spec and command line: processes.py.
 
+Scale-down (`Launcher.retire(child)`, what the autoscaler calls): the child is marked
+retired (supervision never restarts it), leaves the discovery files first when the pools
+are live (below) and is given two discovery intervals to leave the gateway's routing, gets
+SIGTERM and drains (a worker: NOT_SERVING, new work refused; a prefill worker hands its
+queued prompts back, a decode worker its streams still running near the end, which the
+gateway migrates: services/worker_server.py), and is waited for its --drain-timeout-s +
+RETIRE_GRACE_S; SIGKILL only after that. It then leaves `children`.
+
+Live pools (`pdserve up --autoscale`, pdserve/autoscale_local.py): with `discovery_files`
+the gateway learns its workers from files (`--prefill-file`, `--decode-file`, re-read every
+--discovery-interval-s; `--worker-metrics-file` for their /metrics) and the prefill workers
+their decode workers (`--decode-file`), each rewritten atomically (services/address_file.py).
+`add_worker(role)` starts one more worker, waits until it is SERVING, and only then writes
+it into the files (ready before routed to); `retire` takes it out of them before its drain.
+
 `pdserve up` closes the workers' RPCs (`internal_token`): a fresh random token in a 0600 file,
 whose path every child gets as `--internal-token-file` (so `ps` never shows the token); the
 file is removed at stop.
@@ -60,8 +75,13 @@ from gateway.auth import API_KEY_ENV
 from services.cli_args import config_argv
 from services.security import write_token
 
+from .live_pools import LivePools
 from .processes import (Child, LaunchError, ModelPools, free_port, ports_in_use,  # noqa: F401
                         wait_serving)
+
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0          # a worker's --drain-timeout-s when its argv has none
+RETIRE_GRACE_S = 10.0                   # past the drain: the server's stop, engine shutdown
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:
@@ -70,7 +90,7 @@ def flag_value(argv: list[str], flag: str) -> str | None:
 
 
 @dataclass
-class Launcher:
+class Launcher(LivePools):
     """Start/stop a whole local system. Also used by the e2e fixtures."""
     model_dir: str = ""                     # "": the default model (start() fetches it)
     num_prefill: int = 1
@@ -97,10 +117,15 @@ class Launcher:
     gateway_env: dict[str, str] = field(default_factory=dict)   # the gateway's alone (a key)
     say: Callable[[str], None] = field(default=lambda line: _say(f"pdserve up: {line}"),
                                        repr=False)   # a line a person follows start-up by
+    discovery_files: bool = False           # live pools: workers named in files (see above)
+    discovery_interval_s: float = 1.0       # the gateway's re-read of them (with the files)
     children: list[Child] = field(default_factory=list)
     _models_file: str = field(default="", init=False, repr=False)   # the gateway's, if several
     token_file: str = field(default="", init=False, repr=False)     # with internal_token
     _worker_metrics: list[str] = field(default_factory=list, init=False, repr=False)  # ID=URL
+    _files: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # kind -> path
+    _spawned: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # role -> n
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @property
     def grpc_address(self) -> str:
@@ -133,15 +158,18 @@ class Launcher:
                 fd, self.token_file = tempfile.mkstemp(prefix="pdserve-internal-")
                 os.close(fd)
                 write_token(self.token_file)
+            if self.discovery_files:
+                self._make_files()
             for m in self.models or [ModelPools("", self.model_dir, self.num_prefill,
                                                 self.num_decode)]:
                 self._spawn_workers(m, engine_args)
             self._wait_serving(list(self.children), deadline)
+            self.write_discovery()
             port = self.grpc_port or free_port(self.host)
             gw = [
                 "gateway", *self._gateway_models(), "--host", self.host,
                 "--grpc-port", str(port), "--http-port", str(self.http_port),
-                "--worker-metrics", ",".join(self._worker_metrics),
+                *self._metrics_args(),
                 *self._mtls_args(), *self._token_args(),
                 *(["--tls-cert", self.tls_cert, "--tls-key", self.tls_key] if self.tls_cert else []),
                 *self.gateway_args]
@@ -155,23 +183,38 @@ class Launcher:
         ports = {r: [free_port(self.host) for _ in range(n)]
                  for r, n in (("prefill", m.num_prefill), ("decode", m.num_decode))}
         decoders = ",".join(f"{self.host}:{p}" for p in ports["decode"])
-        for role, extra in (("prefill", ["--decode", decoders, *self.prefill_args]),
-                            ("decode", self.decode_args)):
-            for i, port in enumerate(ports[role]):
-                worker_id = f"{m.name}-{role}-{i}" if m.name else f"{role}-{i}"
-                argv = [role, "--model-dir", str(m.model_dir), "--host", self.host,
-                        "--port", str(port), "--worker-id", worker_id,
-                        "--metrics-port", str(free_port(self.host)), *engine_args,
-                        *self._mtls_args(), *self._token_args(), *extra]
-                metrics = flag_value(argv, "--metrics-port")
-                self._worker_metrics.append(f"{worker_id}=http://{self.host}:{metrics}/metrics")
-                self._spawn(Child(role, f"{self.host}:{port}", argv, model=m.name,
-                                  env={k: None for k in {API_KEY_ENV, *self.gateway_env}}))  # no key
+        for role in ("prefill", "decode"):
+            for port in ports[role]:
+                self._spawn_worker(m, role, port, engine_args, decoders)
+
+    def _spawn_worker(self, m: ModelPools, role: str, port: int, engine_args: list[str],
+                      decoders: str = "") -> Child:
+        i = self._spawned.get(m.name + role, 0)       # ids never reused: metrics stay apart
+        self._spawned[m.name + role] = i + 1
+        worker_id = f"{m.name}-{role}-{i}" if m.name else f"{role}-{i}"
+        where = ["--decode-file", self._files["decode"]] if self._files else ["--decode", decoders]
+        extra = [*where, *self.prefill_args] if role == "prefill" else self.decode_args
+        argv = [role, "--model-dir", str(m.model_dir), "--host", self.host,
+                "--port", str(port), "--worker-id", worker_id,
+                "--metrics-port", str(free_port(self.host)), *engine_args,
+                *self._mtls_args(), *self._token_args(), *extra]
+        metrics = flag_value(argv, "--metrics-port")
+        c = Child(role, f"{self.host}:{port}", argv, model=m.name,
+                  env={k: None for k in {API_KEY_ENV, *self.gateway_env}})   # no key
+        c.metrics = f"{worker_id}=http://{self.host}:{metrics}/metrics"
+        if not self._files:
+            self._worker_metrics.append(c.metrics)
+        self._spawn(c)
+        return c
 
     def _gateway_models(self) -> list[str]:
         """The gateway's model and pool options: one model's, or a models file of several."""
         def pool(role, model=None):
             return ",".join(c.address for c in self.workers(role, model))
+        if self._files:
+            return ["--model", str(self.model_dir), "--prefill-file", self._files["prefill"],
+                    "--decode-file", self._files["decode"],
+                    "--discovery-interval-s", str(self.discovery_interval_s)]
         if not self.models:
             return ["--model", str(self.model_dir), "--prefill", pool("prefill"),
                     "--decode", pool("decode")]
@@ -185,7 +228,8 @@ class Launcher:
     def _spawn(self, c: Child) -> None:
         if self.log_dir is not None:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-            n = sum(1 for x in self.children if x.role == c.role)
+            n = self._spawned.get("log " + c.role, 0)
+            self._spawned["log " + c.role] = n + 1
             c.log = open(Path(self.log_dir) / f"{c.role}-{n}.log", "ab")
         c.start()
         self.children.append(c)
@@ -229,7 +273,9 @@ class Launcher:
     def check_children(self, now: float) -> str | None:
         """One supervision pass: note new crashes, restart processes whose backoff is over.
         Returns why everything must stop, or None."""
-        for c in self.children:
+        for c in list(self.children):        # retire() may remove one meanwhile
+            if c.retired:
+                continue
             if c.restart_at is not None:
                 if now >= c.restart_at:
                     c.restart_at = None
@@ -250,6 +296,35 @@ class Launcher:
                      f"#{c.restarts + 1} in {delay:g}s")
         return None
 
+    def retire(self, child: Child, timeout_s: float | None = None) -> None:
+        """Stop `child` for good (scale-down): never restarted, SIGTERM (it drains), waited
+        for up to `timeout_s` (None: its --drain-timeout-s + RETIRE_GRACE_S), SIGKILL only
+        after; then out of `children`. Blocks, bounded."""
+        if timeout_s is None:
+            drain = flag_value(child.argv, "--drain-timeout-s")
+            timeout_s = (float(drain) if drain else DEFAULT_DRAIN_TIMEOUT_S) + RETIRE_GRACE_S
+        child.retired, child.restart_at = True, None
+        t0 = time.monotonic()
+        if self._files:                      # out of routing before its drain begins
+            self.write_discovery()
+            time.sleep(2 * self.discovery_interval_s)
+        how = "drained"
+        if child.popen is not None and child.popen.poll() is None:
+            self.say(f"retiring {child.label} on {child.address} (drain, up to {timeout_s:g} s) ...")
+            child.popen.send_signal(signal.SIGTERM)
+            try:
+                child.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                how = "killed (SIGKILL) after its drain"
+                child.popen.kill()
+                child.popen.wait(5)
+        if child.log is not None:
+            child.log.close()
+        with self._lock:
+            self.children = [c for c in self.children if c is not child]
+        self.say(f"{child.label} on {child.address} retired: {how} in "
+                 f"{time.monotonic() - t0:.1f} s")
+
     def stop(self, grace_s: float = 35.0) -> None:
         """SIGTERM every child (gateway first), SIGKILL what is left after grace_s: longer
         than the gateway's and workers' default drain (--drain-timeout-s 30), so streams in
@@ -268,7 +343,7 @@ class Launcher:
                 c.popen.wait(5)
             if c.log is not None:
                 c.log.close()
-        for f in (self._models_file, self.token_file):
+        for f in (self._models_file, self.token_file, *self._files.values()):
             if f:
                 Path(f).unlink(missing_ok=True)
 

@@ -2,7 +2,9 @@
 engine option), what it hands each process (`worker_args`, `gateway_argv`), and `main`: check
 the ports, fetch the default model if none is given, start everything through
 `pdserve.launcher.Launcher` (its docstring draws the start-up, supervision and shutdown),
-print the ready line and supervise until SIGINT/SIGTERM.
+print the ready line and supervise until SIGINT/SIGTERM. With `--autoscale` the pools are
+live (pdserve/autoscale_up.py: the Autoscaler in a thread of this supervisor, its /plan on
+a free port handed to the gateway as --planner-url).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineOptions
 from gateway.auth import API_KEY_ENV
-from gateway.config import check_metrics_prefix, default_model_id
+from gateway.config import DISAGGREGATION_MODES, check_metrics_prefix, default_model_id
 from services.cli_args import check_ports
 from services.security import exposed, mtls_triple, tls_pair
 from services.worker_config import available_cores
@@ -35,7 +37,9 @@ class UpConfig:
     served_model_name: str = field(default="", metadata={
         "help": "the model id clients send (empty: the model directory's name, or a GGUF "
                 "file's less .gguf and its weight type, e.g. SmolLM2-135M-Instruct)"})
-    prefill: int = field(default=1, metadata={"help": "number of prefill workers"})
+    prefill: int = field(default=1, metadata={
+        "help": "number of prefill workers (0: none; the decode workers compute every prompt, "
+                "a colocated server: needs --disaggregation never or auto)"})
     decode: int = field(default=1, metadata={"help": "number of decode workers"})
     host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
     grpc_port: int = field(default=50051, metadata={"help": "gateway gRPC port (0: any free)"})
@@ -76,11 +80,39 @@ class UpConfig:
         "help": "the prefill workers' --max-queue-delay-factor: a prompt that would wait in a "
                 "prefill queue longer than this many times its own compute is refused up front "
                 "(429 with Retry-After; keeps latency under overload; 0: off)"})
+    autoscale: bool = field(default=False, metadata={
+        "help": "change the pools live to meet --slo-ttft-ms / --slo-itl-ms within "
+                "--max-workers (pdserve/autoscale.py; its plan at the printed /plan URL)"})
+    slo_ttft_ms: float = field(default=0.0, metadata={
+        "help": "with --autoscale: the time-to-first-token SLO the pools are sized for"})
+    slo_itl_ms: float = field(default=0.0, metadata={
+        "help": "with --autoscale: the inter-token latency SLO the pools are sized for"})
+    max_workers: int = field(default=0, metadata={
+        "help": "with --autoscale: the most prefill + decode workers at once"})
+    autoscale_interval_s: float = field(default=10.0, metadata={
+        "help": "with --autoscale: seconds between its scrapes and decisions"})
+    profile: str = field(default="", metadata={
+        "help": "with --autoscale: the step costs to plan from (`pdserve profile`; empty: "
+                "bench/profiles/smollm2-2core.json, corrected live by the workers' measured "
+                "steps)"})
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "help": "every worker's --drain-timeout-s: a retired (or stopped) worker's time to "
+                "finish its streams"})
+    disaggregation: str = field(default="auto", metadata={
+        "help": "the gateway's --disaggregation: always (every prompt on a prefill worker), "
+                "never (on the decode worker that streams it), auto (per request, whichever "
+                "pays; gateway/disagg.py)"})
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self):
-        if self.prefill < 1 or self.decode < 1:
-            raise ValueError("--prefill and --decode must be >= 1")
+        if self.prefill < 0 or self.decode < 1:
+            raise ValueError("--prefill must be >= 0 and --decode >= 1")
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"--disaggregation must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                             f"got {self.disaggregation!r}")
+        if self.prefill == 0 and self.disaggregation == "always" and not self.models_file:
+            raise ValueError("--prefill 0 --disaggregation always: no prefill worker would "
+                             "compute any prompt (use --disaggregation never or auto)")
         if self.models_file and (self.model or self.served_model_name):
             raise ValueError("--models-file names each model: give no --model or "
                              "--served-model-name with it")
@@ -96,15 +128,27 @@ class UpConfig:
             raise ValueError("--max-queue-delay-factor must be >= 0 (0: off)")
         if not 0 < self.kv_expiry_s <= self.kv_max_reservation_s:
             raise ValueError("--kv-expiry-s must be > 0 and at most --kv-max-reservation-s")
+        if self.autoscale:
+            if self.models_file:
+                raise ValueError("--autoscale serves one model: not with --models-file")
+            if self.slo_ttft_ms <= 0 or self.slo_itl_ms <= 0 or self.max_workers < 1:
+                raise ValueError("--autoscale needs --slo-ttft-ms, --slo-itl-ms (> 0) and "
+                                 "--max-workers (>= 1)")
+            if self.prefill + self.decode > self.max_workers:
+                raise ValueError(f"--prefill {self.prefill} + --decode {self.decode} is over "
+                                 f"--max-workers {self.max_workers}")
+            if self.autoscale_interval_s <= 0:
+                raise ValueError("--autoscale-interval-s must be > 0")
 
     def threads(self, models: list[ModelPools] = (), cores: int | None = None) -> tuple[int, int]:
         """(prefill, decode) torch threads per worker: as given, else each role's share of
         `cores` (default: the cores this process may run on)."""
         cores = available_cores() if cores is None else cores
-        n_prefill = sum(m.num_prefill for m in models) or self.prefill
+        n_prefill = sum(m.num_prefill for m in models) if models else self.prefill
         n_decode = sum(m.num_decode for m in models) or self.decode
-        return (self.prefill_threads or max(1, cores // n_prefill),
-                self.decode_threads or max(1, cores // (2 * n_decode)))
+        # no prefill worker: the decode workers compute the prompts too, with every core
+        return (self.prefill_threads or max(1, cores // max(n_prefill, 1)),
+                self.decode_threads or max(1, cores // ((2 if n_prefill else 1) * n_decode)))
 
 
 def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
@@ -136,23 +180,35 @@ def worker_args(cfg: UpConfig, models: list[ModelPools] = ()) -> tuple[list[str]
              "--kv-max-reservation-s", str(cfg.kv_max_reservation_s)])
 
 
+def drain_args(cfg: UpConfig) -> list[str]:
+    """Every worker's drain, as `up` was told (only when it is not the workers' default)."""
+    return [] if cfg.drain_timeout_s == 30.0 else ["--drain-timeout-s", str(cfg.drain_timeout_s)]
+
+
 def gateway_argv(cfg: UpConfig) -> list[str]:
     """The gateway's own options from `up`'s (its key goes by environment: gateway_env)."""
     values = {"--api-key-file": cfg.api_key_file, "--served-model-name": cfg.served_model_name,
+              "--disaggregation": cfg.disaggregation,
               "--metrics-prefix": "" if cfg.metrics_prefix == "pdserve" else cfg.metrics_prefix}
     return [x for flag, value in values.items() if value for x in (flag, value)]
 
 
-def main(cfg: UpConfig) -> int:
+def main(cfg: UpConfig, autoscaler=None) -> int:
+    """`autoscaler`: with --autoscale, its maker (pdserve/autoscale_up.py's UpAutoscaler,
+    given by pdserve/cli.py: `up` itself does not import the simulator)."""
     try:
         models = ModelPools.read(cfg.models_file) if cfg.models_file else []
-    except ValueError as e:
+        planner = autoscaler(cfg) if cfg.autoscale and autoscaler is not None else None
+        if cfg.disaggregation == "always" and any(m.num_prefill == 0 for m in models):
+            raise ValueError("--disaggregation always: every model needs a prefill worker "
+                             "(the models file gives one prefill 0)")
+    except (OSError, ValueError) as e:
         print(f"pdserve up: {e}", file=sys.stderr, flush=True)
         return 2
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port = cfg.http_port
-    prefill_args, decode_args = worker_args(cfg, models)
+    prefill_args, decode_args = (a + drain_args(cfg) for a in worker_args(cfg, models))
     launcher = Launcher(cfg.model, cfg.prefill, cfg.decode, cfg.host, cfg.grpc_port, http_port,
                         prefill_args=prefill_args, decode_args=decode_args,
                         gateway_args=gateway_argv(cfg), engine=cfg.engine,   # the key: by env,
@@ -160,7 +216,8 @@ def main(cfg: UpConfig) -> int:
                         mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
                         tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, internal_token=True,
                         restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts,
-                        models=models)
+                        models=models, discovery_files=cfg.autoscale)
+    launcher.gateway_args += planner.gateway_args() if planner is not None else []
     try:
         try:
             launcher.start(cfg.ready_timeout, cancel=stop)
@@ -181,8 +238,12 @@ def main(cfg: UpConfig) -> int:
               flush=True)
         for line in plain_text_ports(cfg, launcher):
             print(f"pdserve up: WARNING: {line}", file=sys.stderr, flush=True)
+        if planner is not None:
+            planner.start(launcher, stop)
         return launcher.supervise(stop)
     finally:
+        if planner is not None:
+            planner.stop()
         began, alive = time.monotonic(), sum(c.popen.poll() is None for c in launcher.children)
         if alive:
             _say(f"pdserve up: stopping {alive} process(es) (requests in flight may finish) ...")

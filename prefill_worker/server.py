@@ -25,7 +25,8 @@ object holding its state (call.py), in four phases:
     finish transfer: await every send (bounded by kv_send_timeout_s)
     respond:         PrefillResponse; then engine.release(): blocks back to the pool
     Any error, Abort(request_id) or the caller's cancel: cancel the transfer, abort the
-    engine request (frees its blocks).
+    engine request (frees its blocks). Drain (SIGTERM): the calls not started are handed
+    back at once, the same way, ending UNAVAILABLE (handback.py): retried elsewhere.
 
 Chunked prefill and the late binding of source blocks: see kv_push.py.
 """
@@ -52,6 +53,7 @@ from .admission import PrefillAdmission
 from .call import Call
 from .config import PrefillWorkerConfig
 from .decoders import KnownDecoders
+from .handback import HANDED_BACK, HandBack
 from .kv_push import DestinationRefused, KVPush, PushFailed
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self._tasks: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
         self._releasing: set[asyncio.Task] = set()   # _release tasks (the answer already left)
+        self.handback = HandBack(self.ae, self._tasks, self.cfg.drain_timeout_s)
+        self.srv.on_drain(self.handback.start)
         self.expired = 0                  # calls dropped: their reservation expired first
         self.admission = PrefillAdmission(self.cfg.max_queued_prefill_tokens,
                                           max_queue_delay_factor=self.cfg.max_queue_delay_factor)
@@ -92,15 +96,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         except Draining as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except RpcStatus as e:
+            if rid in self.handback.ids:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, HANDED_BACK)
             if isinstance(e, _DestinationFault):
                 context.set_trailing_metadata((protoconv.KV_DESTINATION_FAULT,))
             await context.abort(e.code, e.message)
         except asyncio.CancelledError:
+            if rid in self.handback.ids:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, HANDED_BACK)
             if rid in self._aborted:
                 await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
             raise
         finally:
             self._aborted.discard(rid)     # also when the call ended before the cancel landed
+            self.handback.ids.discard(rid)
 
     async def Abort(self, request, context):
         task = self._tasks.get(request.request_id)
@@ -348,7 +357,7 @@ class PrefillRole(worker_server.WorkerRole):
 
     def kv_connector(self, cfg: PrefillWorkerConfig, transport) -> KVPush:
         decoders = KnownDecoders(cfg.decode, cfg.decode_dns, MTLS.from_config(cfg),
-                                 token=read_token(cfg.internal_token_file))
+                                 token=read_token(cfg.internal_token_file), file=cfg.decode_file)
         return KVPush(transport, decoders, cfg.kv_connect_timeout_s, cfg.kv_staging)
 
     async def open_kv(self, cfg, engine, transport, connector: KVPush) -> KVPush:

@@ -8,7 +8,10 @@ dashboard sums over pods:
     gateway  (request-level, as the client sees it)
         time_to_first_token_seconds, inter_token_latency_seconds, e2e_request_latency_seconds,
         prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason},
-        request_errors_total{code}, num_requests_running (in flight), kv_transfer_fallbacks_total
+        request_errors_total{code}, num_requests_running (in flight), kv_transfer_fallbacks_total,
+        prefills_total{kind=disaggregated|local} (gateway/disagg.py's choice, per segment),
+        and the TTFT and ITL observations again in `recent_ttft` / `recent_itl`
+        (services/recent.py: the last minute, exact, for the gateway's /status page)
     prefill / decode  (engine-level)
         num_requests_running, num_requests_waiting, kv_cache_usage_perc, prefill_queue_tokens,
         prefix_cache_queries_total, prefix_cache_hits_total, num_preemptions_total,
@@ -29,16 +32,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
+
+from .recent import RecentWindow
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class Metrics:
                               "Time to first token, as the gateway sees it", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds",
                              "Time between consecutive output tokens", ITL_BUCKETS)
+        # the same observations over the last minute, exact (the gateway's /status)
+        self.recent_ttft, self.recent_itl = RecentWindow(), RecentWindow()
         self.e2e = histogram("e2e_request_latency_seconds",
                              "End-to-end request latency", REQUEST_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests").labels(role)
@@ -113,6 +116,11 @@ class Metrics:
             "request_success", "Finished requests, by finish reason", "finished_reason")
         self.request_errors = counter(
             "request_errors", "Requests that failed, by gRPC status code name", "code")
+        self.prefills = counter(
+            "prefills", "Prompts computed, by where: a prefill worker (disaggregated) or the "
+            "decode worker itself (local)", "kind")
+        for kind in ("disaggregated", "local"):       # both series from the start (0)
+            self.prefills.labels(role, kind)
 
     def _worker_metrics(self, restarts: int) -> None:
         """Engine-level: queues, cache, phases, KV transfers."""
@@ -155,6 +163,7 @@ class Metrics:
     # ---------------------------------------------------------------- gateway
     def observe_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
+        self.recent_ttft.add(ttft_s)
 
     def observe_itl(self, seconds: float, num_tokens: int = 1) -> None:
         """`num_tokens` arrived together `seconds` after the previous ones: one observation
@@ -164,12 +173,13 @@ class Metrics:
         per = seconds / num_tokens
         for _ in range(num_tokens):
             self.itl.observe(per)
+        self.recent_itl.add(per, num_tokens)
 
     def observe_finished(self, e2e_s: float, prompt_tokens: int, gen_tokens: int,
                          finish_reason: str, ttft_s: float | None = None) -> None:
         """A request that finished without error (finish_reason: stop | length | abort)."""
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
+            self.observe_first_token(ttft_s)
         self.e2e.observe(e2e_s)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(gen_tokens)
@@ -182,6 +192,10 @@ class Metrics:
     def in_flight(self):
         """`with metrics.in_flight():` counts the block in num_requests_running."""
         return self.num_requests_running.track_inprogress()
+
+    def observe_prefill(self, kind: str) -> None:
+        """One segment's prompt computed: kind "disaggregated" or "local"."""
+        self.prefills.labels(self.role, kind).inc()
 
     def observe_error(self, code: str) -> None:
         """A failed request; `code` is a grpc.StatusCode name such as "UNAVAILABLE"."""
@@ -317,44 +331,6 @@ class RequestTimer:
 
     def error(self, code: str) -> None:
         self.metrics.observe_error(code)
-
-
-def scrape_workers(urls: dict[str, str], timeout_s: float = 1.0) -> list[Metric]:
-    """The /metrics of each worker (worker id -> URL), fetched in parallel, every sample
-    labelled worker=ID, so one gateway scrape holds the whole `pdserve up` system. A worker
-    that does not answer within timeout_s is left out and counted in worker_metrics_up 0."""
-    def one(item):
-        worker, url = item
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as r:
-                text = r.read().decode()
-            return worker, list(text_string_to_metric_families(text))
-        except (OSError, ValueError) as e:
-            log.debug("metrics of %s at %s: %r", worker, url, e)
-            return worker, None
-    up = Metric(PREFIX + "worker_metrics_up", "1 if the worker's /metrics answered this "
-                "scrape, else 0", "gauge")
-    out = [up]
-    with ThreadPoolExecutor(max(1, min(16, len(urls)))) as pool:
-        for worker, families in pool.map(one, urls.items()):
-            up.add_sample(up.name, {"worker": worker}, 0.0 if families is None else 1.0)
-            for fam in families or ():
-                fam.samples = [x._replace(labels={**x.labels, "worker": worker})
-                               for x in fam.samples]
-                out.append(fam)
-    return out
-
-
-def merge_families(families, prefix: str = PREFIX) -> list[Metric]:
-    """Families of the same name as one (an exposition may name each family once), renamed
-    from PREFIX to `prefix` (e.g. "vllm:", the names vLLM's dashboards query)."""
-    merged: dict[str, Metric] = {}
-    for fam in families:
-        name = prefix + fam.name.removeprefix(PREFIX) if fam.name.startswith(PREFIX) else fam.name
-        out = merged.setdefault(name, Metric(name, fam.documentation, fam.type, fam.unit))
-        out.samples += [x._replace(name=prefix + x.name.removeprefix(PREFIX))
-                        if x.name.startswith(PREFIX) else x for x in fam.samples]
-    return list(merged.values())
 
 
 def render_metrics(registry: CollectorRegistry) -> bytes:

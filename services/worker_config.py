@@ -42,7 +42,11 @@ class WorkerConfig:
         "process may run on (`pdserve up` gives each worker its share: --prefill-threads, "
         "--decode-threads)")})
     drain_timeout_s: float = field(default=30.0, metadata={
-        "help": "on SIGTERM, seconds to let requests in flight finish"})
+        "help": "on SIGTERM, seconds to let requests in flight finish: a prefill worker hands "
+                "its queued prompts back at once (UNAVAILABLE: the gateway retries them "
+                "elsewhere); a decode worker ends the streams still running near the end "
+                "(--drain-migrate-s) with UNAVAILABLE \"worker draining\", which the gateway "
+                "migrates to another decode worker"})
     metrics_port: int = field(default=0, metadata={
         "help": "serve /metrics (plain text) on this port (0: off)"})
     trace_file: str = field(default="", metadata={

@@ -14,7 +14,10 @@
              -> health SERVING, `ready` set; NOT_SERVING while the engine is unhealthy
              (consecutive failed steps, see AsyncEngine.healthy)
       SIGTERM (or `stop` set) -> draining: health NOT_SERVING, new work refused with
-             UNAVAILABLE, in-flight calls get up to drain_timeout_s -> server stopped
+             UNAVAILABLE, each `on_drain` hook called with the drain's deadline (the role
+             hands work back: a prefill worker its queued prompts at once, a decode worker
+             its streams still running near the deadline, which the gateway migrates),
+             in-flight calls get up to drain_timeout_s -> server stopped
     shutdown: engine thread, KV endpoint (and its transport), telemetry
 """
 from __future__ import annotations
@@ -109,6 +112,12 @@ class WorkerServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._stop = asyncio.Event()
+        self._drain_hooks: list[Callable[[float], None]] = []
+
+    def on_drain(self, hook: Callable[[float], None]) -> None:
+        """`hook(deadline)` when draining starts (deadline: the loop time the drain ends at);
+        it runs on the loop and must not block (it may start tasks)."""
+        self._drain_hooks.append(hook)
 
     async def set_serving(self, serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
@@ -180,6 +189,9 @@ class WorkerServer:
         self.draining = True
         await self.set_serving(False)
         log.info("draining: %d call(s) in flight, up to %.1fs", self.in_flight, self.drain_timeout_s)
+        deadline = asyncio.get_running_loop().time() + self.drain_timeout_s
+        for hook in self._drain_hooks:
+            hook(deadline)
         try:
             await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
         except asyncio.TimeoutError:

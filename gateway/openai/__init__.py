@@ -43,10 +43,11 @@ class HttpServer:
 
 async def start_http(models, host: str, port: int, keys=None, tls: tuple[str, str] | None = None,
                      timeout: float = 30.0, header_timeout: float = HEADER_TIMEOUT_S,
-                     drain_timeout_s: float = 5.0) -> HttpServer:
+                     drain_timeout_s: float = 5.0, planner_url: str = "") -> HttpServer:
     """Serve the REST app over `models` (gateway.models.Models) on host:port (0: any free
     port) in the running loop, with API keys
-    (a gateway.auth.KeyStore) and TLS (cert, key PEM paths) when given; returns once it is
+    (a gateway.auth.KeyStore), TLS (cert, key PEM paths) and the /status page's planner
+    URL (`planner_url`, the autoscaler's /plan) when given; returns once it is
     listening. Raises RuntimeError if it could not bind."""
     import uvicorn
 
@@ -56,7 +57,7 @@ async def start_http(models, host: str, port: int, keys=None, tls: tuple[str, st
             yield
 
     ssl = dict(ssl_certfile=tls[0], ssl_keyfile=tls[1]) if tls else {}
-    config = uvicorn.Config(create_app(models, keys), host=host, port=port, log_level="warning",
+    config = uvicorn.Config(create_app(models, keys, planner_url), host=host, port=port, log_level="warning",
                             lifespan="off", access_log=False,
                             timeout_graceful_shutdown=drain_timeout_s,
                             http=_head_deadline_protocol(header_timeout), **ssl)

@@ -6,6 +6,8 @@
     POST /tokenize              vLLM's: {model, prompt, add_special_tokens} -> {tokens, count,
                                 max_model_len} (`pdserve eval --url` tokenizes with it)
     GET  /v1/models, /v1/models/{id}, /health, /metrics
+    GET  /status, /status.json  the operator's status page and its data (gateway/status.py;
+                                /status.json needs a key when the gateway has keys)
 
 endpoint.py holds what both endpoints share (how n choices run, and why a stream first waits
 for every first event); errors.py the OpenAI error shape and the exception handlers.
@@ -13,10 +15,12 @@ for every first event); errors.py the OpenAI error shape and the exception handl
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from importlib import resources
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPBearer
 
 from services import tracing
@@ -24,6 +28,8 @@ from services import tracing
 from ..auth import KeyStore, rest_middleware
 from ..core import Gateway
 from ..models import Models
+from ..planner_client import PlannerClient
+from ..status import status_json
 from ..validate import MAX_BODY_BYTES
 from .chat import Chat
 from .completions import Completion
@@ -38,9 +44,9 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
 
 
-def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
-    """The REST app; with `keys`, /v1 routes need an API key and keep its limits
-    (gateway/auth.py checks them in an ASGI middleware, around the whole response)."""
+def create_app(models: Models, keys: KeyStore | None = None, planner_url: str = "") -> FastAPI:
+    """The REST app; with `keys`, /v1 and /status.json need an API key and keep its limits
+    (gateway/auth.py, an ASGI middleware); `planner_url`: the autoscaler's /plan (/status)."""
     app = FastAPI(title="pdserve OpenAI-compatible API", version="1",
                   description="OpenAI chat/completions over pdserve's disaggregated gateway")
     install_handlers(app)
@@ -72,12 +78,6 @@ def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
             return OpenAIError(503, why, "service_unavailable", None, "unavailable").response()
         return {"status": "ok"}
 
-    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
-    async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        text = await asyncio.to_thread(generate_latest, models.registry)   # scrapes workers
-        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
-
     @app.get("/v1/models", dependencies=auth)
     async def list_models():
         return {"object": "list", "data": [card(gw) for gw in models]}
@@ -87,6 +87,7 @@ def create_app(models: Models, keys: KeyStore | None = None) -> FastAPI:
         return card(model(model_id))
 
     _add_tokenize(app, model, auth)
+    _add_operator_routes(app, models, PlannerClient(planner_url), auth)
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         trace = tracing.extract_context(dict(request.headers))
@@ -106,6 +107,29 @@ def _add_tokenize(app: FastAPI, model, auth) -> None:
         gw = model(body.model)
         ids = gw.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": gw.max_model_len}
+
+
+def _add_operator_routes(app: FastAPI, models: Models, planner: PlannerClient, auth) -> None:
+    """/metrics (open), the status page (open) and its data (behind `auth`)."""
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        text = await asyncio.to_thread(generate_latest, models.registry)   # scrapes workers
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/status", response_class=HTMLResponse, summary="the operator's status page")
+    async def status_page():
+        return HTMLResponse(_status_html(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/status.json", dependencies=auth, summary="pools, workers, latency, planner")
+    async def status_data():
+        return JSONResponse(status_json(models, await planner.get()),
+                            headers={"Cache-Control": "no-store"})
+
+
+@functools.cache
+def _status_html() -> str:
+    return resources.files("gateway").joinpath("status_page.html").read_text(encoding="utf-8")
 
 
 def _limit_body(app):

@@ -13,6 +13,11 @@ what cannot be had without a cluster made explicit:
   rendered ConfigMap) and arguments naming a path under a mount are rewritten to that
   directory, as are such paths in a ConfigMap's JSON files (JSON strings that are paths, e.g.
   a models file's model directories);
+- with an API server (tests/e2e/kube_api.py), the ServiceAccount as the kubelet mounts it:
+  a token the API issued for the pod's serviceAccountName (default "default"), its CA and the
+  namespace in /var/run/secrets/kubernetes.io/serviceaccount (a pod directory, arguments
+  rewritten as above), and KUBERNETES_SERVICE_HOST/PORT naming the API server; not for a pod
+  with automountServiceAccountToken: false;
 - the image's ENTRYPOINT (`pdserve`, deploy/Dockerfile) is `pdserve.cli.main` from this
   checkout, run through tests/e2e/cluster_dns_shim.py (cluster DNS); init containers run to
   completion first;
@@ -45,6 +50,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 DNS_SHIM = [sys.executable, str(Path(__file__).with_name("cluster_dns_shim.py"))]
+SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -100,7 +106,8 @@ def kv_loopback(argv: list[str], pod_ip: str) -> list[str]:
 class Pod:
     def __init__(self, deployment: dict, name: str, ip: str, workdir: Path,
                  shared_volumes: dict[str, Path], secrets: dict[str, dict[str, bytes]],
-                 hosts_file: Path, config_maps: dict[str, dict[str, str]] | None = None):
+                 hosts_file: Path, config_maps: dict[str, dict[str, str]] | None = None,
+                 api=None):
         self.deployment, self.name, self.ip = deployment, name, ip
         self.namespace = deployment["metadata"]["namespace"]
         self.template = deployment["spec"]["template"]
@@ -109,6 +116,7 @@ class Pod:
         self.dir = workdir / name
         self.hosts_file = hosts_file
         self.mounts = self._volumes(shared_volumes, secrets, config_maps or {})
+        self.api_env, self.sa_mount = self._service_account(api)
         self.proc: subprocess.Popen | None = None
         self.terminating = False
         self.log_path = self.dir / "container.log"
@@ -142,10 +150,22 @@ class Pod:
             path.write_text(text)
         return out
 
+    def _service_account(self, api) -> tuple[dict[str, str], dict[str, Path]]:
+        if api is None or self.spec.get("automountServiceAccountToken") is False:
+            return {}, {}
+        path = self.dir / "serviceaccount"
+        path.mkdir(parents=True)
+        sa = self.spec.get("serviceAccountName", "default")
+        (path / "token").write_text(api.token_for(self.namespace, sa))
+        (path / "ca.crt").write_bytes(Path(api.ca_path).read_bytes())
+        (path / "namespace").write_text(self.namespace)
+        return ({"KUBERNETES_SERVICE_HOST": api.host, "KUBERNETES_SERVICE_PORT": str(api.port)},
+                {SA_MOUNT: path})
+
     def _env(self, container: dict) -> dict[str, str]:
         fields = {"metadata.name": self.name, "metadata.namespace": self.namespace,
                   "status.podIP": self.ip}
-        env: dict[str, str] = {}
+        env: dict[str, str] = dict(self.api_env)
         for e in container.get("env", []):
             if "value" in e:
                 env[e["name"]] = expand(e["value"], env)
@@ -155,6 +175,7 @@ class Pod:
 
     def _argv(self, container: dict, env: dict[str, str]) -> list[str]:
         mounts = {m["mountPath"]: self.mounts[m["name"]] for m in container.get("volumeMounts", [])}
+        mounts.update(self.sa_mount)
         argv = []
         for a in container.get("command", []) + container.get("args", []):
             a = expand(a, env)
@@ -202,11 +223,15 @@ class Pod:
             time.sleep(poll_s)
 
     def terminate(self) -> int:
-        """SIGTERM, then SIGKILL after terminationGracePeriodSeconds; the exit code (-9: it
-        had to be killed)."""
+        """The preStop sleep (a kubelet's sleep action; it counts within the grace), SIGTERM,
+        then SIGKILL after terminationGracePeriodSeconds; the exit code (-9: it had to be
+        killed)."""
+        grace = self.spec.get("terminationGracePeriodSeconds", 30)
+        pre_stop = self.container.get("lifecycle", {}).get("preStop", {}).get("sleep", {})
+        time.sleep(min(pre_stop.get("seconds", 0), grace))
         self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout=self.spec.get("terminationGracePeriodSeconds", 30))
+            return self.proc.wait(timeout=max(grace - pre_stop.get("seconds", 0), 1))
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)

@@ -72,10 +72,18 @@ def test_every_overlay_renders(rendered):
 
 
 def test_every_process_gets_the_internal_credential_from_the_secret(rendered):
+    """... every process that calls a worker; the planner (pdserve planner) gets none."""
     for name, docs in rendered.items():
         for dep_name, dep in by_kind(docs, "Deployment").items():
             spec = dep["spec"]["template"]["spec"]
             args = spec["containers"][0]["args"]
+            if dep["spec"]["template"]["metadata"]["labels"][
+                    "app.kubernetes.io/component"] == "planner":
+                # it calls no worker RPC (it reads /metrics, which are open): no credential
+                assert "--internal-token-file" not in args, (name, dep_name)
+                assert not {v.get("secret", {}).get("secretName") for v in spec.get(
+                    "volumes", [])} & {"pdserve-internal-token", "pdserve-mtls"}, name
+                continue
             path = args[args.index("--internal-token-file") + 1]
             mount = next(m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "internal-token")
             volume = next(v for v in spec["volumes"] if v["name"] == "internal-token")
@@ -108,15 +116,20 @@ def test_prod_workers_parse_to_cuda_with_memory_sizing(rendered):
 # ------------------------------------------------------------------- the dev overlay, run
 class Cluster:
     """The dev overlay's Deployments as pods, a readiness/liveness loop as the kubelet runs
-    it, and the headless Services' endpoints."""
+    it, and the headless Services' endpoints. With `api` (tests/e2e/kube_api.py) every pod
+    gets its ServiceAccount token as the kubelet mounts it (tests/e2e/test_planner_k8s.py)."""
 
-    def __init__(self, docs: list[dict], workdir: Path, secrets: dict[str, dict[str, bytes]]):
-        self.docs, self.workdir, self.secrets = docs, workdir, secrets
+    def __init__(self, docs: list[dict], workdir: Path, secrets: dict[str, dict[str, bytes]],
+                 api=None, services: str = "headless"):
+        self.docs, self.workdir, self.secrets, self.api = docs, workdir, secrets, api
         self.deployments = by_kind(docs, "Deployment")
         self.config_maps = {n: cm.get("data", {}) for n, cm in by_kind(docs, "ConfigMap").items()}
         self.services = by_kind(docs, "Service")
+        # DNS: headless Services' names (one record per ready pod); services="all" answers a
+        # ClusterIP Service's name the same way (its ready pods' IPs, not a virtual IP: the
+        # pods serve its ports under the same numbers), for clients that dial it by name.
         self.endpoints = Endpoints([s for s in self.services.values()
-                                    if s["spec"].get("clusterIP") == "None"],
+                                    if services == "all" or s["spec"].get("clusterIP") == "None"],
                                    workdir / "cluster-dns.json")
         subnet = f"127.{random.randint(1, 254)}.{random.randint(1, 254)}"
         self._ips = (f"{subnet}.{i}" for i in range(2, 250))
@@ -130,7 +143,7 @@ class Cluster:
         dep = self.deployments[deployment]
         n = sum(p.deployment is dep for p in self.pods)
         pod = Pod(dep, f"{deployment}-{n}", next(self._ips), self.workdir, {}, self.secrets,
-                  self.endpoints.path, self.config_maps)
+                  self.endpoints.path, self.config_maps, self.api)
         with self._lock:
             self.pods.append(pod)
         pod.start()

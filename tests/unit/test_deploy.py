@@ -162,6 +162,39 @@ def test_overlay_renders_and_validates(rendered, overlay):
         assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
 
 
+def _flag(args, flag, default):
+    return type(default)(args[args.index(flag) + 1]) if flag in args else default
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_worker_termination_follows_the_drain(rendered, overlay):
+    """Each worker pod, as rendered: a preStop sleep at least the gateway's DNS refresh (the
+    terminating pod leaves discovery while it still serves), then SIGTERM and the drain, set
+    explicitly; the grace period covers preStop + --drain-timeout-s + the margin the local
+    launcher also allows (RETIRE_GRACE_S); a decode pod hands its streams off
+    (--drain-migrate-s, set explicitly) at most half the drain before its end."""
+    from decode_worker.config import DecodeWorkerConfig
+    from gateway.config import GatewayConfig
+    from pdserve.launcher import RETIRE_GRACE_S
+    deps = _by_kind(rendered[overlay], "Deployment")
+    gw_args = deps["pdserve-gateway"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    refresh = _flag(gw_args, "--discovery-interval-s", GatewayConfig.discovery_interval_s)
+    for name in ("pdserve-prefill", "pdserve-decode"):
+        pod = deps[name]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        args = container["args"]
+        assert "--drain-timeout-s" in args, f"{name}: the drain must be set explicitly"
+        drain = float(args[args.index("--drain-timeout-s") + 1])
+        pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert pre_stop >= refresh, (name, pre_stop, refresh)
+        assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + RETIRE_GRACE_S, name
+        if name == "pdserve-decode":
+            assert "--drain-migrate-s" in args, f"{name}: the hand-off must be set explicitly"
+            migrate = float(args[args.index("--drain-migrate-s") + 1])
+            assert 0 < migrate <= drain / 2, (migrate, drain)
+            assert DecodeWorkerConfig("M", drain_timeout_s=drain, drain_migrate_s=migrate)
+
+
 def test_headless_worker_services_and_gateway_dns(rendered):
     docs = rendered["prod"]
     services = _by_kind(docs, "Service")
