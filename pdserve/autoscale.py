@@ -234,9 +234,15 @@ class Autoscaler:
             stop.wait(self.cfg.interval_s)
 
     def state(self) -> dict:
+        """The /plan JSON; "current" is the actuator's now (a change under way shows), else
+        the last step's."""
         with self._lock:
             d, cur = self.last, getattr(self, "_current", None)
-        cur = cur or tuple(self.actuator.current())
+        try:
+            cur = tuple(self.actuator.current())
+        except Exception:                          # noqa: BLE001 (an API call may fail)
+            if cur is None:
+                raise
         if d is None:
             d = Decision(cur[0], cur[1], ["no decision yet"], {"known": False}, 0.0)
         return {"mode": "autoscale", "target": {"prefill": d.prefill, "decode": d.decode},

@@ -8,6 +8,8 @@ clients queue behind one decode worker whatever the machine's speed: the simulat
 (on a profile of tiny-model-like costs, corrected live by the workers' measured steps)
 then prefers a second decode worker (1P2D) under the 50 ms TTFT SLO; one client every
 1.5 s needs only 1P1D again, which the autoscaler returns to after its down hold.
+--disaggregation always keeps the shapes disaggregated (P >= 1); the colocated shapes are
+bench/adaptive.py's.
 """
 from __future__ import annotations
 
@@ -144,7 +146,7 @@ def test_autoscale_steps_up_and_down_losing_nothing(model_dir, start_system, tmp
              "--served-model-name", "tiny", "--autoscale", "--slo-ttft-ms", "50",
              "--slo-itl-ms", "100", "--max-workers", "3", "--autoscale-interval-s", "2",
              "--profile", tiny_profile(tmp_path / "profile.json"), "--drain-timeout-s", "30",
-             "--max-queue-delay-factor", "0", *ENGINE])
+             "--max-queue-delay-factor", "0", "--disaggregation", "always", *ENGINE])
     try:
         up.wait_line(r"^pdserve ready: ", 300)
         plan_url = up.wait_line(r"^pdserve autoscale: plan=(\S+)", 30).group(1)

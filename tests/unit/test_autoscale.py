@@ -284,3 +284,48 @@ def test_state_json_is_served_at_plan():
     assert state["reasons"] and isinstance(state["updated_unix"], float)
     assert state["signals"]["known"] and state["signals"]["rate_rps"] > 0
     assert [set(h) for h in state["history"]] == [{"at_unix", "prefill", "decode", "reasons"}]
+
+
+class FakeLauncher:
+    """What LocalActuator uses of a Launcher, recording the order of adds and retires."""
+
+    def __init__(self, prefill, decode):
+        from types import SimpleNamespace
+        self.ns = SimpleNamespace
+        self.children = [self.ns(role=r, retired=False, name=f"{r}-{i}")
+                         for r, n in (("prefill", prefill), ("decode", decode)) for i in range(n)]
+        self.log, self.peak = [], prefill + decode
+
+    def workers(self, role):
+        return [c for c in self.children if c.role == role]
+
+    def add_worker(self, role, timeout_s):
+        c = self.ns(role=role, retired=False, name=f"{role}-new")
+        self.children.append(c)
+        self.log.append(f"+{role}")
+        self.peak = max(self.peak, sum(not c.retired for c in self.children))
+
+    def retire(self, child):
+        child.retired = True
+        self.children.remove(child)
+        self.log.append(f"-{child.name}")
+
+    def say(self, line):
+        pass
+
+
+def test_local_actuator_orders_adds_and_retires_within_the_budget():
+    from pdserve.autoscale_local import LocalActuator
+    la = FakeLauncher(1, 1)
+    LocalActuator(la, max_workers=3).scale(1, 2)          # room: add only
+    assert la.log == ["+decode"] and la.peak == 3
+    la = FakeLauncher(1, 1)
+    LocalActuator(la, max_workers=2).scale(0, 2)          # no room: retire first, then add
+    assert la.log == ["-prefill-0", "+decode"] and la.peak == 2
+    la = FakeLauncher(1, 2)
+    act = LocalActuator(la, max_workers=3)
+    act.scale(1, 1)                                       # the newest decode worker goes
+    assert la.log == ["-decode-1"] and act.current() == (1, 1)
+    la = FakeLauncher(0, 1)
+    LocalActuator(la, max_workers=2).scale(1, 1)          # colocated -> 1P1D
+    assert la.log == ["+prefill"]
