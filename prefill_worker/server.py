@@ -247,6 +247,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                             f"{call.expiry_cause()} before its prompt was computed (dropped)"
                             ) from None
         if call.final is None or call.final.finish_reason == "abort":
+            if self.srv.draining:        # aborted in the engine by the hand-back (handback.py)
+                raise RpcStatus(grpc.StatusCode.UNAVAILABLE, HANDED_BACK)
             raise RpcStatus(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
         call.t_compute = time.perf_counter()
         self._dequeue(call, computed=True)
