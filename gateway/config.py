@@ -146,8 +146,9 @@ class GatewayConfig:
         "help": "a cost profile from `pdserve profile` (JSON) seeding --disaggregation auto's "
                 "prefill and handover costs (empty: defaults; both are learnt online)"})
     disagg_max_local_tokens: int = field(default=64, metadata={
-        "help": "auto: a prompt whose part the decode worker does not hold is at most this "
-                "long is computed there (unless the worker is too loaded)"})
+        "help": "auto: the decode worker computes a prompt itself when the part of it that "
+                "worker does not hold (its prefix cache, as the gateway's affinity sees it) is "
+                "at most this many tokens, unless it is too loaded"})
     disagg_max_stall_ms: float = field(default=50.0, metadata={
         "help": "auto: a decode worker with streams running computes no prompt whose "
                 "estimated prefill takes longer than this (it stalls them; 0: no bound)"})

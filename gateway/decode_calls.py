@@ -1,9 +1,10 @@
 """A segment's calls on its decode worker beyond the stream itself (gateway/segment.py runs
-them): SubmitFirstToken and the reason a refused one gives, the stream's loss as an
+them): SubmitFirstToken and the reason a refused one gives, Abort on either worker, the stream's loss as an
 exception (`DecodeLost`: Segments.run migrates on it), and the deadline left to a call."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 
@@ -14,6 +15,8 @@ from .request import GatewayError
 from .worker_errors import refusal_reason, rpc_error
 
 SUBMIT_TIMEOUT_S = 10.0
+ABORT_TIMEOUT_S = 2.0
+log = logging.getLogger(__name__)
 
 
 class DecodeLost(Exception):
@@ -51,3 +54,12 @@ def remaining(deadline: float) -> float:
     if left <= 0:
         raise asyncio.TimeoutError
     return left
+
+
+async def abort_call(w: Worker, rid: str) -> None:
+    """Abort `rid` on worker `w` (either kind), within ABORT_TIMEOUT_S; a failure is logged."""
+    try:
+        await w.stub.Abort(common_pb2.AbortRequest(request_id=rid, reason="gateway"),
+                           timeout=ABORT_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        log.info("Abort(%s) on %s %s: %s", rid, w.kind, w.address, e.code().name)

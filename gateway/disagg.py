@@ -128,7 +128,12 @@ class DisaggPolicy:
         """A policy whose cost seeds come from a `pdserve profile` JSON file ("": defaults)."""
         if not path:
             return cls(**kw)
-        (pa, pb), (ha, hb) = read_profile_costs(path)
+        return cls.from_costs(read_profile_costs(path), **kw)
+
+    @classmethod
+    def from_costs(cls, costs, **kw) -> "DisaggPolicy":
+        """Seeded by ((prefill a, b), (handover a, b)): local = prefill, remote = both."""
+        (pa, pb), (ha, hb) = costs
         return cls(local=OnlineLine(pa, pb), remote=OnlineLine(pa + ha, pb + hb), **kw)
 
     def decide(self, prompt_tokens: int, cached_tokens: int, prefill: PrefillView,
@@ -181,8 +186,7 @@ class DisaggPolicy:
 
 
 def read_profile_costs(path: str) -> tuple[tuple[float, float], tuple[float, float]]:
-    """((prefill a, b), (handover a, b)) from a profile (`pdserve.profile/1`): the prefill
-    fit's quadratic term is folded into b at 512 tokens (the line is what is learnt)."""
+    """((prefill a, b), (handover a, b)) from a profile file (`pdserve.profile/1`)."""
     try:
         d = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -191,9 +195,14 @@ def read_profile_costs(path: str) -> tuple[tuple[float, float], tuple[float, flo
     if not isinstance(schema, str) or not schema.startswith("pdserve.profile/1"):
         raise ValueError(f"--profile {path}: not a pdserve.profile/1 file (schema {schema!r})")
     try:
-        pre, hand = d["fits"]["prefill"], d["fits"]["handover"]
-        a, b, c = (float(x) for x in (list(pre) + [0.0, 0.0])[:3])
-        ha, hb = (float(x) for x in (list(hand) + [0.0])[:2])
+        return costs_from_fits(d["fits"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"--profile {path}: no fits.prefill / fits.handover ({e})") from None
+
+
+def costs_from_fits(fits: dict) -> tuple[tuple[float, float], tuple[float, float]]:
+    """A profile's `fits` ({"prefill": [a, b, c], "handover": [a, b], ...}) as the lines
+    seeded here: the prefill fit's quadratic term folded into b at 512 tokens."""
+    a, b, c = (float(x) for x in (list(fits["prefill"]) + [0.0, 0.0])[:3])
+    ha, hb = (float(x) for x in (list(fits["handover"]) + [0.0])[:2])
     return (max(a, 0.0), max(b + c * 256.0, 0.0)), (max(ha, 0.0), max(hb, 0.0))

@@ -15,6 +15,9 @@ knows now, and its bookkeeping.
     first_token(ticket, now)        the first token is there: the cost it took is learnt
                                     (observe_local / observe_remote), the queue released
     done(ticket)                    the segment ended (whatever happened): queue released
+    local_instead(error, ticket)    auto: the prefill pool refused the prompt for good
+                                    (RESOURCE_EXHAUSTED): the segment goes local instead
+                                    (counted kv_transfer_fallbacks_total{kind="local"})
     counted(ticket)                 each segment's prompt counted once by kind:
                                     pdserve:prefills_total{kind} and `counts`
 """
@@ -65,10 +68,11 @@ class Placement:
         return cls(policy, prefill, metrics)
 
     def choose(self, w: Worker, prompt: list[int], cached: int,
-               prompt_logprobs: bool = False) -> Ticket:
+               prompt_logprobs: bool = False, local_reason: str = "") -> Ticket:
         """`cached`: prompt tokens the decode affinity says `w` holds (Router.cached_on).
         `prompt_logprobs`: asked for, which only a prefill worker returns: disaggregated
-        (--disaggregation never: INVALID_ARGUMENT)."""
+        (--disaggregation never: INVALID_ARGUMENT). `local_reason`: local, for it (a
+        fallback: local_instead)."""
         healthy = self.prefill.healthy()
         queued = max(sum(x.stats.queued_prefill_tokens for x in healthy if x.stats is not None),
                      self.queued_tokens)
@@ -78,6 +82,8 @@ class Placement:
             running, max(s.num_waiting - s.num_waiting_for_kv, 0), s.free_kv_blocks,
             s.total_kv_blocks)
         choice = self.policy.decide(len(prompt), cached, PrefillView(len(healthy), queued), view)
+        if local_reason:
+            choice.kind, choice.reasons = LOCAL, [local_reason]
         if prompt_logprobs and choice.kind == LOCAL:
             if self.policy.mode == "never":
                 raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "prompt_logprobs need a "
@@ -85,6 +91,15 @@ class Placement:
             choice.kind, choice.reasons = DISAGGREGATED, ["prompt_logprobs asked (only a "
                                                           "prefill worker returns them)"]
         return Ticket(choice, len(prompt), queued / max(len(healthy), 1))
+
+    def local_instead(self, e, t: Ticket, params) -> str:
+        """Why a segment whose Prefill failed for good computes its prompt locally instead
+        ("": it does not): auto, and the prefill pool refused it (RESOURCE_EXHAUSTED: its
+        queue is past its bound, so the wait there is longer than computing it here)."""
+        if (self.policy.mode != "auto" or e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+                or params.prompt_logprobs is not None):
+            return ""
+        return f"the prefill pool refused the prompt ({e.details()}): computing it locally"
 
     def started(self, t: Ticket) -> None:
         if not t.in_queue and not t.local:

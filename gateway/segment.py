@@ -5,7 +5,8 @@
                   P fails: WARNING, counted; abort D, retry on another P, fresh reservation
                   ("#r1", ...): P died: each other P in turn, free; else once (PrefillRetries);
                   when P says D's KV endpoint failed (trailing metadata KV_DESTINATION_FAULT),
-                  D is held out of routing (KV_FAULT_HOLD_S), the retry goes to another D
+                  D is held out of routing (KV_FAULT_HOLD_S), the retry goes to another D;
+                  auto, the prefill pool refusing (RESOURCE_EXHAUSTED, no retry left): local
               SubmitFirstToken -> D, accepted: first token -> client (or Abort D if it
                   finished); not: fails before its first event (D's reservation lapsed: 429)
               D's TokenChunks -> OutputProcessor -> events; a stop string matched here:
@@ -36,7 +37,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
+from protos.pdserve.v1 import decode_pb2, prefill_pb2
 from services.metrics import Metrics
 from services.protoconv import FINISH_FROM_PROTO, logprob_from_proto, sampling_to_proto
 
@@ -45,13 +46,13 @@ from .registry import Worker
 from .request import GatewayError, GenerateEvent, RequestState
 from .routing import Router, no_worker
 from .placement import Placement, Ticket
-from .decode_calls import DecodeLost as _DecodeLost, remaining as _remaining, submit_first
+from .decode_calls import (ABORT_TIMEOUT_S, DecodeLost as _DecodeLost, abort_call,
+                           remaining as _remaining, submit_first)
 from .worker_errors import (DECODE_REFUSALS, LostCall, PrefillRetries, blames_destination,
                             rpc_error)
 
 log = logging.getLogger(__name__)
 
-ABORT_TIMEOUT_S = 2.0
 _DESTINATION_FIELDS = ("decode_worker_id", "kv_endpoint", "transfer_id", "num_cached_tokens",
                        "compat", "expires_at_unix_ms", "idle_timeout_ms", "max_expires_at_unix_ms")
 # A decode worker whose KV endpoint failed stays out of routing this long: its gRPC health
@@ -74,6 +75,7 @@ class Segment:
     prefill_lost: str = ""             # why the Prefill was cut
     ticket: Ticket | None = None       # where its prompt is computed (gateway/placement.py)
     first_chunk: object = None         # local: the stream's first TokenChunk, read at open
+    local_reason: str = ""             # set: local whatever the policy says (a fallback)
 
     def attach_decode(self, w: Worker, call) -> None:
         """`call` (w's Decode stream) is this segment's; `w` counts it until detach(w)."""
@@ -207,11 +209,12 @@ class Segments:
         """Open Decode (KvReady), then Prefill; a failed one is retried (PrefillRetries),
         each time with a fresh decode reservation. Returns (KvReady, PrefillResponse), or
         (None, None) when the decode worker computes the prompt itself (local)."""
-        retries = PrefillRetries()
+        retries, local_reason = PrefillRetries(), ""
         for attempt in itertools.count():
             if attempt:
                 self.cleanup(seg)
                 seg.retry(attempt)
+                seg.local_reason = local_reason
             kv = await self._open_decode(seg, prompt, params, req)
             if kv is None:
                 return None, None
@@ -235,7 +238,12 @@ class Segments:
                     again = retries.failed(e.code(), w.address)
                     others = self.router.prefill.healthy(retries.exclude())
                 if not (again and others):
-                    raise rpc_error(f"{w.kind} worker {w.address}", e) from None
+                    local_reason = self.placement.local_instead(e, seg.ticket, params)
+                    if not local_reason:
+                        raise rpc_error(f"{w.kind} worker {w.address}", e) from None
+                    self.metrics.observe_kv_fallback("local")
+                    log.warning("request %s: %s", seg.rid, local_reason)
+                    continue
                 self.metrics.observe_kv_fallback("retry")
                 log.warning("request %s: Prefill on %s failed (%s: %s); retrying without %s "
                             "worker %s", seg.rid, seg.prefill.address, e.code().name, e.details(),
@@ -259,7 +267,7 @@ class Segments:
                 raise last_error if last_error is not None else no_worker(self.router.decode)
             tried.add(w.address)
             seg.ticket = self.placement.choose(w, prompt, self.router.cached_on(w, hashes),
-                                               params.prompt_logprobs is not None)
+                                               params.prompt_logprobs is not None, seg.local_reason)
             kv = await self._reserve(seg, w, prompt, params, req.deadline, seg.ticket.local)
             if isinstance(kv, GatewayError):
                 last_error = kv
@@ -372,12 +380,12 @@ class Segments:
             seg.submit_task.cancel()
         if seg.prefill is not None:
             seg.prefill_call.cancel()
-            self._spawn(self._abort(seg.prefill, seg.rid))
+            self._spawn(abort_call(seg.prefill, seg.rid))
             seg.detach(seg.prefill)
         if seg.decode is not None:
             seg.decode_call.cancel()
             if not seg.decode_done:
-                self._spawn(self._abort(seg.decode, seg.rid))
+                self._spawn(abort_call(seg.decode, seg.rid))
             seg.detach(seg.decode)
 
     def _spawn(self, coro) -> None:
@@ -385,12 +393,6 @@ class Segments:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort(self, w: Worker, rid: str) -> None:
-        try:
-            await w.stub.Abort(common_pb2.AbortRequest(request_id=rid, reason="gateway"),
-                               timeout=ABORT_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            log.info("Abort(%s) on %s %s: %s", rid, w.kind, w.address, e.code().name)
 
 
 def _add(req: RequestState, tokens, finish_reason: str | None) -> GenerateEvent | None:

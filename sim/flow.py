@@ -19,6 +19,12 @@ One request (disaggregated, as gateway/segment.py runs it):
 
 Colocated (no prefill workers): routed to a decode worker by the same pick, added to its
 Scheduler as a local request: its prompt is chunked into the decode steps.
+
+Conditional disaggregation (system.disaggregation never | auto, with prefill workers): the
+decode pick first, then gateway/disagg.py's DisaggPolicy.decide with what the gateway would
+see (that worker's affinity-held prefix, streams, engine queue and KV; the prefill workers'
+queued tokens); local: colocated on that worker, as above. Its costs are seeded by the
+profile's fits and learnt from the simulated first tokens, as the gateway learns them.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from gateway.admission import Admission
 from gateway.affinity import PrefixAffinity, choose, decode_bounds
+from gateway.disagg import LOCAL, DecodeView, DisaggPolicy, PrefillView, costs_from_fits
 
 from .cores import Cores
 from .tokens import VOCAB, prompt_tokens
@@ -57,6 +64,7 @@ class Flight:
     decode: SimWorker | None = None
     prefill: SimWorker | None = None
     queued: int = 0                  # tokens it holds in its prefill worker's admission
+    learn: tuple = ()                # (kind, tokens, time routed): a cost the policy learns
 
 
 class Flow:
@@ -84,6 +92,11 @@ class Flow:
                                tuple(r.hash_ids)) for i, r in enumerate(trace)]
         self._by_id: dict[str, Flight] = {}
         self._dirty: list[SimWorker] = []
+        self.policy = DisaggPolicy.from_costs(
+            costs_from_fits(profile.fits), mode=system.disaggregation,
+            max_local_tokens=system.disagg_max_local_tokens,
+            max_stall_s=system.disagg_max_stall_ms / 1e3)
+        self.prefills = {"disaggregated": 0, "local": 0}
 
     # -- the loop ---------------------------------------------------------------------------
     def push(self, t: float, fn, *args) -> None:
@@ -152,6 +165,10 @@ class Flow:
         f.dreq = Request(rid, prompt, SamplingParams(max_tokens=f.output_length), f.output_length)
         if not self.prefill:
             return self._colocate(f)
+        if self.system.disaggregation != "always" and self._local(f, prompt):
+            return None
+        queued = sum(p.admission.queued for p in self.prefill) / len(self.prefill)
+        f.learn = ("disaggregated", len(prompt) + queued, self.now)
         if not self._reserve(f):
             return self._end(f, "rejected")
         if not self._admit_prefill(f, prompt):
@@ -159,6 +176,7 @@ class Flow:
             f.decode.detach()
             self._dirty.append(f.decode)
             return self._end(f, "rejected")
+        self.prefills["disaggregated"] += 1
 
     def _fits(self, f: Flight) -> bool:
         """The engine's own refusal (LLMEngine._make_request): the request's blocks past
@@ -176,9 +194,28 @@ class Flow:
         cands = [w for w in pool if w.address not in exclude]
         return choose(cands, self.affinity[kind], hashes, slack, ratio)
 
-    def _colocate(self, f: Flight) -> None:
-        hashes = self.affinity["decode"].block_hashes(f.dreq.prompt_token_ids, self.block_size)
+    def _local(self, f: Flight, prompt: list[int]) -> bool:
+        """The gateway's choice (gateway/placement.py) on the decode pick: True when local
+        (then colocated on that worker)."""
+        hashes = self.affinity["decode"].block_hashes(prompt, self.block_size)
         w = self._pick(self.decode, "decode", (), hashes)
+        held = self.affinity["decode"].held(hashes, w.address) * self.block_size
+        waiting = sum(1 for r in w.scheduler.waiting if r.status == RequestStatus.WAITING
+                      and not r.output_token_ids)
+        view = DecodeView(w.in_flight, waiting, w.kv.num_free_blocks, int(self.profile.kv["num_blocks"]))
+        pool = PrefillView(len(self.prefill), sum(p.admission.queued for p in self.prefill))
+        choice = self.policy.decide(len(prompt), held, pool, view)
+        if choice.kind != LOCAL:
+            return False
+        f.learn = ("local", choice.uncached, self.now)
+        self.prefills["local"] += 1
+        self._colocate(f, w, hashes)
+        return True
+
+    def _colocate(self, f: Flight, w: SimWorker | None = None, hashes=None) -> None:
+        if hashes is None:
+            hashes = self.affinity["decode"].block_hashes(f.dreq.prompt_token_ids, self.block_size)
+        w = w or self._pick(self.decode, "decode", (), hashes)
         self.affinity["decode"].record(hashes, w.address)
         f.decode = w
         w.attach()
@@ -261,6 +298,10 @@ class Flow:
         if f.first is None:
             f.first = self.now
             self.prefilling -= 1
+            if f.learn:
+                kind, tokens, t0 = f.learn
+                (self.policy.observe_local if kind == "local" else self.policy.observe_remote)(
+                    tokens, self.now - t0)
             self.admission.first_token(self.now - f.arrival)
         else:
             self.admission.tokens(self.now - f.last, 1)

@@ -60,6 +60,10 @@ class SystemConfig:
     decode_affinity_slack: int = _default(GatewayConfig, "decode_affinity_slack")
     max_queued_prefill_tokens: int = _default(PrefillWorkerConfig, "max_queued_prefill_tokens")
     max_queue_delay_factor: float = _default(PrefillWorkerConfig, "max_queue_delay_factor")
+    # conditional disaggregation (gateway/disagg.py); always: as before it existed
+    disaggregation: str = "always"
+    disagg_max_local_tokens: int = _default(GatewayConfig, "disagg_max_local_tokens")
+    disagg_max_stall_ms: float = _default(GatewayConfig, "disagg_max_stall_ms")
     kv_max_reservation_s: float = KV_MAX_RESERVATION_S
 
     def __post_init__(self):
@@ -100,6 +104,8 @@ class SimResult:
     steps: dict = field(default_factory=dict)    # {"prefill": n, "decode": n} engine steps
     preemptions: int = 0
     workers: list[dict] = field(default_factory=list)   # SimWorker.stats() of each
+    prefills: dict = field(default_factory=dict)   # {"disaggregated": n, "local": n}, as the
+                                 # gateway's prefills_total (colocated: not counted)
 
     def summary(self, slo_ttft_ms=None, slo_itl_ms=None) -> dict:
         """The keys of `pdserve bench --json` (sim/stats.py summarize) over the run."""
@@ -138,4 +144,4 @@ def _result(flow: Flow) -> SimResult:
                      {"prefill": sum(w.steps for w in flow.prefill),
                       "decode": sum(w.steps for w in flow.decode)},
                      sum(w.scheduler.num_preemptions for w in flow.prefill + flow.decode),
-                     [w.stats() for w in flow.prefill + flow.decode])
+                     [w.stats() for w in flow.prefill + flow.decode], dict(flow.prefills))

@@ -60,7 +60,8 @@ def system(tmp_path_factory):
     port, http_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--models-file", str(models_file),
-         "--grpc-port", str(port), "--http-port", str(http_port)],
+         "--grpc-port", str(port), "--http-port", str(http_port),
+         "--disaggregation", "always"],     # these tests count each model's KV transfers
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
     lines: list[str] = []
@@ -250,6 +251,7 @@ def test_a_pool_listing_another_models_worker_never_routes_to_it(system, llms, c
 
     async def run(**pools):
         gw = Gateway(GatewayConfig(model=system.dirs["beta"], request_timeout_s=60,
+                                   disaggregation="always",
                                    internal_token_file=up_token_file(system.proc.pid), **pools))
         await gw.start()
         try:

@@ -88,12 +88,18 @@ def _pool(kind, outcomes):
     return pool
 
 
-async def _run_segment(decode_outcomes, prefill_outcomes, cancel_in_prefill=False):
+async def _run_segment(decode_outcomes, prefill_outcomes, cancel_in_prefill=False,
+                       cfg=None, policy=None):
     """One segment's reservation and Prefill (with its retry), then cleanup(), as
     Segments.run does; `cancel_in_prefill`: its caller goes away once a Prefill is open.
+    `cfg`: the gateway's (default: --disaggregation always); `policy`: called with the
+    segments' DisaggPolicy before the run (to set its costs).
     Returns (what it raised or returned, the segment, the decode and prefill pools)."""
     decode, prefill = _pool("decode", decode_outcomes), _pool("prefill", prefill_outcomes)
-    segs = Segments(Router(prefill, decode, 16, 1.5), GatewayConfig(disaggregation="always"), Metrics("gateway"))
+    segs = Segments(Router(prefill, decode, 16, 1.5), cfg or GatewayConfig(disaggregation="always"),
+                    Metrics("gateway"))
+    if policy is not None:
+        policy(segs.placement.policy)
     req = SimpleNamespace(lost=set(), deadline=asyncio.get_running_loop().time() + 10)
     seg = Segment("r1")
 
@@ -147,6 +153,36 @@ def test_a_failed_retry_fails_the_request_and_balances_every_count():
         _balanced(decode, prefill)
         assert seg.decode is seg.prefill is None
         assert decode.workers["decode:0"].requests_total == 2
+    asyncio.run(main())
+
+
+LOCAL_FIRST = decode_pb2.DecodeResponse(tokens=decode_pb2.TokenChunk(
+    tokens=[common_pb2.TokenLogprob(token_id=7)]))
+
+
+def test_auto_computes_locally_what_the_prefill_pool_refuses_for_good():
+    """auto: disaggregated (local priced dear), the Prefill refused (RESOURCE_EXHAUSTED):
+    instead of a 429 the segment goes local on a fresh decode call; every count balances."""
+    from gateway.disagg import OnlineLine
+
+    def dear_local(policy):
+        policy.local = OnlineLine(10.0, 0.0)
+
+    async def main():
+        refused = _rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        got, seg, decode, prefill = await _run_segment(
+            [[KV_READY, LOCAL_FIRST]], [refused],   # one worker each: no other P to retry on
+            cfg=GatewayConfig(disaggregation="auto", disagg_max_local_tokens=0), policy=dear_local)
+        assert got == (None, None) and seg.rid == "r1#r1"
+        assert seg.ticket.local and "prefill pool refused the prompt" in seg.ticket.choice.reasons[0]
+        assert seg.first_chunk.tokens[0].token_id == 7
+        _balanced(decode, prefill)
+        d = decode.workers["decode:0"]
+        assert d.stub.calls == ["r1", "r1#r1"] and d.requests_total == 2
+        assert d.stub.aborted == ["r1", "r1#r1"]   # the refused reservation, then cleanup's
+        # always: the same refusal fails the request (429 upstream)
+        got, *_ = await _run_segment([KV_READY], [refused])
+        assert isinstance(got, GatewayError) and got.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     asyncio.run(main())
 
 
