@@ -186,3 +186,24 @@ def test_status_json_needs_the_key_the_page_does_not(model_dir):
         assert ok.status_code == 200 and ok.json()["planner"]["message"] == NOT_ATTACHED
         assert (await client.get("/metrics")).status_code == 200      # open, as before
     asyncio.run(_with_app(model_dir, check, keys=KeyStore(api_key="sekret")))
+
+
+def test_a_workers_stats_as_the_page_shows_them():
+    from gateway.registry import Worker
+    from gateway.status import worker_status
+    from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc
+
+    async def build():
+        w = Worker("decode", "127.0.0.1:9", decode_pb2_grpc.DecodeWorkerStub)
+        w.stats = decode_pb2.DecodeStats(worker_id="decode-3", num_waiting=2, num_running=5,
+                                         free_kv_blocks=10, total_kv_blocks=64,
+                                         queued_prefill_tokens=33)
+        w.attach(object())
+        w.last_error = "health status 2"
+        out = worker_status(w, "unhealthy")
+        await w.close()
+        return out
+    assert asyncio.run(build()) == {
+        "address": "127.0.0.1:9", "id": "decode-3", "state": "unhealthy", "in_flight": 1,
+        "requests_total": 1, "last_error": "health status 2", "stats": True, "waiting": 2,
+        "running": 5, "queued_prefill_tokens": 33, "kv_used": 54, "kv_total": 64}
