@@ -16,7 +16,8 @@
     counted); no migration (off, structured output, deadline passed): UNAVAILABLE
     P lost while its Prefill runs: the Prefill is cut and retried like a failed one
 
-Every RPC carries the request's remaining deadline. A segment's cleanup() cancels its open
+Up to its first token, each step laps the request's PhaseClock (gateway/waterfall.py: the
+TTFT waterfall). Every RPC carries the request's remaining deadline. A segment's cleanup() cancels its open
 calls and sends Abort to both workers in the background (each Abort its own short deadline).
 A call a segment opens attaches the segment to its worker (Segment.attach_decode /
 attach_prefill -> Worker.attach: counted in flight, cut if the worker is lost) until the call
@@ -41,8 +42,9 @@ from .config import GatewayConfig
 from .registry import Worker
 from .request import GatewayError, GenerateEvent, RequestState
 from .routing import Router, no_worker
+from .waterfall import prefill_phases
 from .worker_errors import (DECODE_REFUSALS, LostCall, PrefillRetries, blames_destination,
-                            rpc_error)
+                            refusal_reason, rpc_error)
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +174,7 @@ class Segments:
         out = req.out
         prompt = out.prompt_token_ids + out.token_ids
         params = out.remaining_params()
+        req.clock.lap("gateway_queue")
         kv, resp = await self._prefill_with_retry(seg, prompt, params, req)
         if first:
             req.cached_tokens = max(kv.num_cached_tokens, resp.num_cached_tokens)
@@ -187,6 +190,7 @@ class Segments:
         seg.submit_task.add_done_callback(lambda t: t.cancelled() or t.exception())
         # accepted before the client sees the token: a lapsed reservation fails before a 200
         await seg.submit_task
+        req.clock.lap("decode_admission")
         if ev is not None:
             yield ev
         async for ev in self._relay(req, seg):
@@ -203,8 +207,9 @@ class Segments:
                 seg.retry(attempt)
             kv = await self._open_decode(seg, prompt, params, req)
             try:
-                return kv, await self._prefill(seg, prompt, params, kv, req.deadline, retries)
+                return kv, await self._prefill(seg, prompt, params, kv, req, retries)
             except grpc.aio.AioRpcError as e:
+                req.clock.lap("prefill_queue")        # a failed call: time before a compute
                 if blames_destination(e):
                     # The decode worker's KV endpoint failed: its fault, not the prefill's.
                     w = seg.decode
@@ -239,7 +244,9 @@ class Segments:
             if w is None:
                 raise last_error if last_error is not None else no_worker(self.router.decode)
             tried.add(w.address)
+            req.clock.lap("routing")
             kv = await self._reserve(seg, w, prompt, params, req.deadline)
+            req.clock.lap("decode_reservation")
             if isinstance(kv, GatewayError):
                 last_error = kv
                 continue
@@ -283,22 +290,9 @@ class Segments:
                 raise _DecodeLost(w, f"SubmitFirstToken: {e.details()}") from None
             raise rpc_error(f"decode worker {w.address} (SubmitFirstToken)", e) from None
         if not r.accepted:
-            code, why = await self._refusal_reason(seg)
+            code, why = await refusal_reason(seg.decode_call)
             raise GatewayError(code, f"decode worker {w.address} did not accept the first "
                                      f"token of {seg.rid} ({why})")
-
-    @staticmethod
-    async def _refusal_reason(seg: Segment) -> tuple[grpc.StatusCode, str]:
-        """Why the decode worker ended the request before its first token: INTERNAL and
-        the error of its stream's last chunk if one comes within a second (a failed KV
-        transfer, ...), else RESOURCE_EXHAUSTED: the reservation lapsed (overload)."""
-        try:
-            msg = await asyncio.wait_for(seg.decode_call.read(), 1.0)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
-            msg = None
-        if msg and msg is not grpc.aio.EOF and msg.HasField("tokens") and msg.tokens.error:
-            return grpc.StatusCode.INTERNAL, msg.tokens.error
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, "reservation expired or aborted"
 
     async def _relay(self, req: RequestState, seg: Segment) -> AsyncIterator[GenerateEvent]:
         """The decode worker's TokenChunks as events, until the request finishes."""
@@ -339,20 +333,23 @@ class Segments:
 
     # -- the prefill half ------------------------------------------------------------------
     async def _prefill(self, seg: Segment, prompt: list[int], params, kv: decode_pb2.KvReady,
-                       deadline: float, retries: PrefillRetries) -> prefill_pb2.PrefillResponse:
+                       req: RequestState, retries: PrefillRetries) -> prefill_pb2.PrefillResponse:
         hashes = self.router.hashes(self.router.prefill, prompt, kv.compat.block_size)
         w = self.router.pick_prefill(kv, retries.exclude(), hashes)
+        req.clock.lap("routing")
         dest = prefill_pb2.KvDestination(**{f: getattr(kv, f) for f in _DESTINATION_FIELDS},
                                          dst_block_ids=kv.block_ids)
-        req = prefill_pb2.PrefillRequest(request_id=seg.rid, prompt_token_ids=prompt,
-                                         sampling=sampling_to_proto(params), destination=dest)
-        seg.attach_prefill(w, w.stub.Prefill(req, timeout=_remaining(deadline), metadata=seg.metadata))
+        call = w.stub.Prefill(prefill_pb2.PrefillRequest(
+            request_id=seg.rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
+            destination=dest), timeout=_remaining(req.deadline), metadata=seg.metadata)
+        seg.attach_prefill(w, call)
         try:
             resp = await seg.prefill_call
         except asyncio.CancelledError:
             if not seg.prefill_lost or seg.lost or asyncio.current_task().cancelling():
                 raise
             raise LostCall(grpc.StatusCode.UNAVAILABLE, seg.prefill_lost) from None
+        req.clock.split(prefill_phases(resp), "prefill_queue")   # the transits: queueing
         seg.detach(w)
         self.router.served(w, hashes)
         return resp

@@ -14,6 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.request import GatewayError
 from gateway.routing import Router
 from gateway.segment import Segment, Segments
+from gateway.waterfall import PhaseClock
 from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from services.metrics import Metrics
 
@@ -94,7 +95,8 @@ async def _run_segment(decode_outcomes, prefill_outcomes, cancel_in_prefill=Fals
     Returns (what it raised or returned, the segment, the decode and prefill pools)."""
     decode, prefill = _pool("decode", decode_outcomes), _pool("prefill", prefill_outcomes)
     segs = Segments(Router(prefill, decode, 16, 1.5), GatewayConfig(), Metrics("gateway"))
-    req = SimpleNamespace(lost=set(), deadline=asyncio.get_running_loop().time() + 10)
+    req = SimpleNamespace(lost=set(), deadline=asyncio.get_running_loop().time() + 10,
+                          clock=PhaseClock())
     seg = Segment("r1")
 
     async def one():
