@@ -69,6 +69,12 @@ class GatewayConfig:
     worker_metrics: str = field(default="", metadata={
         "help": "workers' /metrics to include in this gateway's, each labelled worker=ID: "
                 "ID=URL,ID=URL (`pdserve up` passes its workers')"})
+    worker_metrics_file: str = field(default="", metadata={
+        "help": "more workers' /metrics as a file of ID=URL lines, re-read at every scrape "
+                "(`pdserve up --autoscale` rewrites it as workers come and go)"})
+    planner_url: str = field(default="", metadata={
+        "help": "the autoscaler's plan (its GET /plan JSON) shown on /status (empty: no "
+                "planner attached)"})
     metrics_prefix: str = field(default="pdserve", metadata={
         "help": "metric name prefix: pdserve (pdserve:...) or vllm (vllm:..., the names "
                 "vLLM's dashboards query)"})
@@ -83,8 +89,13 @@ class GatewayConfig:
     prefill_dns: str = field(default="", metadata={
         "help": "prefill workers as one DNS name:port (e.g. a headless Service)"})
     decode_dns: str = field(default="", metadata={"help": "decode workers as one DNS name:port"})
+    prefill_file: str = field(default="", metadata={
+        "help": "prefill workers as a file of addresses, one per line, re-read every "
+                "--discovery-interval-s (`pdserve up --autoscale` rewrites it)"})
+    decode_file: str = field(default="", metadata={
+        "help": "decode workers as a file of addresses, as --prefill-file"})
     discovery_interval_s: float = field(default=5.0, metadata={
-        "help": "seconds between DNS refreshes"})
+        "help": "seconds between DNS or file refreshes"})
     health_interval_s: float = field(default=1.0, metadata={
         "help": "seconds between health/Stats probes of each worker"})
     probe_timeout_s: float = field(default=1.0, metadata={"help": "deadline of one probe"})
@@ -143,13 +154,13 @@ class GatewayConfig:
             raise ValueError("request_timeout_per_token_s must be >= 0 and max_request_timeout_s "
                              ">= request_timeout_s")
         per_model = ("model", "served_model_name", "prefill", "decode", "prefill_dns",
-                     "decode_dns", "max_model_len")
+                     "decode_dns", "prefill_file", "decode_file", "max_model_len")
         if self.models_file and any(getattr(self, k) for k in per_model):
             raise ValueError("--models-file names each model and its pools: give none of "
                              + ", ".join("--" + k.replace("_", "-") for k in per_model))
         for pool in ("prefill", "decode"):
-            if getattr(self, pool) and getattr(self, pool + "_dns"):
-                raise ValueError(f"give --{pool} or --{pool}-dns, not both")
+            if sum(bool(getattr(self, pool + x)) for x in ("", "_dns", "_file")) > 1:
+                raise ValueError(f"give one of --{pool}, --{pool}-dns, --{pool}-file")
         if self.max_in_flight < 1 or self.slo_ttft_ms < 0 or self.slo_itl_ms < 0:
             raise ValueError("max_in_flight must be >= 1, slo_ttft_ms and slo_itl_ms >= 0")
         if self.api_key_rpm < 0 or self.api_key_concurrency < 0:
@@ -165,7 +176,15 @@ class GatewayConfig:
                     metrics_port=self.metrics_port)
 
     def worker_metrics_urls(self) -> dict[str, str]:
-        return dict(x.strip().split("=", 1) for x in self.worker_metrics.split(",") if x.strip())
+        """--worker-metrics, and the lines of --worker-metrics-file as it reads now (a file
+        that cannot be read adds nothing: its workers are then absent from a scrape)."""
+        items = [x for x in self.worker_metrics.split(",") if x.strip()]
+        if self.worker_metrics_file:
+            try:
+                items += Path(self.worker_metrics_file).read_text().splitlines()
+            except OSError:
+                pass
+        return dict(x.strip().split("=", 1) for x in items if "=" in x)
 
     def resolved_model_dir(self) -> Path:
         """The model directory (the launcher fills in the embedded default: making it needs

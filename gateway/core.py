@@ -96,10 +96,10 @@ class Gateway:
                                  cfg.stall_timeout_s, model=served, token=token)
         self.metrics.registry.register(PoolStates([self.prefill, self.decode]))
         self._sets = [
-            (WorkerSet(resolver_from_args(cfg.prefill, cfg.prefill_dns, cfg.discovery_interval_s),
-                       name="prefill"), self.prefill),
-            (WorkerSet(resolver_from_args(cfg.decode, cfg.decode_dns, cfg.discovery_interval_s),
-                       name="decode"), self.decode)]
+            (WorkerSet(resolver_from_args(cfg.prefill, cfg.prefill_dns, cfg.discovery_interval_s,
+                                          cfg.prefill_file), name="prefill"), self.prefill),
+            (WorkerSet(resolver_from_args(cfg.decode, cfg.decode_dns, cfg.discovery_interval_s,
+                                          cfg.decode_file), name="decode"), self.decode)]
         self._segments = Segments(Router(self.prefill, self.decode, cfg.affinity_slack,
                                          cfg.affinity_slack_ratio, cfg.decode_affinity_slack),
                                   cfg, self.metrics)

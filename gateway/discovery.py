@@ -8,6 +8,11 @@ deduplicated):
   (`pdserve-prefill.NS.svc.cluster.local:50061`). A headless Service publishes one record
   per *ready* pod, so a pod that starts draining (its gRPC health turns NOT_SERVING, its
   readiness probe fails) leaves the answer, and a new pod joins it once ready.
+- `FileResolver`: one address per line of a file (`--prefill-file PATH`; blank lines and
+  `#` comments skipped), re-read every interval. `pdserve up --autoscale` rewrites it
+  atomically (services/address_file.py: a temporary file renamed over it), adding a worker only
+  once it is SERVING and removing one before it is retired, so a reader never sees half a
+  file. A missing or unreadable file is a failed resolve (the last good set is kept).
 
 A `WorkerSet` owns one resolver and keeps `current()` fresh:
 
@@ -20,7 +25,7 @@ The loop never raises: a DNS outage leaves the gateway routing to the workers it
 (the worker registry's health checks remove dead ones). Every resolve has a deadline.
 A successful but empty answer is applied as is: it is the truth, not a failure.
 
-Only the standard library and asyncio are imported here.
+Only the standard library, asyncio and services.address_file are imported here.
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ import inspect
 import logging
 import socket
 from typing import Awaitable, Callable, Iterable, Protocol, Union
+
+from services.address_file import read_addresses
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +118,23 @@ class DnsResolver:
         return f"DnsResolver({self.host}:{self.port}, every {self.interval_s}s)"
 
 
+class FileResolver:
+    """The addresses listed in a file, one per line, re-read every interval_s."""
+
+    def __init__(self, path: str, interval_s: float = DEFAULT_INTERVAL_S) -> None:
+        if not path:
+            raise ValueError("FileResolver: empty path")
+        if interval_s <= 0:
+            raise ValueError(f"FileResolver: interval_s must be > 0, got {interval_s}")
+        self.path, self.interval_s = path, interval_s
+
+    async def resolve(self) -> list[str]:
+        return read_addresses(self.path)     # a small local file: no thread needed
+
+    def __repr__(self) -> str:
+        return f"FileResolver({self.path}, every {self.interval_s}s)"
+
+
 async def _getaddrinfo_ips(host: str, port: int) -> list[str]:
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -118,13 +142,17 @@ async def _getaddrinfo_ips(host: str, port: int) -> list[str]:
 
 
 def resolver_from_args(static: str | None, dns: str | None,
-                       interval_s: float = DEFAULT_INTERVAL_S) -> Resolver:
-    """`--prefill a:1,b:2` -> StaticResolver; `--prefill-dns name:port` -> DnsResolver."""
+                       interval_s: float = DEFAULT_INTERVAL_S, file: str | None = None) -> Resolver:
+    """`--prefill a:1,b:2` -> StaticResolver; `--prefill-dns name:port` -> DnsResolver;
+    `--prefill-file PATH` -> FileResolver."""
     static = (static or "").strip()
     dns = (dns or "").strip()
-    if static and dns:
-        raise ValueError("give either a static list (host:port,...) or a DNS name "
-                         "(name:port), not both")
+    file = (file or "").strip()
+    if sum(map(bool, (static, dns, file))) > 1:
+        raise ValueError("give only one of a static list (host:port,...), a DNS name "
+                         "(name:port) or a file of addresses (not both)")
+    if file:
+        return FileResolver(file, interval_s=interval_s)
     if dns:
         host, port = split_host_port(dns)
         return DnsResolver(host, port, interval_s=interval_s)

@@ -66,8 +66,10 @@ def model_configs(cfg: GatewayConfig) -> list[GatewayConfig]:
 class Models:
     """The models this gateway serves, by id, in the configured order."""
 
-    def __init__(self, gateways: list[Gateway], worker_metrics: dict[str, str] | None = None,
+    def __init__(self, gateways: list[Gateway], worker_metrics=None,
                  metrics_prefix: str = "pdserve"):
+        """`worker_metrics`: {worker id: /metrics URL}, or a function returning it at each
+        scrape (--worker-metrics-file)."""
         self.by_name: dict[str, Gateway] = {}
         for gw in gateways:
             if gw.model_name in self.by_name:
@@ -79,8 +81,8 @@ class Models:
 
     @classmethod
     def from_config(cls, cfg: GatewayConfig) -> "Models":
-        return cls([Gateway(c) for c in model_configs(cfg)], cfg.worker_metrics_urls(),
-                   cfg.metrics_prefix)
+        workers = cfg.worker_metrics_urls if cfg.worker_metrics_file else cfg.worker_metrics_urls()
+        return cls([Gateway(c) for c in model_configs(cfg)], workers, cfg.metrics_prefix)
 
     def __iter__(self):
         return iter(self.by_name.values())
@@ -135,6 +137,7 @@ class _ModelLabelled:
                 out.samples = [s._replace(labels={**s.labels, "model_name": name})
                                for s in fam.samples]
                 families.append(out)
-        if self.workers:
-            families += scrape_workers(self.workers)
+        workers = self.workers() if callable(self.workers) else self.workers
+        if workers:
+            families += scrape_workers(workers)
         return merge_families(families, self.prefix)

@@ -27,6 +27,9 @@ class PrefillWorkerConfig(WorkerConfig):
                 "to the KV endpoints they announce"})
     decode_dns: str = field(default="", metadata={
         "help": "the decode workers as one DNS name:port (e.g. a headless Service)"})
+    decode_file: str = field(default="", metadata={
+        "help": "the decode workers as a file of addresses, one per line, re-read when a "
+                "KV endpoint is not known (`pdserve up --autoscale` rewrites it)"})
     mtls_server_name: str = field(default="", metadata={
         "help": "name to verify in decode workers' certificates (empty: the address's host)"})
 
@@ -35,8 +38,8 @@ class PrefillWorkerConfig(WorkerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.decode and self.decode_dns:
-            raise ValueError("give --decode or --decode-dns, not both")
+        if sum(map(bool, (self.decode, self.decode_dns, self.decode_file))) > 1:
+            raise ValueError("give one of --decode, --decode-dns, --decode-file")
         if self.max_queued_prefill_tokens < 1:
             raise ValueError("max_queued_prefill_tokens must be >= 1")
         if self.max_queue_delay_factor < 0:

@@ -2,8 +2,8 @@
 
 A Prefill names its destination's KV endpoint, copied by the gateway from the decode
 worker's KvReady. The prefill worker does not take that address on trust: it connects only
-to endpoints that decode workers it knows (--decode host:port,... or --decode-dns name:port)
-announce in their Stats (`kv_endpoint`). An endpoint not (yet) known triggers one refresh
+to endpoints that decode workers it knows (--decode host:port,..., --decode-dns name:port or
+--decode-file PATH, one address per line) announce in their Stats (`kv_endpoint`). An endpoint not (yet) known triggers one refresh
 (at most one every `min_refresh_s`, shared by concurrent callers) before the Prefill is
 refused, so a decode worker that just started or restarted is found without a wait.
 With neither option set, nothing is known and every destination is refused.
@@ -18,13 +18,21 @@ import time
 import grpc
 
 from protos.pdserve.v1 import common_pb2, decode_pb2_grpc
+from services.address_file import read_addresses
 from services.security import MTLS, channel
 
 log = logging.getLogger(__name__)
 
 
-async def resolve(addresses: str, dns: str) -> list[str]:
-    """host:port of every decode worker: the static list, or every address of the name."""
+async def resolve(addresses: str, dns: str, file: str = "") -> list[str]:
+    """host:port of every decode worker: the static list, the file's lines as it reads
+    now, or every address of the name."""
+    if file:
+        try:
+            return read_addresses(file)
+        except (OSError, ValueError) as e:
+            log.warning("cannot read decode workers from %s: %s", file, e)
+            return []
     if addresses:
         return [a.strip() for a in addresses.split(",") if a.strip()]
     if not dns:
@@ -41,8 +49,9 @@ async def resolve(addresses: str, dns: str) -> list[str]:
 
 class KnownDecoders:
     def __init__(self, addresses: str, dns: str, mtls: MTLS | None, rpc_timeout_s: float = 2.0,
-                 min_refresh_s: float = 1.0, token: str = ""):
+                 min_refresh_s: float = 1.0, token: str = "", file: str = ""):
         self.addresses, self.dns, self.mtls, self.token = addresses, dns, mtls, token
+        self.file = file
         self.rpc_timeout_s, self.min_refresh_s = rpc_timeout_s, min_refresh_s
         self.endpoints: set[str] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -59,7 +68,7 @@ class KnownDecoders:
         return endpoint in self.endpoints
 
     async def _refresh(self) -> None:
-        targets = await resolve(self.addresses, self.dns)
+        targets = await resolve(self.addresses, self.dns, self.file)
         for gone in set(self._channels) - set(targets):
             await self._channels.pop(gone).close()
 

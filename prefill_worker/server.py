@@ -351,7 +351,7 @@ class PrefillRole(worker_server.WorkerRole):
 
     def kv_connector(self, cfg: PrefillWorkerConfig, transport) -> KVPush:
         decoders = KnownDecoders(cfg.decode, cfg.decode_dns, MTLS.from_config(cfg),
-                                 token=read_token(cfg.internal_token_file))
+                                 token=read_token(cfg.internal_token_file), file=cfg.decode_file)
         return KVPush(transport, decoders, cfg.kv_connect_timeout_s, cfg.kv_staging)
 
     async def open_kv(self, cfg, engine, transport, connector: KVPush) -> KVPush:

@@ -182,3 +182,34 @@ def test_static_worker_set_resolves_once_without_a_task():
         return ws.current()
 
     assert run(main()) == ["h:1"]
+
+
+def test_file_resolver_follows_atomic_rewrites(tmp_path):
+    """--prefill-file: the WorkerSet follows the launcher's rewrites (tmp + rename); a file
+    gone missing or a bad line keeps the last good set; an empty file empties the pool."""
+    from gateway.discovery import FileResolver
+    from services.address_file import write_addresses
+    path = str(tmp_path / "prefill.txt")
+    write_addresses(path, ["127.0.0.1:2", "127.0.0.1:1"])
+    assert isinstance(resolver_from_args("", "", 1.0, path), FileResolver)
+    with pytest.raises(ValueError, match="only one of"):
+        resolver_from_args("a:1", "", 1.0, path)
+    changes = []
+
+    async def main():
+        ws = WorkerSet(FileResolver(path, interval_s=0.01), name="prefill")
+        ws.on_change(lambda added, removed: changes.append((added, removed)))
+        await ws.start()
+        assert ws.current() == ["127.0.0.1:1", "127.0.0.1:2"]
+        write_addresses(path, ["127.0.0.1:2", "127.0.0.1:3"])
+        assert await ws.refresh() and ws.current() == ["127.0.0.1:2", "127.0.0.1:3"]
+        (tmp_path / "prefill.txt").write_text("127.0.0.1:2\nnot an address\n")
+        assert not await ws.refresh() and ws.current() == ["127.0.0.1:2", "127.0.0.1:3"]
+        (tmp_path / "prefill.txt").unlink()
+        assert not await ws.refresh() and ws.current() == ["127.0.0.1:2", "127.0.0.1:3"]
+        write_addresses(path, [])
+        assert await ws.refresh() and ws.current() == []
+        await ws.stop()
+    run(main())
+    assert changes[1:] == [(["127.0.0.1:3"], ["127.0.0.1:1"]), ([], ["127.0.0.1:2", "127.0.0.1:3"])]
+    assert not list(tmp_path.glob("*.tmp-*"))
