@@ -73,17 +73,14 @@ class GatewayConfig:
         "help": "more workers' /metrics as a file of ID=URL lines, re-read at every scrape "
                 "(`pdserve up --autoscale` rewrites it as workers come and go)"})
     planner_url: str = field(default="", metadata={
-        "help": "the autoscaler's plan (its GET /plan JSON) shown on /status (empty: no "
-                "planner attached)"})
+        "help": "the autoscaler's GET /plan URL, shown on the REST port's /status page "
+                "(fetched by the gateway, cached a few seconds; empty: no planner attached)"})
     metrics_prefix: str = field(default="pdserve", metadata={
         "help": "metric name prefix: pdserve (pdserve:...) or vllm (vllm:..., the names "
                 "vLLM's dashboards query)"})
     trace_file: str = field(default="", metadata={
         "help": "append finished trace spans as JSON lines to this file (tests); OTLP export "
                 "is enabled by OTEL_EXPORTER_OTLP_ENDPOINT"})
-    planner_url: str = field(default="", metadata={
-        "help": "the autoscaler's GET /plan URL, shown on the REST port's /status page "
-                "(fetched by the gateway, cached a few seconds; empty: no planner attached)"})
     prefill: str = field(default="", metadata={"help": "prefill workers, host:port,host:port"})
     decode: str = field(default="", metadata={"help": "decode workers, host:port,host:port"})
     prefill_dns: str = field(default="", metadata={

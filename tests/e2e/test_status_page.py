@@ -269,6 +269,8 @@ def test_the_page_shows_what_the_gateway_counts(system, tmp_path):
     assert [root.one(f"planner-{w}-{p}") for w in ("target", "current") for p in ("prefill", "decode")] \
         == ["2", "3", "1", "2"]
     assert [n.all_text() for n in root.find("planner-reason")] == PLAN["reasons"]
+    assert {n.attrs["data-signal"]: n.one("value") for n in root.find("planner-signal")} == \
+        {"ttft_p90_ms": "412.000", "itl_p90_ms": "38.000"}
     hist = root.find("planner-history")
     assert [(h.one("prefill"), h.one("decode")) for h in hist] == [("2", "3"), ("1", "2")]
 

@@ -207,3 +207,20 @@ def test_a_workers_stats_as_the_page_shows_them():
         "address": "127.0.0.1:9", "id": "decode-3", "state": "unhealthy", "in_flight": 1,
         "requests_total": 1, "last_error": "health status 2", "stats": True, "waiting": 2,
         "running": 5, "queued_prefill_tokens": 33, "kv_used": 54, "kv_total": 64}
+
+
+def test_planner_client_reads_the_real_autoscalers_plan():
+    """Against pdserve/autoscale.py's own /plan (its Autoscaler after a scale-up)."""
+    from pdserve.autoscale import serve_plan
+    from tests.unit.test_autoscale import make, steps
+    auto, _, _ = make((0, 1), rate=2.5)
+    steps(auto, 3)
+    server = serve_plan(auto)
+    try:
+        got = asyncio.run(PlannerClient(f"http://127.0.0.1:{server.server_address[1]}/plan").get())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got["ok"], got["message"]
+    assert got["plan"] == json.loads(json.dumps(auto.state()))
+    assert got["plan"]["target"] == {"prefill": 1, "decode": 1} and got["plan"]["reasons"]
