@@ -263,14 +263,22 @@ def test_the_page_shows_what_the_gateway_counts(system, tmp_path):
     if m["waterfall"]["note"]:
         assert sec.one("waterfall-note") == "no waterfall data"
     else:
-        assert [p.attrs["data-phase"] for p in sec.find("phase")] == list(m["waterfall"]["phases"])
+        rows = sec.find("phase")
+        assert [p.attrs["data-phase"] for p in rows] == list(m["waterfall"]["phases"])
+        assert sec.one("waterfall-count") == f"({REQUESTS} requests)"
+        # a phase's share of the mean TTFT: its part of the phase histogram's sums
+        sums = {p.attrs["data-phase"]: total(samples, "pdserve:ttft_phase_seconds_sum",
+                                             phase=p.attrs["data-phase"]) for p in rows}
+        for p in rows:
+            share = 100 * sums[p.attrs["data-phase"]] / sum(sums.values())
+            assert float(p.one("share").removesuffix("%")) == pytest.approx(share, abs=0.051)
 
     # the planner's answer, fetched by the gateway
     assert [root.one(f"planner-{w}-{p}") for w in ("target", "current") for p in ("prefill", "decode")] \
         == ["2", "3", "1", "2"]
     assert [n.all_text() for n in root.find("planner-reason")] == PLAN["reasons"]
     assert {n.attrs["data-signal"]: n.one("value") for n in root.find("planner-signal")} == \
-        {"ttft_p90_ms": "412.000", "itl_p90_ms": "38.000"}
+        {"ttft_p90_ms": "412", "itl_p90_ms": "38"}
     hist = root.find("planner-history")
     assert [(h.one("prefill"), h.one("decode")) for h in hist] == [("2", "3"), ("1", "2")]
 
