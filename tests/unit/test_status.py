@@ -190,7 +190,7 @@ def test_status_json_needs_the_key_the_page_does_not(model_dir):
 
 def test_a_workers_stats_as_the_page_shows_them():
     from gateway.registry import Worker
-    from gateway.status import worker_status
+    from gateway.status import _state, worker_status
     from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc
 
     async def build():
@@ -199,13 +199,14 @@ def test_a_workers_stats_as_the_page_shows_them():
                                          free_kv_blocks=10, total_kv_blocks=64,
                                          queued_prefill_tokens=33)
         w.attach(object())
-        w.last_error = "health status 2"
-        out = worker_status(w, "unhealthy")
+        w.last_error = "health status NOT_SERVING"
+        w.health_status = "NOT_SERVING"
+        out = worker_status(w, _state(w))
         await w.close()
         return out
     assert asyncio.run(build()) == {
-        "address": "127.0.0.1:9", "id": "decode-3", "state": "unhealthy", "in_flight": 1,
-        "requests_total": 1, "last_error": "health status 2", "stats": True, "waiting": 2,
+        "address": "127.0.0.1:9", "id": "decode-3", "state": "not_serving", "in_flight": 1,
+        "requests_total": 1, "last_error": "health status NOT_SERVING", "stats": True, "waiting": 2,
         "running": 5, "queued_prefill_tokens": 33, "kv_used": 54, "kv_total": 64}
 
 
@@ -224,3 +225,27 @@ def test_planner_client_reads_the_real_autoscalers_plan():
     assert got["ok"], got["message"]
     assert got["plan"] == json.loads(json.dumps(auto.state()))
     assert got["plan"]["target"] == {"prefill": 1, "decode": 1} and got["plan"]["reasons"]
+
+
+def test_a_removed_worker_with_calls_on_it_shows_as_retiring(model_dir):
+    async def check(client):
+        return (await client.get("/status.json")).json()
+
+    async def run():
+        gw = Gateway(GatewayConfig(model=model_dir, grpc_port=0, prefill="127.0.0.1:9",
+                                   decode="127.0.0.1:9,127.0.0.1:10"))
+        await gw.start()
+        holder = type("Holder", (), {"cut": lambda self, w, why: None})()
+        gw.decode.workers["127.0.0.1:10"].attach(holder)
+        await gw.decode.on_change([], ["127.0.0.1:10"])
+        try:
+            app = create_app(Models([gw]))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://gw") as client:
+                return await check(client)
+        finally:
+            await gw.stop()
+    decode = asyncio.run(run())["models"][0]["pools"]["decode"]
+    assert [(w["address"], w["state"], w["in_flight"]) for w in decode["workers"]] == [
+        ("127.0.0.1:10", "retiring", 1), ("127.0.0.1:9", "unhealthy", 0)]
+    assert decode["states"]["unhealthy"] == 1       # the gauge counts pool members only
