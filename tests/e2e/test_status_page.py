@@ -7,7 +7,8 @@ checked against the gateway's own /metrics (Prometheus text, the workers' merged
 /status.json: workers and their health, finished and failed requests, first-token counts
 and TTFT p50 in its histogram bucket, each worker's KV blocks. The planner (--planner-url)
 is a small HTTP server here answering an autoscaler-shaped /plan: the page shows its target,
-reasons and history; once it is stopped, the page says it is unreachable.
+reasons and history; once it is stopped, the page says it is unreachable. A gateway with
+API keys: the page (open) says its data needs a key and offers a field for one.
 
 Chromium is Debian's `chromium` (.ci/run installs it): without it this test fails, it does
 not skip. A screenshot of the page is left in the test's tmp dir (status.png).
@@ -138,12 +139,17 @@ def browser(args: list[str], profile) -> str:
     return proc.stdout
 
 
-def rendered(url: str, profile, ready=lambda root: True, tries: int = 5) -> Node:
+def drawn(root: Node) -> bool:
+    return root.one("updated") != "never"
+
+
+def rendered(url: str, profile, ready=lambda root: True, tries: int = 5, first=drawn) -> Node:
     """The page's DOM after its script ran (virtual time lets its first fetch and draw
-    finish); dumped again while `ready` is false (at most `tries` times)."""
+    finish); dumped again while `first` (it drew a status) or `ready` is false (at most
+    `tries` times)."""
     for _ in range(tries):
         root = Tree(browser(["--virtual-time-budget=5000", "--dump-dom", url], profile)).root
-        if root.one("updated") != "never" and ready(root):
+        if first(root) and ready(root):
             return root
     raise AssertionError(f"{url} never drew its status: {root.all_text()[:2000]}")
 
@@ -301,3 +307,48 @@ def test_an_unreachable_planner_is_shown(system, planner, tmp_path):
                     ready=lambda r: bool(r.find("planner-message")))
     assert root.one("planner-message") == p["message"]
     assert not root.find("planner-target-prefill")
+
+
+def test_a_gateway_with_keys_asks_for_one(model_dir, tmp_path):
+    """The page is open, its data is not: without a key the page says so and offers a
+    field for one (an in-process gateway whose workers never answer)."""
+    import asyncio
+
+    from gateway.auth import KeyStore
+    from gateway.config import GatewayConfig
+    from gateway.core import Gateway
+    from gateway.models import Models
+    from gateway.openai import start_http
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    async def start():
+        gw = Gateway(GatewayConfig(model=model_dir, grpc_port=0, prefill="127.0.0.1:9",
+                                   decode="127.0.0.1:9"))    # nothing listens there
+        await gw.start()
+        return gw, await start_http(Models([gw]), "127.0.0.1", 0, KeyStore(api_key="sekret"))
+    gw, http = run(start())
+    try:
+        root = rendered(f"http://127.0.0.1:{http.port}/status", tmp_path / "profile",
+                        first=lambda r: bool(r.one("fetch-error")))
+        assert root.one("fetch-error") == "this gateway needs an API key for its status"
+        assert root.one("updated") == "never" and not root.find("model")
+        (form,) = [n for n in _walk(root) if n.attrs.get("id") == "keyform"]
+        assert "display: block" in form.attrs.get("style", "")
+    finally:
+        run(http.stop())
+        run(gw.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def _walk(node: Node):
+    yield node
+    for k in node.kids:
+        if isinstance(k, Node):
+            yield from _walk(k)
