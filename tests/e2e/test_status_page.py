@@ -185,16 +185,20 @@ def send_requests(base: str, model: str) -> None:
 
 
 def settled(base: str, deadline_s: float = 60.0) -> dict:
-    """/status.json once every request has finished and every worker has Stats newer than
-    the requests (two probe rounds after the last one ended)."""
+    """/status.json once every request has finished and every worker's last Stats (probed
+    every 0.5 s) agree with its own /metrics gauges on KV blocks used (the system is idle:
+    nothing changes them any more)."""
     end = time.monotonic() + deadline_s
     while True:
         s = get_json(base + "/status.json")
-        m = s["models"][0]
-        if m["requests"]["finished_total"] >= REQUESTS and m["requests"]["in_flight"] == 0:
-            time.sleep(1.0)            # probes every 0.5 s: Stats after the last request ended
-            return get_json(base + "/status.json")
-        assert time.monotonic() < end, f"requests did not finish: {m['requests']}"
+        m, samples = s["models"][0], metrics(base)
+        workers = [w for pool in m["pools"].values() for w in pool["workers"]]
+        if m["requests"]["finished_total"] >= REQUESTS and m["requests"]["in_flight"] == 0 \
+                and all(w["stats"] and w["kv_used"] == round(
+                    total(samples, "pdserve:kv_cache_usage_perc", worker=w["id"]) * w["kv_total"])
+                        for w in workers):
+            return s
+        assert time.monotonic() < end, f"not settled: {m}"
         time.sleep(0.2)
 
 
