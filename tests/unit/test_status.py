@@ -249,3 +249,24 @@ def test_a_removed_worker_with_calls_on_it_shows_as_retiring(model_dir):
     assert [(w["address"], w["state"], w["in_flight"]) for w in decode["workers"]] == [
         ("127.0.0.1:10", "retiring", 1), ("127.0.0.1:9", "unhealthy", 0)]
     assert decode["states"]["unhealthy"] == 1       # the gauge counts pool members only
+
+
+def test_every_model_has_its_section(model_dir):
+    """A models file's gateways: one entry each, in order, each with its own pools."""
+    from gateway.status import status_json
+
+    async def run():
+        gws = [Gateway(GatewayConfig(model=model_dir, served_model_name=name, grpc_port=0,
+                                     prefill=f"127.0.0.1:{port}", decode=f"127.0.0.1:{port}"))
+               for name, port in (("small", 9), ("large", 10))]
+        for gw in gws:
+            await gw.start()
+        try:
+            return status_json(Models(gws), await PlannerClient("").get())
+        finally:
+            for gw in gws:
+                await gw.stop()
+    s = asyncio.run(run())
+    assert [(m["name"], m["pools"]["decode"]["workers"][0]["address"]) for m in s["models"]] \
+        == [("small", "127.0.0.1:9"), ("large", "127.0.0.1:10")]
+    assert s["planner"]["message"] == NOT_ATTACHED
