@@ -270,3 +270,21 @@ def test_every_model_has_its_section(model_dir):
     assert [(m["name"], m["pools"]["decode"]["workers"][0]["address"]) for m in s["models"]] \
         == [("small", "127.0.0.1:9"), ("large", "127.0.0.1:10")]
     assert s["planner"]["message"] == NOT_ATTACHED
+
+
+def test_prefill_counts_and_waterfall_present_or_absent():
+    from types import SimpleNamespace
+
+    from gateway.status import NO_PREFILL_COUNTS, NO_WATERFALL, prefill_counts, waterfall
+    from gateway.waterfall import Waterfall
+    assert prefill_counts(SimpleNamespace()) == {"disaggregated": None, "local": None,
+                                                 "note": NO_PREFILL_COUNTS}
+    assert prefill_counts(SimpleNamespace(prefill_counts={"disaggregated": 3, "local": 2})) == \
+        {"disaggregated": 3, "local": 2, "note": ""}
+    assert waterfall(SimpleNamespace())["note"] == NO_WATERFALL
+    wf = Waterfall()
+    assert waterfall(SimpleNamespace(waterfall=wf))["note"] == NO_WATERFALL     # nothing yet
+    wf.observe({"routing": 1.0, "prefill_compute": 3.0})
+    got = waterfall(SimpleNamespace(waterfall=wf))
+    assert got["note"] == "" and got["count"] == 1
+    assert got["phases"]["prefill_compute"]["share"] == pytest.approx(0.75)
