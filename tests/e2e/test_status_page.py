@@ -240,7 +240,8 @@ def test_the_page_shows_what_the_gateway_counts(system, tmp_path):
             w = next(x for x in m["pools"][kind]["workers"] if x["address"] == addr)
             assert r.one("address") == addr and r.one("id") == w["id"] != ""
             assert r.one("requests_total") == str(w["requests_total"])
-            assert r.one("in_flight") == "0"
+            assert r.one("in_flight") == "0" and r.one("waiting") == str(w["waiting"]) == "0"
+            assert r.one("queued_prefill_tokens") == str(w["queued_prefill_tokens"])
             # KV blocks: the worker's own gauges (merged into the gateway's /metrics)
             kv_total = total(samples, "pdserve:kv_cache_blocks", worker=w["id"])
             usage = total(samples, "pdserve:kv_cache_usage_perc", worker=w["id"])
