@@ -233,6 +233,15 @@ class AsyncEngine:
             return RequestTimes(req.arrival_time, req.first_scheduled_time, req.first_token_time)
         return await self.call(cmd)
 
+    def request_times_now(self, request_id: str) -> RequestTimes | None:
+        """request_times() without waiting for the step in progress, for a request whose first
+        token the caller already received: the engine wrote these times (once each) before it
+        emitted that output, so reading them from the loop sees their final values."""
+        req = self.engine.requests.get(request_id)
+        if req is None:
+            return None
+        return RequestTimes(req.arrival_time, req.first_scheduled_time, req.first_token_time)
+
     async def release(self, request_id: str) -> None:
         """Free the blocks of a finished prefill-only request."""
         def cmd():

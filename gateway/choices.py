@@ -22,7 +22,7 @@ from .request import GenerateEvent, GenerateInput
 
 
 def fan_out(rid: str, prompts: list[list[int]], params: SamplingParams, n: int,
-            trace_parent=None) -> list[GenerateInput]:
+            trace_parent=None, arrived: float | None = None) -> list[GenerateInput]:
     """One n=1 GenerateInput per choice of each prompt (seeds seed + j, j the choice)."""
     total = len(prompts) * n
     inputs = []
@@ -32,7 +32,8 @@ def fan_out(rid: str, prompts: list[list[int]], params: SamplingParams, n: int,
                 params, n=1, seed=None if params.seed is None else params.seed + j)
             public = rid if total == 1 else f"{rid}-{k * n + j}"
             inputs.append(GenerateInput(f"req-{uuid.uuid4().hex}", list(ids), p,
-                                        trace_parent=trace_parent, public_id=public))
+                                        trace_parent=trace_parent, public_id=public,
+                                        arrived=arrived))
     return inputs
 
 

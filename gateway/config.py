@@ -79,9 +79,6 @@ class GatewayConfig:
     trace_file: str = field(default="", metadata={
         "help": "append finished trace spans as JSON lines to this file (tests); OTLP export "
                 "is enabled by OTEL_EXPORTER_OTLP_ENDPOINT"})
-    planner_url: str = field(default="", metadata={
-        "help": "the autoscaler's GET /plan URL, shown on the REST port's /status page "
-                "(fetched by the gateway, cached a few seconds; empty: no planner attached)"})
     prefill: str = field(default="", metadata={"help": "prefill workers, host:port,host:port"})
     decode: str = field(default="", metadata={"help": "decode workers, host:port,host:port"})
     prefill_dns: str = field(default="", metadata={

@@ -13,7 +13,9 @@ yields `GenerateEvent`s and raises `GatewayError(grpc.StatusCode, message)`:
     finish   the deadline (request_timeout: it follows the tokens asked for) becomes
              DEADLINE_EXCEEDED; metrics and the span record the end;
              a refusal (RESOURCE_EXHAUSTED: every worker full) carries a retry hint, the
-             seconds the requests in flight take to drain at the measured completion rate
+             seconds the requests in flight take to drain at the measured completion rate;
+             once the caller took the first token event, its TTFT phases go to
+             `Gateway.waterfall` (gateway/waterfall.py)
 
 When the caller goes away (generator closed, task cancelled) or anything fails, the open
 segment's cleanup cancels its calls and aborts the request on both workers.
@@ -42,6 +44,7 @@ from .config import GatewayConfig
 from .discovery import StaticResolver, WorkerSet, resolver_from_args
 from .prompt import check_prompt
 from .validate import GrammarCheck
+from .waterfall import PhaseClock, Waterfall
 from .registry import PoolStates, WorkerPool
 from .request import GatewayError, GenerateEvent, GenerateInput, RequestState
 from .routing import Router
@@ -92,6 +95,7 @@ class Gateway:
         self.vocab_size = cfg.vocab_size(model_dir)
         self.grammars = GrammarCheck(self.tokenizer, self.vocab_size)
         self.metrics = Metrics("gateway")    # the caller serves metrics.registry
+        self.waterfall = Waterfall(self.metrics.registry)    # the TTFT phases (waterfall.py)
         mtls = MTLS.from_config(cfg)         # workers over mTLS when configured
         token = read_token(cfg.internal_token_file)   # and the deployment's credential
         served = model_name(model_dir)       # what the workers' KV compat keys must name
@@ -165,11 +169,12 @@ class Gateway:
     # -- one request ---------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
         """Stream the completion of one prompt (params.n must be 1)."""
+        entered = time.monotonic()
         if inp.params.stop:          # the stop-string automaton is built off the event loop
             await asyncio.to_thread(StopStrings.prepare, inp.params.stop)
         if inp.params.structured is not None:      # compiled as a worker would, off the loop
             await asyncio.to_thread(self.grammars.check, inp.params.structured)
-        req = self._admit(inp)
+        req = self._admit(inp, entered)
         self.in_flight += 1
         last, first = time.monotonic(), True       # latencies for admission's SLOs
         try:
@@ -182,8 +187,12 @@ class Gateway:
                             self.admission.first_token(now - last)
                         else:
                             self.admission.tokens(now - last, len(ev.token_ids))
-                        last, first = now, False
+                        last = now
                     yield ev
+                    if first and ev.token_ids:     # resumed: the caller took it (REST: written)
+                        first = False
+                        req.clock.stop()
+                        self.waterfall.observe_request(req.clock, req.span)
             req.ok = True
             self.drain_rate.completed()
         except asyncio.TimeoutError:
@@ -199,8 +208,9 @@ class Gateway:
             self.in_flight -= 1
             self._observe_end(req)
 
-    def _admit(self, inp: GenerateInput) -> RequestState:
-        """Check the request and open its state: deadline, output processor, timer, span."""
+    def _admit(self, inp: GenerateInput, entered: float) -> RequestState:
+        """Check the request and open its state: deadline, output processor, timer, span, and
+        the phase clock, from when the front got it (else `entered`: generate() was called)."""
         timer = self.metrics.request_timer()
         try:
             self._validate(inp)
@@ -219,7 +229,8 @@ class Gateway:
         return RequestState(
             inp, OutputProcessor(self.tokenizer, inp.prompt_token_ids, inp.params, self.max_model_len),
             deadline=asyncio.get_running_loop().time() + timeout, timeout_s=timeout,
-            timer=timer, span=span, metadata=tracing.inject_metadata(None, span))
+            timer=timer, span=span, metadata=tracing.inject_metadata(None, span),
+            clock=PhaseClock(inp.arrived if inp.arrived is not None else entered))
 
     def _validate(self, inp: GenerateInput) -> None:
         bad = grpc.StatusCode.INVALID_ARGUMENT

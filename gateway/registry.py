@@ -71,6 +71,8 @@ class Worker:
         self.slow_probes = 0         # probe timeouts in a row
         self.held_until = 0.0        # loop time before which probes may not bring it back
         self.wrong_model = ""        # the model its Stats name, when not its pool's
+        self.health_status = ""      # its last Health.Check answer (SERVING, NOT_SERVING:
+                                     # draining or warming up; "": none, the probe failed)
 
     @property
     def in_flight(self) -> int:
@@ -191,11 +193,13 @@ class WorkerPool:
         was = w.healthy
         now = asyncio.get_running_loop().time()
         answered = slow = False
+        w.health_status = ""
         try:
             status = await self._check(w)
             answered = True
             healthy = status == health_pb2.HealthCheckResponse.SERVING
-            w.last_error = "" if healthy else f"health status {status}"
+            w.health_status = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            w.last_error = "" if healthy else f"health status {w.health_status}"
             if healthy:
                 stats = await w.stub.Stats(common_pb2.StatsRequest(),
                                            timeout=self.probe_timeout_s)

@@ -5,7 +5,7 @@
 
 `RequestState` is the one object that owns a request across its segments (a migrated
 request runs several): its output processor, deadline, the decode workers it lost, the
-cached-token and energy totals, and its metrics timer and trace span.
+cached-token and energy totals, its metrics timer and trace span, and its TTFT phases.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import grpc
 
 from engine.output_processor import Delta, Logprob, OutputProcessor
 from engine.sampling_params import SamplingParams
+
+from .waterfall import PhaseClock
 
 
 class GatewayError(Exception):
@@ -33,6 +35,7 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     energy_joules: float | None = None   # GPU energy, prefill + decode; None: no power reading
+    timings: PhaseClock | None = None    # the TTFT phases (complete once the first event is taken)
 
 
 @dataclass
@@ -43,6 +46,7 @@ class GenerateInput:
     deadline_s: float | None = None      # seconds the whole request may take; None: config
     trace_parent: object = None          # the caller's trace context (tracing.extract_context)
     public_id: str = ""                  # the id the client knows (logs, traces)
+    arrived: float | None = None         # time.monotonic() the front got it (None: generate())
 
 
 @dataclass
@@ -75,6 +79,7 @@ class RequestState:
     energy_joules: float | None = None   # summed over the workers that report it
     ok: bool = False                     # finished (not failed, not cancelled)
     error: str | None = None             # the failed request's status code name
+    clock: PhaseClock = field(default_factory=PhaseClock)   # its TTFT phases (waterfall.py)
 
     def add_energy(self, msg) -> None:
         """Add a worker's energy_joules (PrefillResponse or Usage) when it has one."""
@@ -83,7 +88,7 @@ class RequestState:
 
     def usage(self) -> Usage:
         return Usage(len(self.out.prompt_token_ids), len(self.out.token_ids), self.cached_tokens,
-                     self.energy_joules)
+                     self.energy_joules, self.clock)
 
     def final(self, ev: GenerateEvent | None) -> GenerateEvent:
         """The last event of the request, with its usage (an empty one if `ev` is None)."""

@@ -20,7 +20,8 @@
     counted); no migration (off, structured output, deadline passed): UNAVAILABLE
     P lost while its Prefill runs: the Prefill is cut and retried like a failed one
 
-Every RPC carries the request's remaining deadline. A segment's cleanup() cancels its open
+Up to its first token, each step laps the request's PhaseClock (gateway/waterfall.py: the
+TTFT waterfall). Every RPC carries the request's remaining deadline. A segment's cleanup() cancels its open
 calls and sends Abort to both workers in the background (each Abort its own short deadline).
 A call a segment opens attaches the segment to its worker (Segment.attach_decode /
 attach_prefill -> Worker.attach: counted in flight, cut if the worker is lost) until the call
@@ -32,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass, fields
 from typing import AsyncIterator
 
 import grpc
@@ -45,9 +45,11 @@ from .config import GatewayConfig
 from .registry import Worker
 from .request import GatewayError, GenerateEvent, RequestState
 from .routing import Router, no_worker
-from .placement import Placement, Ticket
+from .segment_state import Segment
+from .placement import Placement
 from .decode_calls import (ABORT_TIMEOUT_S, DecodeLost as _DecodeLost, abort_call,
                            remaining as _remaining, submit_first)
+from .waterfall import prefill_phases
 from .worker_errors import (DECODE_REFUSALS, LostCall, PrefillRetries, blames_destination,
                             rpc_error)
 
@@ -58,67 +60,6 @@ _DESTINATION_FIELDS = ("decode_worker_id", "kv_endpoint", "transfer_id", "num_ca
 # A decode worker whose KV endpoint failed stays out of routing this long: its gRPC health
 # does not cover the KV endpoint, so its next probe would bring it back at once.
 KV_FAULT_HOLD_S = 10.0
-
-
-@dataclass(eq=False)
-class Segment:
-    """One pass through a (decode, prefill) pair; owns its calls until cleanup()."""
-    rid: str
-    decode: Worker | None = None
-    decode_call: object = None
-    prefill: Worker | None = None
-    prefill_call: object = None
-    submit_task: asyncio.Task | None = None
-    decode_done: bool = False          # the decode worker finished the request itself
-    metadata: object = None            # gRPC metadata for the workers (trace context)
-    lost: str = ""                     # why the decode worker's calls were cut (cut())
-    prefill_lost: str = ""             # why the Prefill was cut
-    ticket: Ticket | None = None       # where its prompt is computed (gateway/placement.py)
-    first_chunk: object = None         # local: the stream's first TokenChunk, read at open
-    local_reason: str = ""             # set: local whatever the policy says (a fallback)
-
-    def attach_decode(self, w: Worker, call) -> None:
-        """`call` (w's Decode stream) is this segment's; `w` counts it until detach(w)."""
-        self.decode, self.decode_call = w, call
-        w.attach(self)
-
-    def attach_prefill(self, w: Worker, call) -> None:
-        """`call` (w's Prefill) is this segment's; `w` counts it until detach(w)."""
-        self.prefill, self.prefill_call = w, call
-        w.attach(self)
-
-    def detach(self, w: Worker | None) -> None:
-        """`w`'s call ended or was cancelled: the segment no longer holds it (None: nothing)."""
-        if w is None:
-            return
-        w.detach(self)
-        if w is self.decode:
-            self.decode = self.decode_call = None
-        if w is self.prefill:
-            self.prefill = self.prefill_call = None
-
-    def retry(self, attempt: int) -> None:
-        """The same pass again with a fresh reservation ("#r<attempt>"): every field back to
-        its default but the metadata. Only once cleanup() detached both workers."""
-        if self.decode is not None or self.prefill is not None:
-            raise RuntimeError(f"segment {self.rid} retried while a worker holds it")
-        for f in fields(self):
-            if f.name not in ("rid", "metadata"):
-                setattr(self, f.name, f.default)
-        self.rid = f"{self.rid}#r{attempt}"
-
-    def cut(self, worker: Worker, reason: str) -> None:
-        """`worker` is lost. The decode worker: cancel every open call of this segment
-        (their awaits raise CancelledError, which Segments.run turns into a migration);
-        the prefill worker: cancel the Prefill (retried by _prefill_with_retry)."""
-        if worker is self.prefill:
-            self.prefill_lost = reason
-            self.prefill_call.cancel()
-            return
-        self.lost = reason
-        for call in (self.decode_call, self.prefill_call, self.submit_task):
-            if call is not None:
-                call.cancel()
 
 
 class Segments:
@@ -173,6 +114,7 @@ class Segments:
         out = req.out
         prompt = out.prompt_token_ids + out.token_ids
         params = out.remaining_params()
+        req.clock.lap("gateway_queue")
         kv, resp = await self._prefill_with_retry(seg, prompt, params, req)
         self.placement.counted(seg.ticket, seg.rid)
         if first and req.span is not None:
@@ -199,6 +141,7 @@ class Segments:
             if ev is not None:
                 yield ev         # the client's: a migration continues after it (req.out has it)
             raise
+        req.clock.lap("decode_admission")
         if ev is not None:
             yield ev
         async for ev in self._relay(req, seg):
@@ -220,10 +163,11 @@ class Segments:
                 return None, None
             self.placement.started(seg.ticket)
             try:
-                resp = await self._prefill(seg, prompt, params, kv, req.deadline, retries)
+                resp = await self._prefill(seg, prompt, params, kv, req, retries)
                 self.placement.first_token(seg.ticket, asyncio.get_running_loop().time())
                 return kv, resp
             except grpc.aio.AioRpcError as e:
+                req.clock.lap("prefill_queue")        # a failed call: time before a compute
                 if blames_destination(e):
                     # The decode worker's KV endpoint failed: its fault, not the prefill's.
                     w = seg.decode
@@ -268,7 +212,9 @@ class Segments:
             tried.add(w.address)
             seg.ticket = self.placement.choose(w, prompt, self.router.cached_on(w, hashes),
                                                params.prompt_logprobs is not None, seg.local_reason)
+            req.clock.lap("routing")
             kv = await self._reserve(seg, w, prompt, params, req.deadline, seg.ticket.local)
+            req.clock.lap("local_prefill" if seg.ticket.local else "decode_reservation")
             if isinstance(kv, GatewayError):
                 last_error = kv
                 continue
@@ -355,20 +301,23 @@ class Segments:
 
     # -- the prefill half ------------------------------------------------------------------
     async def _prefill(self, seg: Segment, prompt: list[int], params, kv: decode_pb2.KvReady,
-                       deadline: float, retries: PrefillRetries) -> prefill_pb2.PrefillResponse:
+                       req: RequestState, retries: PrefillRetries) -> prefill_pb2.PrefillResponse:
         hashes = self.router.hashes(self.router.prefill, prompt, kv.compat.block_size)
         w = self.router.pick_prefill(kv, retries.exclude(), hashes)
+        req.clock.lap("routing")
         dest = prefill_pb2.KvDestination(**{f: getattr(kv, f) for f in _DESTINATION_FIELDS},
                                          dst_block_ids=kv.block_ids)
-        req = prefill_pb2.PrefillRequest(request_id=seg.rid, prompt_token_ids=prompt,
-                                         sampling=sampling_to_proto(params), destination=dest)
-        seg.attach_prefill(w, w.stub.Prefill(req, timeout=_remaining(deadline), metadata=seg.metadata))
+        call = w.stub.Prefill(prefill_pb2.PrefillRequest(
+            request_id=seg.rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
+            destination=dest), timeout=_remaining(req.deadline), metadata=seg.metadata)
+        seg.attach_prefill(w, call)
         try:
             resp = await seg.prefill_call
         except asyncio.CancelledError:
             if not seg.prefill_lost or seg.lost or asyncio.current_task().cancelling():
                 raise
             raise LostCall(grpc.StatusCode.UNAVAILABLE, seg.prefill_lost) from None
+        req.clock.split(prefill_phases(resp), "prefill_queue")   # the transits: queueing
         seg.detach(w)
         self.router.served(w, hashes)
         return resp

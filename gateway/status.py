@@ -10,8 +10,10 @@
 The snapshot, per model (each a `Gateway` of gateway/models.py):
 
     pools       prefill and decode: every worker the registry knows (gateway/registry.py):
-                address, worker id, state (healthy | unhealthy | wrong_model, and retiring
-                for one removed from discovery that still has calls on it), calls in flight
+                address, worker id, state (healthy | unhealthy | wrong_model, the registry's
+                states, with not_serving for an unhealthy one that answers NOT_SERVING:
+                draining or warming up, and retiring for one removed from discovery that
+                still has calls on it), calls in flight
                 and ever opened from here, its last Stats (waiting, running, KV blocks used
                 of total, queued prompt tokens), last error
     requests    in flight now, finished by reason, failed by gRPC code (the gateway's own
@@ -56,7 +58,11 @@ def pool_status(pool: WorkerPool) -> dict:
 
 
 def _state(w: Worker) -> str:
-    return "healthy" if w.healthy else "wrong_model" if w.wrong_model else "unhealthy"
+    if w.healthy:
+        return "healthy"
+    if w.wrong_model:
+        return "wrong_model"
+    return "not_serving" if w.health_status == "NOT_SERVING" else "unhealthy"
 
 
 def worker_status(w: Worker, state: str) -> dict:

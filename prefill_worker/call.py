@@ -18,7 +18,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.reservation import deadline_after
 from kvtransfer.sender import TransferStats
-from protos.pdserve.v1 import prefill_pb2
+from protos.pdserve.v1 import common_pb2, prefill_pb2
 
 from .kv_push import Push
 
@@ -41,9 +41,19 @@ class Call:
     bound: float | None = None        # ... up to this hard bound (time.monotonic())
     released: bool = False            # answered: the engine frees its blocks (release)
     keeper: asyncio.Task | None = None    # its KEEPALIVEs until its first layer (server.py)
-    t0: float = field(default_factory=time.perf_counter)
-    t_compute: float = 0.0            # first token sampled
+    # time.monotonic(), the engine's clock too (its first-scheduled time splits queue/compute)
+    t0: float = field(default_factory=time.monotonic)     # the call received
+    t_started: float | None = None    # the engine first scheduled it (None: not known)
+    t_compute: float = 0.0            # first token sampled (seen on the loop)
     t_done: float = 0.0               # every layer sent
+
+    def timings(self) -> common_pb2.PhaseTimings:
+        """The call's queue, compute and KV push tail (durations on this clock)."""
+        started = self.t0 if self.t_started is None else min(max(self.t_started, self.t0),
+                                                               self.t_compute)
+        return common_pb2.PhaseTimings(queue_ms=(started - self.t0) * 1e3,
+                                       compute_ms=(self.t_compute - started) * 1e3,
+                                       kv_tail_ms=(self.t_done - self.t_compute) * 1e3)
 
     def deadline(self) -> float | None:
         """When the decoder lets the reservation go (time.monotonic(); None: never), as its

@@ -250,7 +250,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             if self.srv.draining:        # aborted in the engine by the hand-back (handback.py)
                 raise RpcStatus(grpc.StatusCode.UNAVAILABLE, HANDED_BACK)
             raise RpcStatus(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
-        call.t_compute = time.perf_counter()
+        call.t_compute = time.monotonic()
+        times = self.ae.request_times_now(rid)
+        call.t_started = times.first_scheduled if times is not None else None
         self._dequeue(call, computed=True)
 
     async def _keep_alive(self, call: Call) -> None:
@@ -297,8 +299,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             except ValueError as e:
                 self.metrics.observe_kv_failure()
                 raise RpcStatus(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-            self.metrics.observe_kv_transfer(call.transfer.bytes_sent, time.perf_counter() - call.t0)
-        call.t_done = time.perf_counter()
+            self.metrics.observe_kv_transfer(call.transfer.bytes_sent, time.monotonic() - call.t0)
+        call.t_done = time.monotonic()
 
     async def _respond(self, call: Call) -> prefill_pb2.PrefillResponse:
         """Answer with the first token; the blocks (their KV is with the decoder) are freed
@@ -319,7 +321,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             num_prompt_tokens=len(call.prompt), num_cached_tokens=final.num_cached_tokens,
             blocks_transferred=st.blocks_sent if st else 0, bytes_transferred=st.bytes_sent if st else 0,
             compute_ms=(call.t_compute - call.t0) * 1e3,
-            transfer_wait_ms=(call.t_done - call.t_compute) * 1e3, energy_joules=joules)
+            transfer_wait_ms=(call.t_done - call.t_compute) * 1e3, energy_joules=joules,
+            timings=call.timings())
 
     async def _end(self, call: Call) -> None:
         """Whatever happened: forget the call; unless it succeeded, cancel the transfer and

@@ -50,11 +50,7 @@ def create_app(models: Models, keys: KeyStore | None = None, planner_url: str = 
     app = FastAPI(title="pdserve OpenAI-compatible API", version="1",
                   description="OpenAI chat/completions over pdserve's disaggregated gateway")
     install_handlers(app)
-    app.add_middleware(_limit_body)
-    app.add_middleware(CancelOnDisconnect)
-    if keys is not None and keys.enabled:
-        app.add_middleware(rest_middleware(keys, lambda status, msg: OpenAIError(
-            status, msg, *_AUTH_ERRORS[status]).response()))
+    _add_middleware(app, keys)
     # documents the scheme in /openapi.json; the middleware above does the checking
     auth = [Depends(HTTPBearer(auto_error=False, description="an API key of the gateway"))]
     created = int(time.time())
@@ -88,17 +84,28 @@ def create_app(models: Models, keys: KeyStore | None = None, planner_url: str = 
 
     _add_tokenize(app, model, auth)
     _add_operator_routes(app, models, PlannerClient(planner_url), auth)
+
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         trace = tracing.extract_context(dict(request.headers))
-        return await Chat(model(body.model), body, trace).run()
+        return await Chat(model(body.model), body, trace, _arrived(request)).run()
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):
         trace = tracing.extract_context(dict(request.headers))
-        return await Completion(model(body.model), body, trace).run()
+        return await Completion(model(body.model), body, trace, _arrived(request)).run()
 
     return app
+
+
+def _add_middleware(app: FastAPI, keys: KeyStore | None) -> None:
+    """Inside out: the body limit, the disconnect watch, API keys, the arrival stamp."""
+    app.add_middleware(_limit_body)
+    app.add_middleware(CancelOnDisconnect)
+    if keys is not None and keys.enabled:
+        app.add_middleware(rest_middleware(keys, lambda status, msg: OpenAIError(
+            status, msg, *_AUTH_ERRORS[status]).response()))
+    app.add_middleware(_stamp_arrival)    # outermost: a request's TTFT starts here
 
 
 def _add_tokenize(app: FastAPI, model, auth) -> None:
@@ -130,6 +137,20 @@ def _add_operator_routes(app: FastAPI, models: Models, planner: PlannerClient, a
 @functools.cache
 def _status_html() -> str:
     return resources.files("gateway").joinpath("status_page.html").read_text(encoding="utf-8")
+
+
+def _stamp_arrival(app):
+    """A pure ASGI middleware: scope["state"]["arrived"] = time.monotonic() as the request
+    head comes in (where the TTFT waterfall starts: gateway/waterfall.py)."""
+    async def middleware(scope, receive, send):
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrived"] = time.monotonic()
+        return await app(scope, receive, send)
+    return middleware
+
+
+def _arrived(request: Request) -> float | None:
+    return getattr(request.state, "arrived", None)
 
 
 def _limit_body(app):

@@ -32,8 +32,8 @@ class Chat(Endpoint):
     prefix = "chatcmpl"
     inc_usage = cont_usage = False         # stream_options, set by stream()
 
-    def __init__(self, gw, body: ChatCompletionRequest, trace_parent=None):
-        super().__init__(gw, body, trace_parent)
+    def __init__(self, gw, body: ChatCompletionRequest, trace_parent=None, arrived=None):
+        super().__init__(gw, body, trace_parent, arrived)
         self.tools = body.tools or []
         choice = body.tool_choice
         if choice is None:
@@ -107,7 +107,8 @@ class Chat(Endpoint):
                 finish = "tool_calls"
             choices.append({"index": i, "message": msg, "finish_reason": finish,
                             "logprobs": self.logprobs(o.token_ids, o.logprobs) if self.body.logprobs else None})
-        u = usage(self.n_prompt, sum(o.completion_tokens for o in outs), outs[0].cached_tokens, outs)
+        u = usage(self.n_prompt, sum(o.completion_tokens for o in outs), outs[0].cached_tokens, outs,
+                  self.timings)
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.gw.model_name, "choices": choices, "usage": u}
 
@@ -142,7 +143,7 @@ class Chat(Endpoint):
                     yield c
             if self.inc_usage:
                 yield self.chunk([], usage(self.n_prompt, sum(o.completion_tokens for o in outs),
-                                           outs[0].cached_tokens, outs), True)
+                                           outs[0].cached_tokens, outs, self.timings), True)
         except OpenAIError as e:
             yield sse(e.body())
         yield "data: [DONE]\n\n"

@@ -65,7 +65,7 @@ class Completion(Endpoint):
     def usage(self, outs: list[ChoiceOut]) -> dict:
         comp = 0 if self.body.max_tokens == 0 else sum(o.completion_tokens for o in outs)
         return usage(sum(len(ids) for ids, _ in self.prompt_list), comp, outs[0].cached_tokens,
-                     outs)
+                     outs, self.timings)
 
     def _prompt_of(self, i: int) -> tuple[list[int], str | None]:
         return self.prompt_list[i // self.body.n]

@@ -98,6 +98,7 @@ class ChoiceOut:
     completion_tokens: int = 0
     cached_tokens: int = 0
     energy_joules: float | None = None
+    timings: Any = None                  # its TTFT phases (waterfall.PhaseClock)
 
     def add(self, ev: GenerateEvent) -> None:
         self.token_ids += ev.token_ids
@@ -113,6 +114,7 @@ class ChoiceOut:
             self.completion_tokens = ev.usage.completion_tokens
             self.cached_tokens = ev.usage.cached_tokens
             self.energy_joules = ev.usage.energy_joules
+            self.timings = ev.usage.timings
 
 
 class Run:
@@ -193,15 +195,27 @@ def finite(x: float | None) -> float | None:
     return x if math.isfinite(x) else -9999.0
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int, outs=()) -> dict:
-    """OpenAI usage; `energy_joules` (GPU energy of `outs`' choices) only where measured."""
+def usage(prompt_tokens: int, completion_tokens: int, cached: int, outs=(),
+          timings: bool = False) -> dict:
+    """OpenAI usage; `energy_joules` (GPU energy of `outs`' choices) only where measured;
+    with `timings` (the body's pdserve.timings), `pdserve`: the first choice's TTFT phases."""
     u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
          "total_tokens": prompt_tokens + completion_tokens,
          "prompt_tokens_details": {"cached_tokens": cached}}
     energy = [o.energy_joules for o in outs if o.energy_joules is not None]
     if energy:
         u["energy_joules"] = sum(energy)
+    if timings and outs:
+        u["pdserve"] = timings_usage(outs[0].timings)
     return u
+
+
+def timings_usage(clock) -> dict:
+    """usage.pdserve: {"ttft_ms", "ttft_phases_ms"} (ttft_ms null: no token came out)."""
+    if clock is None:
+        return {"ttft_ms": None, "ttft_phases_ms": {}}
+    return {"ttft_ms": round(clock.ttft_ms, 3) if clock.done else None,
+            "ttft_phases_ms": {p: round(v, 3) for p, v in clock.phases_ms().items()}}
 
 
 class Endpoint:
@@ -209,8 +223,10 @@ class Endpoint:
     id, token strings, prompt checks."""
     prefix = ""
 
-    def __init__(self, gw: Gateway, body, trace_parent=None):
+    def __init__(self, gw: Gateway, body, trace_parent=None, arrived: float | None = None):
         self.gw, self.body, self.trace_parent = gw, body, trace_parent
+        self.arrived = arrived               # time.monotonic() the request head came in
+        self.timings = bool(body.pdserve and body.pdserve.timings)
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._tok_cache: dict[int, str] = {}
@@ -230,4 +246,4 @@ class Endpoint:
     def inputs(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[GenerateInput]:
         """One input per choice, once the request passed gateway/validate.py's check."""
         check_request(params, n, [len(p) for p in prompts], self.gw.vocab_size, self.gw.max_model_len)
-        return fan_out(self.id, prompts, params, n, self.trace_parent)
+        return fan_out(self.id, prompts, params, n, self.trace_parent, self.arrived)

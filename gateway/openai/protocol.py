@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 
 class _Body(BaseModel):
@@ -17,6 +17,13 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+
+
+class PdserveOptions(BaseModel):
+    """The body's `pdserve` extension (unknown keys are an error: it is ours)."""
+    model_config = ConfigDict(extra="forbid")
+    # usage.pdserve = {"ttft_ms", "ttft_phases_ms"}: the TTFT waterfall (gateway/waterfall.py)
+    timings: StrictBool = False
 
 
 class JsonSchemaSpec(_Body):
@@ -98,6 +105,8 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     # pdserve extra: false keeps this request out of the decode worker's speculative decoding
     speculative: bool = True
+    # pdserve extension: {"timings": true} adds usage.pdserve (openai SDK: extra_body=)
+    pdserve: PdserveOptions | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

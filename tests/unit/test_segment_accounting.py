@@ -14,6 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.request import GatewayError
 from gateway.routing import Router
 from gateway.segment import Segment, Segments
+from gateway.waterfall import PhaseClock
 from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from services.metrics import Metrics
 
@@ -100,7 +101,8 @@ async def _run_segment(decode_outcomes, prefill_outcomes, cancel_in_prefill=Fals
                     Metrics("gateway"))
     if policy is not None:
         policy(segs.placement.policy)
-    req = SimpleNamespace(lost=set(), deadline=asyncio.get_running_loop().time() + 10)
+    req = SimpleNamespace(lost=set(), deadline=asyncio.get_running_loop().time() + 10,
+                          clock=PhaseClock())
     seg = Segment("r1")
 
     async def one():

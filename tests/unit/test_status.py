@@ -186,3 +186,105 @@ def test_status_json_needs_the_key_the_page_does_not(model_dir):
         assert ok.status_code == 200 and ok.json()["planner"]["message"] == NOT_ATTACHED
         assert (await client.get("/metrics")).status_code == 200      # open, as before
     asyncio.run(_with_app(model_dir, check, keys=KeyStore(api_key="sekret")))
+
+
+def test_a_workers_stats_as_the_page_shows_them():
+    from gateway.registry import Worker
+    from gateway.status import _state, worker_status
+    from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc
+
+    async def build():
+        w = Worker("decode", "127.0.0.1:9", decode_pb2_grpc.DecodeWorkerStub)
+        w.stats = decode_pb2.DecodeStats(worker_id="decode-3", num_waiting=2, num_running=5,
+                                         free_kv_blocks=10, total_kv_blocks=64,
+                                         queued_prefill_tokens=33)
+        w.attach(object())
+        w.last_error = "health status NOT_SERVING"
+        w.health_status = "NOT_SERVING"
+        out = worker_status(w, _state(w))
+        await w.close()
+        return out
+    assert asyncio.run(build()) == {
+        "address": "127.0.0.1:9", "id": "decode-3", "state": "not_serving", "in_flight": 1,
+        "requests_total": 1, "last_error": "health status NOT_SERVING", "stats": True, "waiting": 2,
+        "running": 5, "queued_prefill_tokens": 33, "kv_used": 54, "kv_total": 64}
+
+
+def test_planner_client_reads_the_real_autoscalers_plan():
+    """Against pdserve/autoscale.py's own /plan (its Autoscaler after a scale-up)."""
+    from pdserve.autoscale import serve_plan
+    from tests.unit.test_autoscale import make, steps
+    auto, _, _ = make((0, 1), rate=2.5)
+    steps(auto, 3)
+    server = serve_plan(auto)
+    try:
+        got = asyncio.run(PlannerClient(f"http://127.0.0.1:{server.server_address[1]}/plan").get())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got["ok"], got["message"]
+    assert got["plan"] == json.loads(json.dumps(auto.state()))
+    assert got["plan"]["target"] == {"prefill": 1, "decode": 1} and got["plan"]["reasons"]
+
+
+def test_a_removed_worker_with_calls_on_it_shows_as_retiring(model_dir):
+    async def check(client):
+        return (await client.get("/status.json")).json()
+
+    async def run():
+        gw = Gateway(GatewayConfig(model=model_dir, grpc_port=0, prefill="127.0.0.1:9",
+                                   decode="127.0.0.1:9,127.0.0.1:10"))
+        await gw.start()
+        holder = type("Holder", (), {"cut": lambda self, w, why: None})()
+        gw.decode.workers["127.0.0.1:10"].attach(holder)
+        await gw.decode.on_change([], ["127.0.0.1:10"])
+        try:
+            app = create_app(Models([gw]))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://gw") as client:
+                return await check(client)
+        finally:
+            await gw.stop()
+    decode = asyncio.run(run())["models"][0]["pools"]["decode"]
+    assert [(w["address"], w["state"], w["in_flight"]) for w in decode["workers"]] == [
+        ("127.0.0.1:10", "retiring", 1), ("127.0.0.1:9", "unhealthy", 0)]
+    assert decode["states"]["unhealthy"] == 1       # the gauge counts pool members only
+
+
+def test_every_model_has_its_section(model_dir):
+    """A models file's gateways: one entry each, in order, each with its own pools."""
+    from gateway.status import status_json
+
+    async def run():
+        gws = [Gateway(GatewayConfig(model=model_dir, served_model_name=name, grpc_port=0,
+                                     prefill=f"127.0.0.1:{port}", decode=f"127.0.0.1:{port}"))
+               for name, port in (("small", 9), ("large", 10))]
+        for gw in gws:
+            await gw.start()
+        try:
+            return status_json(Models(gws), await PlannerClient("").get())
+        finally:
+            for gw in gws:
+                await gw.stop()
+    s = asyncio.run(run())
+    assert [(m["name"], m["pools"]["decode"]["workers"][0]["address"]) for m in s["models"]] \
+        == [("small", "127.0.0.1:9"), ("large", "127.0.0.1:10")]
+    assert s["planner"]["message"] == NOT_ATTACHED
+
+
+def test_prefill_counts_and_waterfall_present_or_absent():
+    from types import SimpleNamespace
+
+    from gateway.status import NO_PREFILL_COUNTS, NO_WATERFALL, prefill_counts, waterfall
+    from gateway.waterfall import Waterfall
+    assert prefill_counts(SimpleNamespace()) == {"disaggregated": None, "local": None,
+                                                 "note": NO_PREFILL_COUNTS}
+    assert prefill_counts(SimpleNamespace(prefill_counts={"disaggregated": 3, "local": 2})) == \
+        {"disaggregated": 3, "local": 2, "note": ""}
+    assert waterfall(SimpleNamespace())["note"] == NO_WATERFALL
+    wf = Waterfall()
+    assert waterfall(SimpleNamespace(waterfall=wf))["note"] == NO_WATERFALL     # nothing yet
+    wf.observe({"routing": 1.0, "prefill_compute": 3.0})
+    got = waterfall(SimpleNamespace(waterfall=wf))
+    assert got["note"] == "" and got["count"] == 1
+    assert got["phases"]["prefill_compute"]["share"] == pytest.approx(0.75)

@@ -149,6 +149,16 @@ class KvCompat(_message.Message):
     layout: str
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., protocol_version: _Optional[int] = ..., kv_scales: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
 
+class PhaseTimings(_message.Message):
+    __slots__ = ("queue_ms", "compute_ms", "kv_tail_ms")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TAIL_MS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    compute_ms: float
+    kv_tail_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., kv_tail_ms: _Optional[float] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "reason")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -42,7 +42,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "finish_reason", "prompt_logprobs", "num_prompt_tokens", "num_cached_tokens", "blocks_transferred", "bytes_transferred", "compute_ms", "transfer_wait_ms", "energy_joules")
+    __slots__ = ("request_id", "first_token", "finish_reason", "prompt_logprobs", "num_prompt_tokens", "num_cached_tokens", "blocks_transferred", "bytes_transferred", "compute_ms", "transfer_wait_ms", "energy_joules", "timings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class PrefillResponse(_message.Message):
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     ENERGY_JOULES_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: _common_pb2.TokenLogprob
     finish_reason: _common_pb2.FinishReason
@@ -65,7 +66,8 @@ class PrefillResponse(_message.Message):
     compute_ms: float
     transfer_wait_ms: float
     energy_joules: float
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., blocks_transferred: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., compute_ms: _Optional[float] = ..., transfer_wait_ms: _Optional[float] = ..., energy_joules: _Optional[float] = ...) -> None: ...
+    timings: _common_pb2.PhaseTimings
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., blocks_transferred: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., compute_ms: _Optional[float] = ..., transfer_wait_ms: _Optional[float] = ..., energy_joules: _Optional[float] = ..., timings: _Optional[_Union[_common_pb2.PhaseTimings, _Mapping]] = ...) -> None: ...
 
 class PrefillStats(_message.Message):
     __slots__ = ("worker_id", "num_waiting", "num_running", "queued_prefill_tokens", "free_kv_blocks", "total_kv_blocks", "transfers", "compat", "max_model_len")
