@@ -296,9 +296,10 @@ class Segments:
 
     async def _relay(self, req: RequestState, seg: Segment) -> AsyncIterator[GenerateEvent]:
         """The decode worker's TokenChunks as events, until the request finishes."""
-        w = seg.decode
+        w, gaps = seg.decode, self.metrics.token_path.gaps()
         while True:
             chunk = await self._next_chunk(seg)
+            read = gaps.tick()           # the per-token path: services/token_path.py
             if chunk is None:
                 continue
             fin = FINISH_FROM_PROTO.get(chunk.finish_reason)
@@ -311,6 +312,7 @@ class Segments:
             if chunk.HasField("usage"):
                 req.add_energy(chunk.usage)
             ev = _add(req, chunk.tokens, fin)
+            self.metrics.token_path.since("gateway", read)
             if ev is not None:
                 yield ev
             if req.out.finished:

@@ -19,6 +19,7 @@ dashboard sums over pods:
         kv_transfer_bytes_total, kv_transfer_seconds (the sender), kv_transfer_failures_total
         (the side that saw it), kv_transfer_fallbacks_total{kind} (the side that fell back)
         energy_joules_total  -> fed by an `EnergyMeter`; absent where NVML reports no power
+    every role: token_path_seconds{stage} (services/token_path.py: the per-token path)
 
 `/metrics` is always served in the plain text format 0.0.4: prometheus-client 0.26 drops the
 `:` from sample names in OpenMetrics (prometheus/client_python#1177), so the Accept header is
@@ -39,6 +40,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from .token_path import TokenPath
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,7 @@ class Metrics:
             "kind")
         self._energy: Any = None          # created on the first joule: absent, not zero
         self._lock = threading.Lock()
+        self.token_path = TokenPath(self.registry, role)    # services/token_path.py
         if role == "gateway":
             self._gateway_metrics()
         else:
