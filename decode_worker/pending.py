@@ -39,6 +39,7 @@ class Pending:
     kv_done: bool = False
     aborted: bool = False
     abort_reason: str = ""
+    local: bool = False               # local_prefill: this worker computes the prompt (local.py)
     finished: bool = False            # the stream ended with a finish or abort chunk
     offset: int = 0                   # client tokens not in the engine's token list
     sent: int = 0                     # client tokens delivered (the first one by prefill)

@@ -19,6 +19,10 @@ state (shared with SubmitFirstToken and Abort), in five phases:
     admit (or fall back, below): remote_kv_done(first token)
     stream:       tokens 2..n (last chunk: finish_reason + usage)
 
+    local_prefill (conditional disaggregation, decode_worker/local.py): no reserve, announce
+    or wait: the prompt joins this engine as a local request (prefix cache, chunked prefill)
+    and the stream carries every token from the first on
+
     Failure (expired, failed transfer, or no first token in time), by policy:
       fail:      free the blocks, end the stream with FINISH_REASON_ERROR and the reason
       recompute: abort the reservation and re-add the request locally with prompt (+ the
@@ -50,6 +54,7 @@ from services.security import caller_of, new_transfer_id
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .config import DecodeWorkerConfig
+from .local import local_decode
 from .pending import Counters, Aborted, error_chunk, Pending
 
 log = logging.getLogger(__name__)
@@ -151,6 +156,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         pend = self._validate(request, span, caller)
         self._pending[pend.request_id] = pend
         try:
+            if request.local_prefill:          # conditional disaggregation: local.py
+                async for msg in local_decode(self, pend):
+                    yield msg
+                return
             await self._reserve(pend)
             if pend.aborted:
                 yield self._abort_chunk(pend)
@@ -296,6 +305,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if joules is not None:
             usage.energy_joules = joules
             span.set_attribute("energy_joules", joules)
+        if pend.local:                 # the engine's own prefix hit for the prompt
+            usage.cached_tokens = max(out.num_cached_tokens, 0)
         chunk.finish_reason = protoconv.FINISH_TO_PROTO[out.finish_reason]
         chunk.usage.CopyFrom(usage)
         pend.finished = True

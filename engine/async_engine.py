@@ -19,9 +19,10 @@ Rules:
   * `max_step_failures` consecutive failed steps make the engine unhealthy (`healthy` false,
     `on_health(False)` called on the loop); a step that succeeds makes it healthy again.
   * Each streamed request has an asyncio.Queue fed with `loop.call_soon_threadsafe` (each
-    step output stamped `emitted_at`, for the per-token path's to_loop). The stream ends with the request's finished output; an abort ends it with a synthetic
-    finished output whose finish_reason is "abort". If a step raises, every request of the
-    engine is aborted and every open stream raises `EngineError`.
+    step output stamped `emitted_at`, for the per-token path's to_loop). The stream ends
+    with the request's finished output; an abort ends it with a synthetic finished output
+    whose finish_reason is "abort". If a step raises, every request of the engine is
+    aborted and every open stream raises `EngineError`.
   * `abort` marks the id abandoned (`engine.abandoned`: a set, the one exception to the
     rule above, read by the engine thread while it steps) before its command runs: a step whose every request is abandoned stops after its current layer
     (LLMEngine.step), so an abort of a long prompt lands within a layer, not a chunk.

@@ -8,6 +8,8 @@ WorkerPool.pick and gateway/routing.py's Router call these).
         the prefix-affine worker (PrefixAffinity.lookup) wins while its in_flight is at
         most best's + slack, or (slack_ratio > 0) at most slack_ratio x best's
     decode_bounds(slack, decode_slack) -> the (slack, slack_ratio) decode picks use
+    PrefixAffinity.held(hashes, address) -> blocks of the prompt last sent to that worker
+        (gateway/placement.py's estimate of what a decode worker holds of a prompt)
 """
 from __future__ import annotations
 
@@ -68,6 +70,14 @@ class PrefixAffinity:
                 self._map.move_to_end(h)
                 return workers[addr]
         return None
+
+    def held(self, hashes: Sequence[bytes], address: str) -> int:
+        """How many of the prompt's leading blocks were last sent to `address` (the longest
+        such prefix; its estimate of that worker's prefix-cache hit, in blocks)."""
+        for i in range(len(hashes), 0, -1):
+            if self._map.get(hashes[i - 1]) == address:
+                return i
+        return 0
 
     def record(self, hashes: Sequence[bytes], address: str) -> None:
         for h in hashes:

@@ -12,7 +12,8 @@ from services.cli_args import check_ports
 from services.security import mtls_triple, tls_pair
 
 
-METRICS_PREFIXES = ("pdserve", "vllm")      # pdserve:... or vLLM's own names (vllm:...)
+METRICS_PREFIXES = ("pdserve", "vllm")
+DISAGGREGATION_MODES = ("always", "never", "auto")     # gateway/disagg.py's MODES      # pdserve:... or vLLM's own names (vllm:...)
 
 
 def check_metrics_prefix(prefix: str) -> None:
@@ -126,8 +127,26 @@ class GatewayConfig:
         "help": "a decode worker: prefix affinity wins only while its worker has at most this "
                 "many more requests in flight than the least loaded one (decode load sets "
                 "every stream's token rate; a decode-side prefix hit saves only KV transfer)"})
+    disaggregation: str = field(default="auto", metadata={
+        "help": "who computes a prompt: always a prefill worker (its KV handed to the decode "
+                "worker), never (the decode worker itself: colocated; no prefill workers "
+                "needed), or auto: per request, whichever pays (gateway/disagg.py)"})
+    profile: str = field(default="", metadata={
+        "help": "a cost profile from `pdserve profile` (JSON) seeding --disaggregation auto's "
+                "prefill and handover costs (empty: defaults; both are learnt online)"})
+    disagg_max_local_tokens: int = field(default=64, metadata={
+        "help": "auto: a prompt whose part the decode worker does not hold is at most this "
+                "long is computed there (unless the worker is too loaded)"})
+    disagg_max_stall_ms: float = field(default=50.0, metadata={
+        "help": "auto: a decode worker with streams running computes no prompt whose "
+                "estimated prefill takes longer than this (it stalls them; 0: no bound)"})
 
     def __post_init__(self):
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"--disaggregation must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                             f"got {self.disaggregation!r}")
+        if self.disagg_max_local_tokens < 0 or self.disagg_max_stall_ms < 0:
+            raise ValueError("disagg_max_local_tokens and disagg_max_stall_ms must be >= 0")
         if self.health_interval_s <= 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.drain_timeout_s < 0:

@@ -7,7 +7,9 @@ yields `GenerateEvent`s and raises `GatewayError(grpc.StatusCode, message)`:
              (gateway/admission.py: in-flight cap, latency SLOs); a RequestState with its
              deadline, output processor, metrics timer and trace span
     run      segments on (decode, prefill) pairs, migrating when a decode worker dies
-             (gateway/segment.py; workers picked by gateway/routing.py)
+             (gateway/segment.py; workers picked by gateway/routing.py), or on a decode
+             worker alone that computes the prompt itself (--disaggregation never|auto:
+             gateway/disagg.py decides per segment; `prefill_counts` counts both kinds)
     finish   the deadline (request_timeout: it follows the tokens asked for) becomes
              DEADLINE_EXCEEDED; metrics and the span record the end;
              a refusal (RESOURCE_EXHAUSTED: every worker full) carries a retry hint, the
@@ -39,7 +41,7 @@ from services.security import MTLS, read_token
 
 from .admission import Admission
 from .config import GatewayConfig
-from .discovery import WorkerSet, resolver_from_args
+from .discovery import StaticResolver, WorkerSet, resolver_from_args
 from .prompt import check_prompt
 from .validate import GrammarCheck
 from .waterfall import PhaseClock, Waterfall
@@ -72,6 +74,14 @@ class DrainRate:
         return 1 if r <= 0 else min(max(math.ceil(in_flight / r), 1), 60)
 
 
+def _prefill_resolver(cfg: GatewayConfig):
+    """The prefill pool's addresses; none given is legal unless --disaggregation always
+    (every prompt is then computed by the decode workers: colocated)."""
+    if not (cfg.prefill or cfg.prefill_dns) and cfg.disaggregation != "always":
+        return StaticResolver([])
+    return resolver_from_args(cfg.prefill, cfg.prefill_dns, cfg.discovery_interval_s)
+
+
 class Gateway:
     """Routes requests over prefill and decode pools. `start()` before use, `stop()` after."""
 
@@ -96,8 +106,7 @@ class Gateway:
                                  cfg.stall_timeout_s, model=served, token=token)
         self.metrics.registry.register(PoolStates([self.prefill, self.decode]))
         self._sets = [
-            (WorkerSet(resolver_from_args(cfg.prefill, cfg.prefill_dns, cfg.discovery_interval_s),
-                       name="prefill"), self.prefill),
+            (WorkerSet(_prefill_resolver(cfg), name="prefill"), self.prefill),
             (WorkerSet(resolver_from_args(cfg.decode, cfg.decode_dns, cfg.discovery_interval_s),
                        name="decode"), self.decode)]
         self._segments = Segments(Router(self.prefill, self.decode, cfg.affinity_slack,
@@ -106,6 +115,12 @@ class Gateway:
         self.drain_rate = DrainRate()
         self.admission = Admission(cfg.max_in_flight, cfg.slo_ttft_ms / 1e3, cfg.slo_itl_ms / 1e3)
         self.in_flight = 0
+
+    @property
+    def prefill_counts(self) -> dict[str, int]:
+        """Segments' prompts by where they were computed: {"disaggregated": n, "local": n}
+        (gateway/placement.py; pdserve:prefills_total{kind})."""
+        return dict(self._segments.placement.counts)
 
     @property
     def max_model_len(self) -> int:

@@ -59,6 +59,12 @@ class Router:
                                f"{MessageToDict(kv.compat)}")
         raise no_worker(self.prefill)
 
+    def cached_on(self, w: Worker, hashes: list[bytes]) -> int:
+        """Prompt tokens the gateway last sent to `w` (full blocks of `hashes`): its guess
+        at w's prefix-cache hit for the prompt."""
+        pool = self.decode if w.kind == "decode" else self.prefill
+        return self._affinity[w.kind].held(hashes, w.address) * pool.block_size()
+
     def served(self, w: Worker, hashes: list[bytes]) -> None:
         """`w` took a prompt with these block hashes: prefer it for the same prefix."""
         self._affinity[w.kind].record(hashes, w.address)

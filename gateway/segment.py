@@ -10,6 +10,9 @@
                   finished); not: fails before its first event (D's reservation lapsed: 429)
               D's TokenChunks -> OutputProcessor -> events; a stop string matched here:
                   the segment ends, cleanup aborts D
+    local (gateway/placement.py + disagg.py decide per segment, once D is picked): no P;
+              Decode(local_prefill) -> D computes the prompt; its stream carries every
+              token from the first (read at open); counted pdserve:prefills_total{kind}
     D's stream breaks (UNAVAILABLE, EOF), or D is lost (its probes unanswered: stalled; the
     registry cuts the segment's calls, Segment.cut) -> _DecodeLost -> migrate: a new
     segment ("#m1") whose prompt is prompt + tokens so far, on another pair (WARNING,
@@ -17,8 +20,10 @@
     P lost while its Prefill runs: the Prefill is cut and retried like a failed one
 
 Up to its first token, each step laps the request's PhaseClock (gateway/waterfall.py: the
-TTFT waterfall). Every RPC carries the request's remaining deadline. A segment's cleanup() cancels its open
-calls and sends Abort to both workers in the background (each Abort its own short deadline).
+TTFT waterfall; local: routing, then local_prefill up to the first chunk). The Prefill call
+itself: prefill_call.py. Every RPC carries the request's remaining deadline. A segment's
+cleanup() cancels its open calls and sends Abort to both workers in the background (each
+Abort its own short deadline).
 A call a segment opens attaches the segment to its worker (Segment.attach_decode /
 attach_prefill -> Worker.attach: counted in flight, cut if the worker is lost) until the call
 ends or cleanup() detaches it (Segment.detach -> Worker.detach); nothing else moves those
@@ -34,7 +39,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
+from protos.pdserve.v1 import common_pb2, decode_pb2
 from services.metrics import Metrics
 from services.protoconv import FINISH_FROM_PROTO, logprob_from_proto, sampling_to_proto
 
@@ -42,27 +47,18 @@ from .config import GatewayConfig
 from .registry import Worker
 from .request import GatewayError, GenerateEvent, RequestState
 from .routing import Router, no_worker
-from .waterfall import prefill_phases
-from .worker_errors import (DECODE_REFUSALS, LostCall, PrefillRetries, blames_destination,
-                            refusal_reason, rpc_error)
+from .prefill_call import prefill
+from .placement import Placement, Ticket
+from .decode_calls import DecodeLost as _DecodeLost, remaining as _remaining, submit_first
+from .worker_errors import (DECODE_REFUSALS, PrefillRetries, blames_destination,
+                            rpc_error)
 
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0
-_SUBMIT_TIMEOUT_S = 10.0
-_DESTINATION_FIELDS = ("decode_worker_id", "kv_endpoint", "transfer_id", "num_cached_tokens",
-                       "compat", "expires_at_unix_ms", "idle_timeout_ms", "max_expires_at_unix_ms")
 # A decode worker whose KV endpoint failed stays out of routing this long: its gRPC health
 # does not cover the KV endpoint, so its next probe would bring it back at once.
 KV_FAULT_HOLD_S = 10.0
-
-
-class _DecodeLost(Exception):
-    """The decode worker's stream broke mid-request (the worker died or went away)."""
-
-    def __init__(self, worker: Worker, detail: str):
-        super().__init__(detail)
-        self.worker = worker
 
 
 @dataclass(eq=False)
@@ -78,6 +74,8 @@ class Segment:
     metadata: object = None            # gRPC metadata for the workers (trace context)
     lost: str = ""                     # why the decode worker's calls were cut (cut())
     prefill_lost: str = ""             # why the Prefill was cut
+    ticket: Ticket | None = None       # where its prompt is computed (gateway/placement.py)
+    first_chunk: object = None         # local: the stream's first TokenChunk, read at open
 
     def attach_decode(self, w: Worker, call) -> None:
         """`call` (w's Decode stream) is this segment's; `w` counts it until detach(w)."""
@@ -128,6 +126,7 @@ class Segments:
 
     def __init__(self, router: Router, cfg: GatewayConfig, metrics: Metrics):
         self.router, self.cfg, self.metrics = router, cfg, metrics
+        self.placement = Placement.from_config(cfg, router and router.prefill, metrics)
         self._background: set[asyncio.Task] = set()
 
     async def run(self, req: RequestState) -> AsyncIterator[GenerateEvent]:
@@ -176,6 +175,13 @@ class Segments:
         params = out.remaining_params()
         req.clock.lap("gateway_queue")
         kv, resp = await self._prefill_with_retry(seg, prompt, params, req)
+        self.placement.counted(seg.ticket, seg.rid)
+        if first and req.span is not None:
+            req.span.set_attribute("prefill_kind", seg.ticket.choice.kind)
+        if kv is None:                 # local: the decode worker computed the prompt
+            async for ev in self._relay(req, seg, first):
+                yield req.final(ev) if out.finished else ev
+            return
         if first:
             req.cached_tokens = max(kv.num_cached_tokens, resp.num_cached_tokens)
         req.add_energy(resp)
@@ -186,7 +192,7 @@ class Segments:
         if out.finished:
             yield req.final(ev)
             return
-        seg.submit_task = asyncio.create_task(self._submit_first(seg, resp.first_token, req.deadline))
+        seg.submit_task = asyncio.create_task(submit_first(seg, resp.first_token, req.deadline))
         seg.submit_task.add_done_callback(lambda t: t.cancelled() or t.exception())
         # accepted before the client sees the token: a lapsed reservation fails before a 200
         await seg.submit_task
@@ -199,15 +205,21 @@ class Segments:
     async def _prefill_with_retry(self, seg: Segment, prompt: list[int], params,
                                   req: RequestState):
         """Open Decode (KvReady), then Prefill; a failed one is retried (PrefillRetries),
-        each time with a fresh decode reservation. Returns (KvReady, PrefillResponse)."""
+        each time with a fresh decode reservation. Returns (KvReady, PrefillResponse), or
+        (None, None) when the decode worker computes the prompt itself (local)."""
         retries = PrefillRetries()
         for attempt in itertools.count():
             if attempt:
                 self.cleanup(seg)
                 seg.retry(attempt)
             kv = await self._open_decode(seg, prompt, params, req)
+            if kv is None:
+                return None, None
+            self.placement.started(seg.ticket)
             try:
-                return kv, await self._prefill(seg, prompt, params, kv, req, retries)
+                resp = await prefill(self.router, seg, prompt, params, kv, req, retries)
+                self.placement.first_token(seg.ticket, asyncio.get_running_loop().time())
+                return kv, resp
             except grpc.aio.AioRpcError as e:
                 req.clock.lap("prefill_queue")        # a failed call: time before a compute
                 if blames_destination(e):
@@ -229,13 +241,16 @@ class Segments:
                 log.warning("request %s: Prefill on %s failed (%s: %s); retrying without %s "
                             "worker %s", seg.rid, seg.prefill.address, e.code().name, e.details(),
                             w.kind, w.address)
+            finally:
+                self.placement.done(seg.ticket)
         raise AssertionError("unreachable")
 
     # -- the decode half -------------------------------------------------------------------
     async def _open_decode(self, seg: Segment, prompt: list[int], params,
-                           req: RequestState) -> decode_pb2.KvReady:
-        """Pick a decode worker, open its stream and read KvReady; a refusing or unreachable
-        worker is skipped for the next one."""
+                           req: RequestState) -> decode_pb2.KvReady | None:
+        """Pick a decode worker, decide where the prompt is computed (seg.ticket), open its
+        stream and read KvReady (None: local, its first chunk read); a refusing or
+        unreachable worker is skipped for the next one (which decides again)."""
         tried = set(req.lost)
         hashes = self.router.hashes(self.router.decode, prompt)
         last_error = None
@@ -244,9 +259,11 @@ class Segments:
             if w is None:
                 raise last_error if last_error is not None else no_worker(self.router.decode)
             tried.add(w.address)
+            seg.ticket = self.placement.choose(w, prompt, self.router.cached_on(w, hashes),
+                                               params.prompt_logprobs is not None)
             req.clock.lap("routing")
-            kv = await self._reserve(seg, w, prompt, params, req.deadline)
-            req.clock.lap("decode_reservation")
+            kv = await self._reserve(seg, w, prompt, params, req.deadline, seg.ticket.local)
+            req.clock.lap("local_prefill" if kv is None else "decode_reservation")
             if isinstance(kv, GatewayError):
                 last_error = kv
                 continue
@@ -254,12 +271,15 @@ class Segments:
             return kv
 
     async def _reserve(self, seg: Segment, w: Worker, prompt: list[int], params,
-                       deadline: float) -> decode_pb2.KvReady | GatewayError:
-        """Open `w`'s Decode stream and read its KvReady; the error when `w` refused
-        (DECODE_REFUSALS: another worker may take it)."""
+                       deadline: float, local: bool = False) -> decode_pb2.KvReady | GatewayError | None:
+        """Open `w`'s Decode stream and read its KvReady (local: its first TokenChunk, kept
+        in seg.first_chunk; returns None); the error when `w` refused (DECODE_REFUSALS:
+        another worker may take it)."""
         req = decode_pb2.DecodeRequest(request_id=seg.rid, prompt_token_ids=prompt,
                                        sampling=sampling_to_proto(params),
-                                       kv_timeout_ms=self.cfg.kv_timeout_ms)
+                                       kv_timeout_ms=self.cfg.kv_timeout_ms, local_prefill=local)
+        if seg.ticket is not None:
+            seg.ticket.t_open = asyncio.get_running_loop().time()
         seg.attach_decode(w, w.stub.Decode(req, timeout=_remaining(deadline), metadata=seg.metadata))
         try:
             msg = await seg.decode_call.read()
@@ -272,30 +292,22 @@ class Segments:
             log.warning("request %s: decode worker %s refused (%s: %s); trying another",
                         seg.rid, w.address, e.code().name, e.details())
             return rpc_error(f"decode worker {w.address}", e)
-        if msg is grpc.aio.EOF or not msg.HasField("kv_ready"):
+        want = "tokens" if local else "kv_ready"
+        if msg is grpc.aio.EOF or not msg.HasField(want):
             seg.detach(w)
-            raise GatewayError(grpc.StatusCode.INTERNAL,
-                               f"decode worker {w.address} did not start with KvReady")
-        return msg.kv_ready
+            raise GatewayError(grpc.StatusCode.INTERNAL, f"decode worker {w.address} did not "
+                               f"start with {'a TokenChunk' if local else 'KvReady'}")
+        if not local:
+            return msg.kv_ready
+        seg.first_chunk = msg.tokens
+        if msg.tokens.tokens:
+            self.placement.first_token(seg.ticket, asyncio.get_running_loop().time())
+        return None
 
-    async def _submit_first(self, seg: Segment, first: common_pb2.TokenLogprob, deadline: float):
-        w = seg.decode
-        try:
-            r = await w.stub.SubmitFirstToken(
-                decode_pb2.SubmitFirstTokenRequest(request_id=seg.rid, first_token=first),
-                timeout=min(_SUBMIT_TIMEOUT_S, _remaining(deadline)))
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                w.mark_failed(e.details() or "UNAVAILABLE")
-                raise _DecodeLost(w, f"SubmitFirstToken: {e.details()}") from None
-            raise rpc_error(f"decode worker {w.address} (SubmitFirstToken)", e) from None
-        if not r.accepted:
-            code, why = await refusal_reason(seg.decode_call)
-            raise GatewayError(code, f"decode worker {w.address} did not accept the first "
-                                     f"token of {seg.rid} ({why})")
-
-    async def _relay(self, req: RequestState, seg: Segment) -> AsyncIterator[GenerateEvent]:
-        """The decode worker's TokenChunks as events, until the request finishes."""
+    async def _relay(self, req: RequestState, seg: Segment, first: bool = False
+                     ) -> AsyncIterator[GenerateEvent]:
+        """The decode worker's TokenChunks as events, until the request finishes (`first`:
+        a local first segment, whose last chunk's usage says the prompt's cached tokens)."""
         w, gaps = seg.decode, self.metrics.token_path.gaps()
         while True:
             chunk = await self._next_chunk(seg)
@@ -311,6 +323,8 @@ class Segments:
                 seg.decode_done = True
             if chunk.HasField("usage"):
                 req.add_energy(chunk.usage)
+                if first:
+                    req.cached_tokens = chunk.usage.cached_tokens
             ev = _add(req, chunk.tokens, fin)
             self.metrics.token_path.since("gateway", read)
             if ev is not None:
@@ -322,6 +336,9 @@ class Segments:
         """The next message of the decode stream when it is a TokenChunk (else None);
         a broken stream raises _DecodeLost."""
         w = seg.decode
+        if seg.first_chunk is not None:            # local: read when the stream opened
+            chunk, seg.first_chunk = seg.first_chunk, None
+            return chunk
         try:
             msg = await seg.decode_call.read()
         except grpc.aio.AioRpcError as e:
@@ -332,29 +349,6 @@ class Segments:
         if msg is grpc.aio.EOF:
             raise _DecodeLost(w, "the stream ended without a finish reason")
         return msg.tokens if msg.HasField("tokens") else None
-
-    # -- the prefill half ------------------------------------------------------------------
-    async def _prefill(self, seg: Segment, prompt: list[int], params, kv: decode_pb2.KvReady,
-                       req: RequestState, retries: PrefillRetries) -> prefill_pb2.PrefillResponse:
-        hashes = self.router.hashes(self.router.prefill, prompt, kv.compat.block_size)
-        w = self.router.pick_prefill(kv, retries.exclude(), hashes)
-        req.clock.lap("routing")
-        dest = prefill_pb2.KvDestination(**{f: getattr(kv, f) for f in _DESTINATION_FIELDS},
-                                         dst_block_ids=kv.block_ids)
-        call = w.stub.Prefill(prefill_pb2.PrefillRequest(
-            request_id=seg.rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
-            destination=dest), timeout=_remaining(req.deadline), metadata=seg.metadata)
-        seg.attach_prefill(w, call)
-        try:
-            resp = await seg.prefill_call
-        except asyncio.CancelledError:
-            if not seg.prefill_lost or seg.lost or asyncio.current_task().cancelling():
-                raise
-            raise LostCall(grpc.StatusCode.UNAVAILABLE, seg.prefill_lost) from None
-        req.clock.split(prefill_phases(resp), "prefill_queue")   # the transits: queueing
-        seg.detach(w)
-        self.router.served(w, hashes)
-        return resp
 
     # -- cleanup ---------------------------------------------------------------------------
     def cleanup(self, seg: Segment) -> None:
@@ -389,10 +383,3 @@ def _add(req: RequestState, tokens, finish_reason: str | None) -> GenerateEvent 
     d = req.out.add([t.token_id for t in tokens], [logprob_from_proto(t) for t in tokens],
                     finish_reason)
     return None if d is None else GenerateEvent.of(d)
-
-
-def _remaining(deadline: float) -> float:
-    left = deadline - asyncio.get_running_loop().time()
-    if left <= 0:
-        raise asyncio.TimeoutError
-    return left

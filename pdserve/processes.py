@@ -219,6 +219,7 @@ class ModelPools:
         names = [m.name for m in models]
         if not models or len(set(names)) != len(names) or not all(names):
             raise ValueError(f"models file {path!r}: expected distinct, non-empty names")
-        if any(m.num_prefill < 1 or m.num_decode < 1 for m in models):
-            raise ValueError(f"models file {path!r}: prefill and decode must be >= 1")
+        if any(m.num_prefill < 0 or m.num_decode < 1 for m in models):
+            raise ValueError(f"models file {path!r}: prefill must be >= 0 and decode >= 1 "
+                             "(prefill 0: that model's decode workers compute its prompts)")
         return models

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineOptions
 from gateway.auth import API_KEY_ENV
-from gateway.config import check_metrics_prefix, default_model_id
+from gateway.config import DISAGGREGATION_MODES, check_metrics_prefix, default_model_id
 from services.cli_args import check_ports
 from services.security import exposed, mtls_triple, tls_pair
 from services.worker_config import available_cores
@@ -35,7 +35,9 @@ class UpConfig:
     served_model_name: str = field(default="", metadata={
         "help": "the model id clients send (empty: the model directory's name, or a GGUF "
                 "file's less .gguf and its weight type, e.g. SmolLM2-135M-Instruct)"})
-    prefill: int = field(default=1, metadata={"help": "number of prefill workers"})
+    prefill: int = field(default=1, metadata={
+        "help": "number of prefill workers (0: none; the decode workers compute every prompt, "
+                "a colocated server: needs --disaggregation never or auto)"})
     decode: int = field(default=1, metadata={"help": "number of decode workers"})
     host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
     grpc_port: int = field(default=50051, metadata={"help": "gateway gRPC port (0: any free)"})
@@ -76,11 +78,21 @@ class UpConfig:
         "help": "the prefill workers' --max-queue-delay-factor: a prompt that would wait in a "
                 "prefill queue longer than this many times its own compute is refused up front "
                 "(429 with Retry-After; keeps latency under overload; 0: off)"})
+    disaggregation: str = field(default="auto", metadata={
+        "help": "the gateway's --disaggregation: always (every prompt on a prefill worker), "
+                "never (on the decode worker that streams it), auto (per request, whichever "
+                "pays; gateway/disagg.py)"})
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self):
-        if self.prefill < 1 or self.decode < 1:
-            raise ValueError("--prefill and --decode must be >= 1")
+        if self.prefill < 0 or self.decode < 1:
+            raise ValueError("--prefill must be >= 0 and --decode >= 1")
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"--disaggregation must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                             f"got {self.disaggregation!r}")
+        if self.prefill == 0 and self.disaggregation == "always" and not self.models_file:
+            raise ValueError("--prefill 0 --disaggregation always: no prefill worker would "
+                             "compute any prompt (use --disaggregation never or auto)")
         if self.models_file and (self.model or self.served_model_name):
             raise ValueError("--models-file names each model: give no --model or "
                              "--served-model-name with it")
@@ -101,10 +113,11 @@ class UpConfig:
         """(prefill, decode) torch threads per worker: as given, else each role's share of
         `cores` (default: the cores this process may run on)."""
         cores = available_cores() if cores is None else cores
-        n_prefill = sum(m.num_prefill for m in models) or self.prefill
+        n_prefill = sum(m.num_prefill for m in models) if models else self.prefill
         n_decode = sum(m.num_decode for m in models) or self.decode
-        return (self.prefill_threads or max(1, cores // n_prefill),
-                self.decode_threads or max(1, cores // (2 * n_decode)))
+        # no prefill worker: the decode workers compute the prompts too, with every core
+        return (self.prefill_threads or max(1, cores // max(n_prefill, 1)),
+                self.decode_threads or max(1, cores // ((2 if n_prefill else 1) * n_decode)))
 
 
 def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
@@ -139,6 +152,7 @@ def worker_args(cfg: UpConfig, models: list[ModelPools] = ()) -> tuple[list[str]
 def gateway_argv(cfg: UpConfig) -> list[str]:
     """The gateway's own options from `up`'s (its key goes by environment: gateway_env)."""
     values = {"--api-key-file": cfg.api_key_file, "--served-model-name": cfg.served_model_name,
+              "--disaggregation": cfg.disaggregation,
               "--metrics-prefix": "" if cfg.metrics_prefix == "pdserve" else cfg.metrics_prefix}
     return [x for flag, value in values.items() if value for x in (flag, value)]
 
@@ -146,6 +160,9 @@ def gateway_argv(cfg: UpConfig) -> list[str]:
 def main(cfg: UpConfig) -> int:
     try:
         models = ModelPools.read(cfg.models_file) if cfg.models_file else []
+        if cfg.disaggregation == "always" and any(m.num_prefill == 0 for m in models):
+            raise ValueError("--disaggregation always: every model needs a prefill worker "
+                             "(the models file gives one prefill 0)")
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr, flush=True)
         return 2

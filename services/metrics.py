@@ -8,7 +8,8 @@ dashboard sums over pods:
     gateway  (request-level, as the client sees it)
         time_to_first_token_seconds, inter_token_latency_seconds, e2e_request_latency_seconds,
         prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason},
-        request_errors_total{code}, num_requests_running (in flight), kv_transfer_fallbacks_total
+        request_errors_total{code}, num_requests_running (in flight), kv_transfer_fallbacks_total,
+        prefills_total{kind=disaggregated|local} (gateway/disagg.py's choice, per segment)
     prefill / decode  (engine-level)
         num_requests_running, num_requests_waiting, kv_cache_usage_perc, prefill_queue_tokens,
         prefix_cache_queries_total, prefix_cache_hits_total, num_preemptions_total,
@@ -76,11 +77,9 @@ class Metrics:
         # Registered first, so a scrape refreshes the engine gauges before reading them.
         self.registry.register(_BeforeScrape(self._refresh))
         # Every role.
-        self.num_requests_running = self._gauge(
-            "num_requests_running",
+        self.num_requests_running = self._gauge("num_requests_running",
             "Requests in the engine's running batch (gateway: requests in flight)")
-        self._kv_fallbacks = self._counter(
-            "kv_transfer_fallbacks",
+        self._kv_fallbacks = self._counter("kv_transfer_fallbacks",
             "KV transfers replaced by a fallback (recompute, retry on another worker, migrate)",
             "kind")
         self._energy: Any = None          # created on the first joule: absent, not zero
@@ -117,6 +116,11 @@ class Metrics:
             "request_success", "Finished requests, by finish reason", "finished_reason")
         self.request_errors = counter(
             "request_errors", "Requests that failed, by gRPC status code name", "code")
+        self.prefills = counter(
+            "prefills", "Prompts computed, by where: a prefill worker (disaggregated) or the "
+            "decode worker itself (local)", "kind")
+        for kind in ("disaggregated", "local"):       # both series from the start (0)
+            self.prefills.labels(role, kind)
 
     def _worker_metrics(self, restarts: int) -> None:
         """Engine-level: queues, cache, phases, KV transfers."""
@@ -186,6 +190,10 @@ class Metrics:
     def in_flight(self):
         """`with metrics.in_flight():` counts the block in num_requests_running."""
         return self.num_requests_running.track_inprogress()
+
+    def observe_prefill(self, kind: str) -> None:
+        """One segment's prompt computed: kind "disaggregated" or "local"."""
+        self.prefills.labels(self.role, kind).inc()
 
     def observe_error(self, code: str) -> None:
         """A failed request; `code` is a grpc.StatusCode name such as "UNAVAILABLE"."""

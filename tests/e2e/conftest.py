@@ -3,7 +3,8 @@
 `start_system(num_prefill, num_decode, **launcher_kwargs)` starts one through
 pdserve.launcher.Launcher on free 127.0.0.1 ports, waits until every process reports
 SERVING over gRPC health (bounded), and stops every process at teardown, also when the test
-failed. Each child's output goes to a log file under the test's tmp dir; a failed start
+failed. Its gateway prefills on the prefill workers (--disaggregation always) unless the
+test's gateway_args name a mode. Each child's output goes to a log file under the test's tmp dir; a failed start
 prints the tails.
 """
 from __future__ import annotations
@@ -36,7 +37,12 @@ def model_dir():
 
 
 def _start(model_dir, log_dir, num_prefill, num_decode, **kw) -> Launcher:
-    launcher = Launcher(model_dir, num_prefill, num_decode, log_dir=log_dir, **kw)
+    """A started Launcher. Its gateway runs --disaggregation always unless gateway_args say
+    (the fixtures' tests follow the disaggregated path; tests/e2e/test_disagg.py the others)."""
+    args = list(kw.pop("gateway_args", []))
+    if "--disaggregation" not in args:
+        args += ["--disaggregation", "always"]
+    launcher = Launcher(model_dir, num_prefill, num_decode, log_dir=log_dir, gateway_args=args, **kw)
     try:
         launcher.start(START_TIMEOUT_S)
     except LaunchError as e:

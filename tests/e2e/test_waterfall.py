@@ -1,6 +1,8 @@
 """The TTFT waterfall end to end (gateway/waterfall.py): real processes through
 pdserve.launcher.Launcher, the official `openai` SDK as the client, on the tiny model and on
-the real default model (SmolLM2-135M-Instruct).
+the real default model (SmolLM2-135M-Instruct), every prompt through the prefill worker
+(--disaggregation always); and the local shape (never: the decode worker computes the prompt)
+on the tiny model.
 
 The client's TTFT: from its request going out (httpx's request hook, once the SDK built it:
 1.5-2.5 ms of client CPU here are not in it) to the SDK handing over the first chunk with
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.e2e
 START_TIMEOUT_S = 900.0            # the real model may be fetched (93 MB) on first use
 DISAGG = {"gateway_queue", "routing", "decode_reservation", "prefill_queue", "prefill_compute",
           "kv_transfer", "decode_admission", "first_token_out"}
+LOCAL = {"gateway_queue", "routing", "local_prefill", "first_token_out"}   # --disaggregation never
 # ~96 prompt tokens on either tokenizer
 TEXT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
         "The story should mention the sea, the wind, an old dog, a storm at night, and a ship "
@@ -37,10 +40,10 @@ TEXT = ("Write a short story about a lighthouse keeper who finds a message in a 
         "lighting the lamp one last time before dawn breaks over the grey water.")
 
 
-def _launch(model_dir: str, tmp_path_factory, name: str) -> Launcher:
+def _launch(model_dir: str, tmp_path_factory, name: str, mode: str) -> Launcher:
     port = free_port()
     launcher = Launcher(model_dir, 1, 1, http_port=port, log_dir=tmp_path_factory.mktemp(name),
-                        gateway_args=["--health-interval-s", "0.5"])
+                        gateway_args=["--health-interval-s", "0.5", "--disaggregation", mode])
     try:
         launcher.start(START_TIMEOUT_S)
     except LaunchError as e:
@@ -51,9 +54,14 @@ def _launch(model_dir: str, tmp_path_factory, name: str) -> Launcher:
     return launcher
 
 
-@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+@pytest.fixture(scope="module", params=["tiny", "smollm2", "tiny-local"])
 def system(request, model_dir, tmp_path_factory):
-    launcher = _launch(model_dir if request.param == "tiny" else "", tmp_path_factory, request.param)
+    """1P1D, every prompt to the prefill worker (always), or computed by the decode worker
+    itself (never: the local shape of the waterfall)."""
+    local = request.param.endswith("local")
+    launcher = _launch(model_dir if request.param.startswith("tiny") else "", tmp_path_factory,
+                       request.param, "never" if local else "always")
+    launcher.expected = LOCAL if local else DISAGG
     try:
         yield launcher
     finally:
@@ -99,8 +107,8 @@ def test_the_phases_add_up_to_the_ttft_the_client_measures(client, system):
     for _ in range(7):
         ttft, usage = _stream(client, system)
         pd = usage.model_extra["pdserve"]
-        assert set(pd["ttft_phases_ms"]) == DISAGG, pd
-        assert list(pd["ttft_phases_ms"]) == [p for p in PHASES if p in DISAGG]   # in order
+        assert set(pd["ttft_phases_ms"]) == system.expected, pd
+        assert list(pd["ttft_phases_ms"]) == [p for p in PHASES if p in system.expected]   # in order
         assert all(v >= 0 for v in pd["ttft_phases_ms"].values())
         assert sum(pd["ttft_phases_ms"].values()) == pytest.approx(pd["ttft_ms"], abs=0.01)
         rows.append((ttft, pd["ttft_ms"], pd["ttft_phases_ms"]))
@@ -113,7 +121,8 @@ def test_the_phases_add_up_to_the_ttft_the_client_measures(client, system):
     # never more than the client saw: the phases lie inside its interval
     assert all(phased <= ttft for ttft, phased, _ in rows), rows
     # and the prompt's compute is a real part of it
-    assert statistics.median(p["prefill_compute"] for *_, p in rows) > 0
+    compute = "local_prefill" if system.expected is LOCAL else "prefill_compute"
+    assert statistics.median(p[compute] for *_, p in rows) > 0
 
 
 def test_usage_pdserve_only_when_asked(client, system):
@@ -126,10 +135,10 @@ def test_usage_pdserve_only_when_asked(client, system):
                                            messages=[{"role": "user", "content": "hi"}],
                                            extra_body={"pdserve": {"timings": True}})
     pd = asked.usage.model_extra["pdserve"]
-    assert pd["ttft_ms"] > 0 and set(pd["ttft_phases_ms"]) == DISAGG
+    assert pd["ttft_ms"] > 0 and set(pd["ttft_phases_ms"]) == system.expected
     comp = client.completions.create(model=system.model_id, prompt="Once upon a time", max_tokens=3,
                                      extra_body={"pdserve": {"timings": True}})
-    assert set(comp.usage.model_extra["pdserve"]["ttft_phases_ms"]) == DISAGG
+    assert set(comp.usage.model_extra["pdserve"]["ttft_phases_ms"]) == system.expected
     streamed = list(client.completions.create(
         model=system.model_id, prompt="Once upon a time", max_tokens=3, stream=True,
         stream_options={"include_usage": True}, extra_body={"pdserve": {"timings": True}}))
@@ -162,6 +171,7 @@ def test_the_phase_histogram_counts_move(client, system):
     for _ in range(2):
         _stream(client, system, 2, timings=False)    # observed whether or not usage asks
     after = _phase_counts(system)
-    for phase in DISAGG:
+    for phase in system.expected:
         assert after[phase] == before.get(phase, 0) + 2, (phase, before, after)
-    assert after.get("local_prefill", 0) == before.get("local_prefill", 0)
+    for phase in (DISAGG | LOCAL) - system.expected:
+        assert after.get(phase, 0) == before.get(phase, 0), (phase, before, after)

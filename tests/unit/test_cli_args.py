@@ -149,8 +149,25 @@ def test_pdserve_up_passes_engine_options_to_every_worker(monkeypatch):
     gateway = launcher.children[-1].argv
     assert "--max-model-len" not in gateway     # the gateway learns it from the workers' Stats
     assert Launcher("m").engine == EngineOptions()      # and by default the workers get nothing
-    with pytest.raises(ValueError, match="--prefill and --decode must be >= 1"):
-        UpConfig(prefill=0)
+    with pytest.raises(ValueError, match="--prefill must be >= 0 and --decode >= 1"):
+        UpConfig(decode=0)
+    with pytest.raises(ValueError, match="--prefill 0 --disaggregation always"):
+        UpConfig(prefill=0, disaggregation="always")
+    with pytest.raises(ValueError, match="--disaggregation must be one of"):
+        UpConfig(disaggregation="sometimes")
+
+
+def test_up_with_no_prefill_workers_gives_the_decode_workers_every_core():
+    """`pdserve up --prefill 0`: legal with never/auto; the gateway gets the mode and an
+    empty prefill list; the decode workers share all the cores (nobody else computes)."""
+    up = UpConfig(prefill=0, decode=2, disaggregation="never")
+    assert up.threads(cores=8) == (8, 4)
+    assert UpConfig(prefill=1, decode=2).threads(cores=8) == (8, 2)
+    from pdserve.up import gateway_argv
+    assert gateway_argv(up)[-2:] == ["--disaggregation", "never"]
+    launcher = Launcher("m", 0, 1)
+    launcher.children = []
+    assert launcher._gateway_models()[:4] == ["--model", "m", "--prefill", ""]
 
 
 def test_the_cli_does_not_import_torch():

@@ -40,7 +40,7 @@ class _Worker:
                                             (grpc.StatusCode.UNAVAILABLE, True),
                                             (grpc.StatusCode.RESOURCE_EXHAUSTED, False)])
 def test_a_refusal_before_kv_ready_lets_another_worker_take_it(code, unhealthy):
-    segs, w = Segments(None, GatewayConfig(), None), _Worker(code)
+    segs, w = Segments(None, GatewayConfig(disaggregation="always"), None), _Worker(code)
     seg = Segment("r1")
 
     async def reserve():
@@ -53,7 +53,7 @@ def test_a_refusal_before_kv_ready_lets_another_worker_take_it(code, unhealthy):
 
 
 def test_other_errors_before_kv_ready_fail_the_request():
-    segs, w = Segments(None, GatewayConfig(), None), _Worker(grpc.StatusCode.INVALID_ARGUMENT)
+    segs, w = Segments(None, GatewayConfig(disaggregation="always"), None), _Worker(grpc.StatusCode.INVALID_ARGUMENT)
 
     async def reserve():
         return await segs._reserve(Segment("r1"), w, [1], SamplingParams(), asyncio.get_running_loop().time() + 5)

@@ -69,9 +69,12 @@ def test_up_models_file(tmp_path):
                                             {"name": "b", "model": "/m/b"}])) == [
         ModelPools("a", "/m/a", 1, 2), ModelPools("b", "/m/b", 1, 1)]
     for bad in ([{"name": "a", "model": "x"}, {"name": "a", "model": "y"}],
-                [{"name": "a", "model": "x", "prefill": 0}], [{"model": "x"}], "x"):
+                [{"name": "a", "model": "x", "decode": 0}], [{"model": "x"}], "x"):
         with pytest.raises(ValueError, match="models file"):
             ModelPools.read(write(tmp_path, bad))
+    # prefill 0: that model's decode workers compute its prompts (--disaggregation never|auto)
+    assert ModelPools.read(write(tmp_path, [{"name": "a", "model": "x", "prefill": 0}])) == [
+        ModelPools("a", "x", 0, 1)]
 
 
 def gateways(tmp_path, tiny, *names):

@@ -260,7 +260,7 @@ def test_the_end_to_end_deadline_follows_the_tokens_asked_for(system, monkeypatc
 
     async def run(per_token):
         gw = Gateway(GatewayConfig(model=system.model_dir, prefill=system.gateway.cfg.prefill,
-                                   decode=system.gateway.cfg.decode, health_interval_s=0.5,
+                                   decode=system.gateway.cfg.decode, health_interval_s=0.5, disaggregation="always",
                                    request_timeout_s=base, request_timeout_per_token_s=per_token))
         await gw.start()
         try:

@@ -74,13 +74,16 @@ class System:
 
     def __init__(self, model_dir: str, prefill_options: dict = {}, decode_options: dict = {},
                  prefill_config: dict = {}, prefill_transport=None, decode_config: dict = {},
-                 token_file: str = ""):
+                 token_file: str = "", gateway_config: dict = {}):
         """`*_options`: more EngineOptions by name for that worker (test_quant_pd.py);
         `*_config`: more PrefillWorkerConfig / DecodeWorkerConfig fields
         (test_admission_prefill.py); `token_file`: the internal credential of all three
         (the test's own channels send it too; test_internal_credential.py);
         `prefill_transport`: the prefill worker's KV transport (a LoopbackTransport by
-        default; test_faults_kv.py tampers with its messages)."""
+        default; test_faults_kv.py tampers with its messages); `gateway_config`: more
+        GatewayConfig fields (default: --disaggregation always, the path these tests
+        follow; test_disagg_inprocess.py runs never and auto)."""
+        self.gateway_config = {"disaggregation": "always", **gateway_config}
         self.model_dir, self.prefill_config, self.decode_config = model_dir, prefill_config, decode_config
         self.token_file = token_file
         self.prefill_transport = prefill_transport or LoopbackTransport()
@@ -143,7 +146,8 @@ class System:
         self.dec = decode_pb2_grpc.DecodeWorkerStub(self.dec_ch)
         self.gateway = Gateway(GatewayConfig(model=self.model_dir, prefill=f"127.0.0.1:{pcfg.port}",
                                              decode=f"127.0.0.1:{dcfg.port}", health_interval_s=0.5,
-                                             internal_token_file=self.token_file))
+                                             internal_token_file=self.token_file,
+                                             **self.gateway_config))
         await self.gateway.start()
 
     async def stop(self) -> None:

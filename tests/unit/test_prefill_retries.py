@@ -107,7 +107,7 @@ def test_a_lapsed_reservation_fails_the_request_before_its_first_event():
         decode, prefill = _pool("decode", [KV_READY]), _pool("prefill", [FIRST])
         d = decode.workers["decode:0"]
         d.stub.accept_first = False
-        segs = Segments(Router(prefill, decode, 16, 1.5), GatewayConfig(), Metrics("gateway"))
+        segs = Segments(Router(prefill, decode, 16, 1.5), GatewayConfig(disaggregation="always"), Metrics("gateway"))
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         req = RequestState(GenerateInput("r1", [1, 2, 3], params),
                            OutputProcessor(tok, [1, 2, 3], params, 64),

@@ -94,7 +94,7 @@ async def _run_segment(decode_outcomes, prefill_outcomes, cancel_in_prefill=Fals
     Segments.run does; `cancel_in_prefill`: its caller goes away once a Prefill is open.
     Returns (what it raised or returned, the segment, the decode and prefill pools)."""
     decode, prefill = _pool("decode", decode_outcomes), _pool("prefill", prefill_outcomes)
-    segs = Segments(Router(prefill, decode, 16, 1.5), GatewayConfig(), Metrics("gateway"))
+    segs = Segments(Router(prefill, decode, 16, 1.5), GatewayConfig(disaggregation="always"), Metrics("gateway"))
     req = SimpleNamespace(lost=set(), deadline=asyncio.get_running_loop().time() + 10,
                           clock=PhaseClock())
     seg = Segment("r1")

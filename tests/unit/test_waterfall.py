@@ -137,3 +137,26 @@ def test_a_request_through_the_gateway_fills_the_waterfall(system):
     assert (at[0] - arrived) * 1e3 <= clock.ttft_ms <= (at[1] - arrived) * 1e3, (at, phases)
     assert gw.waterfall.summary()["count"] == before + 1
     assert reg.get_sample_value("pdserve:ttft_phase_seconds_count", label) == hist_before + 1
+
+
+def test_a_local_request_has_the_local_shape(model_dir):  # noqa: F811
+    """--disaggregation never: the decode worker computes the prompt; the phases are
+    gateway_queue, routing, local_prefill, first_token_out, adding up as before."""
+    with System.started(model_dir, gateway_config={"disaggregation": "never"}) as s:
+        async def main():
+            inp = GenerateInput("wfl-" + uuid.uuid4().hex, _prompt(30, 8),
+                                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                                arrived=time.monotonic())
+            at, last = [], None
+            async for ev in s.gateway.generate(inp):
+                if ev.token_ids:
+                    at.append(time.monotonic())
+                last = ev
+            await s.wait_all_free()
+            return inp.arrived, at, last
+        arrived, at, last = s.run(main())
+        clock = last.usage.timings
+        assert list(clock.phases_ms()) == ["gateway_queue", "routing", "local_prefill",
+                                           "first_token_out"]
+        assert (at[0] - arrived) * 1e3 <= clock.ttft_ms <= (at[1] - arrived) * 1e3
+        assert s.gateway.waterfall.summary()["phases"]["local_prefill"]["count"] == 1

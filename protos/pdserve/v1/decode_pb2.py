@@ -25,29 +25,29 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\xba\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rkv_timeout_ms\x18\x04 \x01(\x05\x12\x36\n\x11kv_failure_policy\x18\x05 \x01(\x0e\x32\x1b.pdserve.v1.KvFailurePolicy\"\xf6\x01\n\x07KvReady\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12$\n\x06\x63ompat\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvCompat\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0fidle_timeout_ms\x18\x0c \x01(\x05\x12\x1e\n\x16max_expires_at_unix_ms\x18\r \x01(\x03\"\x98\x01\n\nTokenChunk\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\"~\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x08kv_ready\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KvReadyH\x00\x12(\n\x06tokens\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x42\x05\n\x03msg\"\\\n\x17SubmitFirstTokenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\",\n\x18SubmitFirstTokenResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"\xb9\x02\n\x0b\x44\x65\x63odeStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1a\n\x12num_waiting_for_kv\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x03\x12/\n\ttransfers\x18\x08 \x01(\x0b\x32\x1c.pdserve.v1.TransferCounters\x12$\n\x06\x63ompat\x18\t \x01(\x0b\x32\x14.pdserve.v1.KvCompat\x12\x13\n\x0bkv_endpoint\x18\n \x01(\t\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05*q\n\x0fKvFailurePolicy\x12!\n\x1dKV_FAILURE_POLICY_UNSPECIFIED\x10\x00\x12\x1a\n\x16KV_FAILURE_POLICY_FAIL\x10\x01\x12\x1f\n\x1bKV_FAILURE_POLICY_RECOMPUTE\x10\x02\x32\xaa\x02\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12]\n\x10SubmitFirstToken\x12#.pdserve.v1.SubmitFirstTokenRequest\x1a$.pdserve.v1.SubmitFirstTokenResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.DecodeStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\xd1\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rkv_timeout_ms\x18\x04 \x01(\x05\x12\x36\n\x11kv_failure_policy\x18\x05 \x01(\x0e\x32\x1b.pdserve.v1.KvFailurePolicy\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\"\xf6\x01\n\x07KvReady\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12$\n\x06\x63ompat\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvCompat\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0fidle_timeout_ms\x18\x0c \x01(\x05\x12\x1e\n\x16max_expires_at_unix_ms\x18\r \x01(\x03\"\x98\x01\n\nTokenChunk\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\"~\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x08kv_ready\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KvReadyH\x00\x12(\n\x06tokens\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x42\x05\n\x03msg\"\\\n\x17SubmitFirstTokenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\",\n\x18SubmitFirstTokenResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"\xb9\x02\n\x0b\x44\x65\x63odeStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1a\n\x12num_waiting_for_kv\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x03\x12/\n\ttransfers\x18\x08 \x01(\x0b\x32\x1c.pdserve.v1.TransferCounters\x12$\n\x06\x63ompat\x18\t \x01(\x0b\x32\x14.pdserve.v1.KvCompat\x12\x13\n\x0bkv_endpoint\x18\n \x01(\t\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05*q\n\x0fKvFailurePolicy\x12!\n\x1dKV_FAILURE_POLICY_UNSPECIFIED\x10\x00\x12\x1a\n\x16KV_FAILURE_POLICY_FAIL\x10\x01\x12\x1f\n\x1bKV_FAILURE_POLICY_RECOMPUTE\x10\x02\x32\xaa\x02\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12]\n\x10SubmitFirstToken\x12#.pdserve.v1.SubmitFirstTokenRequest\x1a$.pdserve.v1.SubmitFirstTokenResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.DecodeStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdserve.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVFAILUREPOLICY']._serialized_start=1255
-  _globals['_KVFAILUREPOLICY']._serialized_end=1368
+  _globals['_KVFAILUREPOLICY']._serialized_start=1278
+  _globals['_KVFAILUREPOLICY']._serialized_end=1391
   _globals['_DECODEREQUEST']._serialized_start=79
-  _globals['_DECODEREQUEST']._serialized_end=265
-  _globals['_KVREADY']._serialized_start=268
-  _globals['_KVREADY']._serialized_end=514
-  _globals['_TOKENCHUNK']._serialized_start=517
-  _globals['_TOKENCHUNK']._serialized_end=669
-  _globals['_DECODERESPONSE']._serialized_start=671
-  _globals['_DECODERESPONSE']._serialized_end=797
-  _globals['_SUBMITFIRSTTOKENREQUEST']._serialized_start=799
-  _globals['_SUBMITFIRSTTOKENREQUEST']._serialized_end=891
-  _globals['_SUBMITFIRSTTOKENRESPONSE']._serialized_start=893
-  _globals['_SUBMITFIRSTTOKENRESPONSE']._serialized_end=937
-  _globals['_DECODESTATS']._serialized_start=940
-  _globals['_DECODESTATS']._serialized_end=1253
-  _globals['_DECODEWORKER']._serialized_start=1371
-  _globals['_DECODEWORKER']._serialized_end=1669
+  _globals['_DECODEREQUEST']._serialized_end=288
+  _globals['_KVREADY']._serialized_start=291
+  _globals['_KVREADY']._serialized_end=537
+  _globals['_TOKENCHUNK']._serialized_start=540
+  _globals['_TOKENCHUNK']._serialized_end=692
+  _globals['_DECODERESPONSE']._serialized_start=694
+  _globals['_DECODERESPONSE']._serialized_end=820
+  _globals['_SUBMITFIRSTTOKENREQUEST']._serialized_start=822
+  _globals['_SUBMITFIRSTTOKENREQUEST']._serialized_end=914
+  _globals['_SUBMITFIRSTTOKENRESPONSE']._serialized_start=916
+  _globals['_SUBMITFIRSTTOKENRESPONSE']._serialized_end=960
+  _globals['_DECODESTATS']._serialized_start=963
+  _globals['_DECODESTATS']._serialized_end=1276
+  _globals['_DECODEWORKER']._serialized_start=1394
+  _globals['_DECODEWORKER']._serialized_end=1692
 # @@protoc_insertion_point(module_scope)

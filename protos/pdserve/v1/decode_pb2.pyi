@@ -18,18 +18,20 @@ KV_FAILURE_POLICY_FAIL: KvFailurePolicy
 KV_FAILURE_POLICY_RECOMPUTE: KvFailurePolicy
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_timeout_ms", "kv_failure_policy")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_timeout_ms", "kv_failure_policy", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     KV_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     kv_timeout_ms: int
     kv_failure_policy: KvFailurePolicy
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_timeout_ms: _Optional[int] = ..., kv_failure_policy: _Optional[_Union[KvFailurePolicy, str]] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_timeout_ms: _Optional[int] = ..., kv_failure_policy: _Optional[_Union[KvFailurePolicy, str]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class KvReady(_message.Message):
     __slots__ = ("transfer_id", "kv_endpoint", "block_ids", "num_cached_tokens", "compat", "decode_worker_id", "expires_at_unix_ms", "idle_timeout_ms", "max_expires_at_unix_ms")

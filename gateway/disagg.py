@@ -1,0 +1,199 @@
+"""Conditional disaggregation: per request, does a prefill worker compute the prompt and hand
+its KV over (disaggregated), or does the chosen decode worker compute it itself (local)?
+Pure: no gRPC, no clock; the gateway (gateway/segment.py) and the simulator run the same rule.
+
+    mode never:   local, always
+    mode always:  disaggregated, always (no healthy prefill worker: the gateway's 503, as before)
+    mode auto, in this order (the first that applies decides; its reason is recorded):
+      1. no healthy prefill worker                        -> local  (never a 503 for that)
+      2. the decode worker is too loaded to compute a prompt:
+           free KV below min_free_kv (a fraction), or prompts already queued in its engine
+           (waiting, not counting reservations waiting for KV), or it has streams running
+           and the local prefill would stall them longer than max_stall_s (0: no bound)
+                                                          -> disaggregated
+      3. the uncached part is short: uncached <= max_local_tokens
+                                                          -> local
+      4. local_s <= remote_s: the handover does not pay   -> local
+      5. otherwise                                        -> disaggregated
+
+    uncached  = prompt tokens - what the chosen decode worker holds of it (the gateway's
+                decode prefix affinity, gateway/affinity.py: full blocks it last sent there)
+    local_s   = local.cost(uncached)          the decode worker computing the uncached part
+    remote_s  = remote.cost(prompt + queued)  a prefill worker's queue (tokens queued per
+                healthy worker: Stats' queued_prefill_tokens, or the gateway's own count of
+                tokens it has in Prefill calls, whichever is larger), its compute and the
+                handover (reservation, KV transfer, first token to the decode worker)
+
+Costs are lines (seconds = a + b * tokens), learnt online from the gateway's own
+observations (`observe_local`: Decode(local_prefill) open -> first token, against the
+uncached tokens; `observe_remote`: Decode open -> the prefill worker's first token, against
+prompt + queued tokens), each a least-squares fit with exponential forgetting (`OnlineLine`),
+seeded by `prior_weight` pseudo-observations of the defaults below, or of a profile from
+`pdserve profile` (sim/profile.py's schema, read here as JSON: `fits.prefill` [a, b, c] and
+`fits.handover` [a, b]).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODES = ("always", "never", "auto")
+LOCAL, DISAGGREGATED = "local", "disaggregated"
+KINDS = (DISAGGREGATED, LOCAL)
+
+# Seeds without a profile (seconds, seconds per token): a modest GPU's prefill; the learnt
+# fits replace them after a few requests of each kind.
+DEFAULT_PREFILL = (0.005, 0.0002)
+DEFAULT_HANDOVER = (0.02, 0.00002)
+
+
+class OnlineLine:
+    """seconds ~ a + b * tokens, least squares over the observations, each weighed down by
+    `decay` per later observation (a recent window of about 1 / (1 - decay)); a and b are
+    kept >= 0 (a cost never falls with more work)."""
+
+    def __init__(self, a: float, b: float, prior_weight: float = 4.0, decay: float = 0.95,
+                 spread: float = 512.0):
+        self.decay = decay
+        self.n = 0                          # real observations
+        self._s = [0.0] * 5                 # sums of w, w x, w x x, w y, w x y
+        for x in (0.0, spread):             # the prior: points on the seed line
+            self._add(x, a + b * x, prior_weight / 2)
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        for i, v in enumerate((w, w * x, w * x * x, w * y, w * x * y)):
+            self._s[i] += v
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        self._s = [v * self.decay for v in self._s]
+        self._add(float(tokens), float(seconds), 1.0)
+        self.n += 1
+
+    def coef(self) -> tuple[float, float]:
+        w, sx, sxx, sy, sxy = self._s
+        det = w * sxx - sx * sx
+        b = (w * sxy - sx * sy) / det if det > 1e-12 else 0.0
+        b = max(b, 0.0)
+        return max((sy - b * sx) / w, 0.0), b
+
+    def cost(self, tokens: float) -> float:
+        a, b = self.coef()
+        return a + b * max(tokens, 0.0)
+
+
+@dataclass(frozen=True)
+class PrefillView:
+    """The prefill pool as the gateway sees it now."""
+    healthy: int
+    queued_tokens: int = 0            # prompt tokens queued on the healthy workers, summed
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    """The chosen decode worker as the gateway sees it now."""
+    running: int = 0                  # streams (the gateway's in-flight count, or Stats')
+    waiting: int = 0                  # prompts queued in its engine (not reservations)
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0          # 0: unknown (no Stats yet): no KV rule
+
+
+@dataclass
+class Choice:
+    kind: str                         # LOCAL | DISAGGREGATED
+    reasons: list[str]
+    uncached: int = 0
+    local_s: float = 0.0
+    remote_s: float = 0.0
+
+
+@dataclass
+class DisaggPolicy:
+    mode: str = "auto"
+    max_local_tokens: int = 64
+    max_stall_s: float = 0.0
+    min_free_kv: float = 0.1
+    local: OnlineLine = field(default_factory=lambda: OnlineLine(*DEFAULT_PREFILL))
+    remote: OnlineLine = field(default_factory=lambda: OnlineLine(
+        DEFAULT_PREFILL[0] + DEFAULT_HANDOVER[0], DEFAULT_PREFILL[1] + DEFAULT_HANDOVER[1]))
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"--disaggregation must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.max_local_tokens < 0 or self.max_stall_s < 0 or not 0 <= self.min_free_kv < 1:
+            raise ValueError("max_local_tokens and max_stall_s must be >= 0, min_free_kv in [0, 1)")
+
+    @classmethod
+    def with_profile(cls, path: str = "", **kw) -> "DisaggPolicy":
+        """A policy whose cost seeds come from a `pdserve profile` JSON file ("": defaults)."""
+        if not path:
+            return cls(**kw)
+        (pa, pb), (ha, hb) = read_profile_costs(path)
+        return cls(local=OnlineLine(pa, pb), remote=OnlineLine(pa + ha, pb + hb), **kw)
+
+    def decide(self, prompt_tokens: int, cached_tokens: int, prefill: PrefillView,
+               decode: DecodeView) -> Choice:
+        uncached = max(prompt_tokens - cached_tokens, 0)
+        if self.mode == "never":
+            return Choice(LOCAL, ["--disaggregation never"], uncached)
+        if self.mode == "always":
+            return Choice(DISAGGREGATED, ["--disaggregation always"], uncached)
+        local_s = self.local.cost(uncached)
+        queued = prefill.queued_tokens / max(prefill.healthy, 1)
+        remote_s = self.remote.cost(prompt_tokens + queued)
+        c = Choice(LOCAL, [], uncached, local_s, remote_s)
+        if prefill.healthy == 0:
+            c.reasons.append("no healthy prefill worker")
+            return c
+        busy = self._too_loaded(decode, local_s)
+        if busy:
+            c.kind, c.reasons = DISAGGREGATED, [f"decode worker too loaded: {busy}"]
+        elif uncached <= self.max_local_tokens:
+            c.reasons.append(f"uncached {uncached} tokens <= {self.max_local_tokens} "
+                             "(--disagg-max-local-tokens)")
+        elif local_s <= remote_s:
+            c.reasons.append(f"local prefill {local_s * 1e3:.1f} ms <= queue + prefill + "
+                             f"handover {remote_s * 1e3:.1f} ms ({queued:.0f} tokens queued "
+                             "per prefill worker)")
+        else:
+            c.kind = DISAGGREGATED
+            c.reasons.append(f"local prefill {local_s * 1e3:.1f} ms > queue + prefill + "
+                             f"handover {remote_s * 1e3:.1f} ms")
+        return c
+
+    def _too_loaded(self, d: DecodeView, local_s: float) -> str:
+        """Why the decode worker should not compute a prompt now ("" when it may)."""
+        if d.total_kv_blocks and d.free_kv_blocks < self.min_free_kv * d.total_kv_blocks:
+            return f"{d.free_kv_blocks} of {d.total_kv_blocks} KV blocks free"
+        if d.waiting > 0:
+            return f"{d.waiting} prompt(s) already queued in its engine"
+        if self.max_stall_s and d.running and local_s > self.max_stall_s:
+            return (f"a {local_s * 1e3:.1f} ms prefill would stall its {d.running} stream(s) "
+                    f"past {self.max_stall_s * 1e3:.0f} ms (--disagg-max-stall-ms)")
+        return ""
+
+    def observe_local(self, uncached: int, seconds: float) -> None:
+        self.local.observe(uncached, seconds)
+
+    def observe_remote(self, tokens: float, seconds: float) -> None:
+        """`tokens`: the prompt plus the tokens queued per prefill worker at the decision."""
+        self.remote.observe(tokens, seconds)
+
+
+def read_profile_costs(path: str) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((prefill a, b), (handover a, b)) from a profile (`pdserve.profile/1`): the prefill
+    fit's quadratic term is folded into b at 512 tokens (the line is what is learnt)."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--profile {path}: cannot read it: {e}") from None
+    schema = d.get("schema") if isinstance(d, dict) else None
+    if not isinstance(schema, str) or not schema.startswith("pdserve.profile/1"):
+        raise ValueError(f"--profile {path}: not a pdserve.profile/1 file (schema {schema!r})")
+    try:
+        pre, hand = d["fits"]["prefill"], d["fits"]["handover"]
+        a, b, c = (float(x) for x in (list(pre) + [0.0, 0.0])[:3])
+        ha, hb = (float(x) for x in (list(hand) + [0.0])[:2])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--profile {path}: no fits.prefill / fits.handover ({e})") from None
+    return (max(a, 0.0), max(b + c * 256.0, 0.0)), (max(ha, 0.0), max(hb, 0.0))

@@ -1,0 +1,115 @@
+"""Where a segment's prompt is computed: gateway/disagg.py's rule fed with what the gateway
+knows now, and its bookkeeping.
+
+    choose(decode worker, prompt, cached)
+        cached   = the decode prefix affinity's blocks held by that worker x its block size
+                   (Router.cached_on)
+        prefill  = PrefillView(healthy prefill workers, queued tokens: the larger of their
+                   Stats' queued_prefill_tokens and the tokens of this gateway's Prefill
+                   calls still open)
+        decode   = DecodeView(running: the larger of the gateway's in-flight count on it
+                   and its Stats' num_running; waiting: its engine's queue less the
+                   reservations waiting for KV; KV blocks from its Stats)
+        -> a Ticket (the Choice, the tokens it counts against the prefill queue, a clock)
+    started(ticket)                 a disaggregated segment's Prefill is about to open
+    first_token(ticket, now)        the first token is there: the cost it took is learnt
+                                    (observe_local / observe_remote), the queue released
+    done(ticket)                    the segment ended (whatever happened): queue released
+    counted(ticket)                 each segment's prompt counted once by kind:
+                                    pdserve:prefills_total{kind} and `counts`
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.metrics import Metrics
+
+from .config import GatewayConfig
+from .disagg import DISAGGREGATED, KINDS, LOCAL, Choice, DecodeView, DisaggPolicy, PrefillView
+from .registry import Worker, WorkerPool
+from .request import GatewayError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Ticket:
+    choice: Choice
+    prompt_tokens: int
+    queued_per_worker: float = 0.0
+    t_open: float = 0.0               # loop time the segment's Decode call opened
+    in_queue: bool = False            # its tokens count in the gateway's prefill queue
+    observed: bool = False
+
+    @property
+    def local(self) -> bool:
+        return self.choice.kind == LOCAL
+
+
+@dataclass
+class Placement:
+    policy: DisaggPolicy
+    prefill: WorkerPool
+    metrics: Metrics
+    counts: dict = field(default_factory=lambda: {k: 0 for k in KINDS})
+    queued_tokens: int = 0            # tokens of this gateway's Prefill calls still open
+
+    @classmethod
+    def from_config(cls, cfg: GatewayConfig, prefill: WorkerPool, metrics: Metrics) -> "Placement":
+        policy = DisaggPolicy.with_profile(
+            cfg.profile, mode=cfg.disaggregation, max_local_tokens=cfg.disagg_max_local_tokens,
+            max_stall_s=cfg.disagg_max_stall_ms / 1e3)
+        return cls(policy, prefill, metrics)
+
+    def choose(self, w: Worker, prompt: list[int], cached: int,
+               prompt_logprobs: bool = False) -> Ticket:
+        """`cached`: prompt tokens the decode affinity says `w` holds (Router.cached_on).
+        `prompt_logprobs`: asked for, which only a prefill worker returns: disaggregated
+        (--disaggregation never: INVALID_ARGUMENT)."""
+        healthy = self.prefill.healthy()
+        queued = max(sum(x.stats.queued_prefill_tokens for x in healthy if x.stats is not None),
+                     self.queued_tokens)
+        s = w.stats
+        running = max(w.in_flight, s.num_running if s is not None else 0)
+        view = DecodeView(running=running) if s is None else DecodeView(
+            running, max(s.num_waiting - s.num_waiting_for_kv, 0), s.free_kv_blocks,
+            s.total_kv_blocks)
+        choice = self.policy.decide(len(prompt), cached, PrefillView(len(healthy), queued), view)
+        if prompt_logprobs and choice.kind == LOCAL:
+            if self.policy.mode == "never":
+                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "prompt_logprobs need a "
+                                   "prefill worker: this gateway runs --disaggregation never")
+            choice.kind, choice.reasons = DISAGGREGATED, ["prompt_logprobs asked (only a "
+                                                          "prefill worker returns them)"]
+        return Ticket(choice, len(prompt), queued / max(len(healthy), 1))
+
+    def started(self, t: Ticket) -> None:
+        if not t.in_queue and not t.local:
+            t.in_queue = True
+            self.queued_tokens += t.prompt_tokens
+
+    def first_token(self, t: Ticket, now: float) -> None:
+        if not t.observed and t.t_open:
+            t.observed = True
+            if t.local:
+                self.policy.observe_local(t.choice.uncached, now - t.t_open)
+            else:
+                self.policy.observe_remote(t.prompt_tokens + t.queued_per_worker, now - t.t_open)
+        self.done(t)
+
+    def done(self, t: Ticket) -> None:
+        if t.in_queue:
+            t.in_queue = False
+            self.queued_tokens -= t.prompt_tokens
+
+    def counted(self, t: Ticket, rid: str) -> None:
+        kind = t.choice.kind
+        self.counts[kind] += 1
+        self.metrics.observe_prefill(kind)
+        log.debug("request %s: %s prefill (%s)", rid, kind, "; ".join(t.choice.reasons))
+
+
+__all__ = ["Placement", "Ticket", "LOCAL", "DISAGGREGATED"]

@@ -1,0 +1,131 @@
+"""gateway/disagg.py: each rule of the conditional-disaggregation decision, in its order,
+with its reason; the online cost lines; the profile reader."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.disagg import (DISAGGREGATED, LOCAL, DecodeView, DisaggPolicy, OnlineLine,
+                            PrefillView, read_profile_costs)
+
+ONE_P = PrefillView(healthy=1)
+IDLE_D = DecodeView(running=0, waiting=0, free_kv_blocks=900, total_kv_blocks=1000)
+
+
+def _policy(**kw):
+    # local: 1 ms/token; remote: 50 ms + 0.5 ms/token (the handover's fixed cost)
+    kw.setdefault("local", OnlineLine(0.0, 0.001))
+    kw.setdefault("remote", OnlineLine(0.05, 0.0005))
+    return DisaggPolicy(**kw)
+
+
+def test_never_and_always_force_each_way():
+    assert _policy(mode="never").decide(5000, 0, ONE_P, IDLE_D).kind == LOCAL
+    c = _policy(mode="always").decide(3, 0, PrefillView(0), IDLE_D)
+    assert c.kind == DISAGGREGATED and c.reasons == ["--disaggregation always"]
+
+
+def test_no_healthy_prefill_worker_is_local_not_an_error():
+    c = _policy().decide(5000, 0, PrefillView(healthy=0), DecodeView(running=50, waiting=3))
+    assert c.kind == LOCAL and c.reasons == ["no healthy prefill worker"]
+
+
+def test_a_short_uncached_part_is_local():
+    c = _policy(max_local_tokens=64).decide(64, 0, ONE_P, IDLE_D)
+    assert c.kind == LOCAL and "uncached 64 tokens <= 64" in c.reasons[0]
+    # a long prompt whose prefix the decode worker holds: only the rest counts
+    c = _policy(max_local_tokens=64).decide(1000, 960, ONE_P, IDLE_D)
+    assert c.kind == LOCAL and c.uncached == 40
+
+
+def test_costs_decide_past_the_short_bound():
+    p = _policy(max_local_tokens=0)
+    # 80 tokens: local 80 ms > remote 50 + 40 = 90 ms? no: 80 <= 90 -> local
+    c = p.decide(80, 0, ONE_P, IDLE_D)
+    assert c.kind == LOCAL and "<= queue + prefill + handover" in c.reasons[0]
+    assert c.local_s == pytest.approx(0.08) and c.remote_s == pytest.approx(0.09)
+    # 200 tokens: local 200 ms > remote 150 ms -> disaggregated
+    c = p.decide(200, 0, ONE_P, IDLE_D)
+    assert c.kind == DISAGGREGATED and "> queue + prefill + handover" in c.reasons[0]
+
+
+def test_a_long_prefill_queue_makes_local_pay():
+    p = _policy(max_local_tokens=0)
+    assert p.decide(200, 0, ONE_P, IDLE_D).kind == DISAGGREGATED
+    # 4000 tokens queued over 2 workers: 2000 per worker ahead of this prompt
+    c = p.decide(200, 0, PrefillView(healthy=2, queued_tokens=4000), IDLE_D)
+    assert c.kind == LOCAL and "2000 tokens queued per prefill worker" in c.reasons[0]
+
+
+def test_a_loaded_decode_worker_disaggregates_even_a_short_prompt():
+    p = _policy(max_local_tokens=64, min_free_kv=0.1)
+    c = p.decide(10, 0, ONE_P, DecodeView(free_kv_blocks=50, total_kv_blocks=1000))
+    assert c.kind == DISAGGREGATED and "50 of 1000 KV blocks free" in c.reasons[0]
+    c = p.decide(10, 0, ONE_P, DecodeView(waiting=2, free_kv_blocks=900, total_kv_blocks=1000))
+    assert c.kind == DISAGGREGATED and "2 prompt(s) already queued" in c.reasons[0]
+    # no Stats yet (total 0): the KV rule does not apply
+    assert p.decide(10, 0, ONE_P, DecodeView()).kind == LOCAL
+
+
+def test_the_stall_bound_protects_running_streams():
+    p = _policy(max_local_tokens=1000, max_stall_s=0.1)
+    assert p.decide(500, 0, ONE_P, IDLE_D).kind == LOCAL           # nothing running to stall
+    c = p.decide(500, 0, ONE_P, DecodeView(running=3, free_kv_blocks=900, total_kv_blocks=1000))
+    assert c.kind == DISAGGREGATED and "stall its 3 stream(s) past 100 ms" in c.reasons[0]
+    assert p.decide(50, 0, ONE_P, DecodeView(running=3)).kind == LOCAL   # 50 ms: within
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="--disaggregation must be one of"):
+        DisaggPolicy(mode="sometimes")
+    with pytest.raises(ValueError):
+        DisaggPolicy(min_free_kv=1.5)
+
+
+def test_online_line_learns_the_observed_costs_and_forgets_the_seed():
+    line = OnlineLine(0.0, 0.0001)                    # seeded far too cheap
+    for n in (100, 300, 500, 700) * 10:
+        line.observe(n, 0.2 + 0.002 * n)
+    a, b = line.coef()
+    assert a == pytest.approx(0.2, rel=0.1) and b == pytest.approx(0.002, rel=0.05)
+    assert line.cost(1000) == pytest.approx(2.2, rel=0.05) and line.n == 40
+
+
+def test_online_line_never_goes_negative():
+    line = OnlineLine(0.1, 0.001)
+    for n in range(10, 500, 10):
+        line.observe(n, max(0.5 - 0.001 * n, 0.0))       # falling cost: b clamps at 0
+    a, b = line.coef()
+    assert b == 0.0 and a >= 0.0 and line.cost(10_000) >= 0.0
+
+
+def test_learnt_costs_move_the_decision():
+    p = _policy(max_local_tokens=0)
+    assert p.decide(80, 0, ONE_P, IDLE_D).kind == LOCAL
+    for _ in range(60):                                    # local turns out 10x dearer
+        p.observe_local(80, 0.8)
+        p.observe_local(160, 1.6)
+    assert p.decide(80, 0, ONE_P, IDLE_D).kind == DISAGGREGATED
+
+
+def test_profile_seeds_the_costs(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"schema": "pdserve.profile/1", "fits": {
+        "prefill": [0.01, 0.001, 0.0], "decode": [0, 0, 0], "handover": [0.2, 0.0001]}}))
+    (pa, pb), (ha, hb) = read_profile_costs(str(f))
+    assert (pa, pb, ha, hb) == pytest.approx((0.01, 0.001, 0.2, 0.0001))
+    p = DisaggPolicy.with_profile(str(f), max_local_tokens=0)
+    assert p.local.cost(100) == pytest.approx(0.11) and p.remote.cost(100) == pytest.approx(0.32)
+    f.write_text(json.dumps({"schema": "other/1"}))
+    with pytest.raises(ValueError, match="not a pdserve.profile/1"):
+        read_profile_costs(str(f))
+    with pytest.raises(ValueError, match="cannot read"):
+        read_profile_costs(str(tmp_path / "missing.json"))
+
+
+def test_the_shipped_profile_reads():
+    from pathlib import Path
+    (pa, pb), (ha, hb) = read_profile_costs(
+        str(Path(__file__).parents[2] / "bench" / "profiles" / "smollm2-2core.json"))
+    assert pb > 0 and ha > 0
