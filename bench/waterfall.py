@@ -1,10 +1,12 @@
 """The TTFT waterfall and the per-token path of one stream on the default model, through the
 processes `pdserve up` runs (pdserve.launcher.Launcher with up's worker arguments, 1P1D).
 
-    python bench/waterfall.py [--rounds 10] [--max-tokens 128] [--log FILE]
+    python bench/waterfall.py [--rounds 10] [--max-tokens 128] [--disaggregation always|never]
+                              [--log FILE]
 
 Each round streams one chat (~96 prompt tokens, `--max-tokens` out, greedy, ignore_eos)
-with the openai SDK; rounds alternate between asking for `usage.pdserve` (body field
+with the openai SDK, the gateway's --disaggregation pinned (always: the prefill worker computes
+every prompt; never: the decode worker does, the waterfall's local shape); rounds alternate between asking for `usage.pdserve` (body field
 `"pdserve": {"timings": true}`) and not, so the two sit side by side: the client's TTFT and
 ITL with the timings asked beside the plain request (the baseline). Printed:
 
@@ -116,9 +118,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--model", default="", help="default: the default model (SmolLM2-135M)")
-    ap.add_argument("--log", default="")
+    ap.add_argument("--disaggregation", default="always", choices=("always", "never"))
+    ap.add_argument("--log", default="", help="append the output to this file")
     args = ap.parse_args()
-    log = open(args.log, "w") if args.log else None
+    log = open(args.log, "a") if args.log else None
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -128,8 +131,11 @@ def main() -> None:
     port = free_port()
     prefill_args, decode_args = worker_args(UpConfig(prefill=1, decode=1))
     launcher = Launcher(args.model, 1, 1, http_port=port, prefill_args=prefill_args,
-                        decode_args=decode_args, log_dir=Path(tempfile.mkdtemp(prefix="waterfall-")))
+                        decode_args=decode_args, log_dir=Path(tempfile.mkdtemp(prefix="waterfall-")),
+                        gateway_args=["--disaggregation", args.disaggregation])
     launcher.start(900)
+    say(f"== bench/waterfall.py --disaggregation {args.disaggregation} --rounds {args.rounds} "
+        f"--max-tokens {args.max_tokens}")
     try:
         base = f"http://127.0.0.1:{port}"
         model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -151,6 +157,7 @@ def main() -> None:
                 + (f", phases {r['pd']['ttft_ms']:.2f} ms" if r["pd"] else ""))
         after = token_path(base)
         say(f"\nmodel {model}, 1 prefill + 1 decode (pdserve up's worker arguments), "
+            f"--disaggregation {args.disaggregation}, "
             f"{rounds[0]['usage'].prompt_tokens} prompt tokens, {args.max_tokens} out, {args.rounds} rounds")
         report(rounds, statistics.median(rtts), before, after, say)
     finally:
