@@ -141,8 +141,11 @@ class Waterfall:
         """A request's first token is out: its phases into the window, histogram and trace."""
         self.observe(clock.phases_ms())
         if parent_span is not None and tracing.tracing_enabled():
+            off = tracing.wall_offset_ns()       # one offset: the spans tile, no gap or overlap
             for phase, a, b in clock.spans:
-                tracing.record_span(f"pdserve.phase.{phase}", parent_span, a, b)
+                span = tracing.start_span(f"pdserve.phase.{phase}", parent_span, None,
+                                          tracing.monotonic_to_ns(a, off))
+                span.end(end_time=tracing.monotonic_to_ns(b, off))
 
     def summary(self) -> dict:
         """{"count": n, "phases": {name: {"p50_ms", "p90_ms", "mean_ms", "share", "count"}}}
