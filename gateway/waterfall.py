@@ -87,7 +87,10 @@ class PhaseClock:
 
     def _add(self, phase: str, a: float, b: float) -> None:
         self.ms[phase] = self.ms.get(phase, 0.0) + (b - a) * 1e3
-        self.spans.append((phase, a, b))
+        if self.spans and self.spans[-1][0] == phase and self.spans[-1][2] == a:
+            self.spans[-1] = (phase, self.spans[-1][1], b)     # one span: transit + queue
+        else:
+            self.spans.append((phase, a, b))
 
     def stop(self, phase: str = "first_token_out", now: float | None = None) -> None:
         self.lap(phase, now)
