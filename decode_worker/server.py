@@ -296,6 +296,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     async def _stream(self, pend: Pending):
         """The engine's outputs as TokenChunks, never repeating a token the client has."""
         async for out in self.ae.stream(pend.request_id, coalesce=True):   # one message per catch-up
+            self.metrics.token_path.since("to_loop", out.emitted_at)      # services/token_path.py
             n_client = pend.offset + len(out.token_ids)
             new = max(n_client - pend.sent, 0)
             chunk = decode_pb2.TokenChunk(tokens=protoconv.output_tokens(out, new) if new else [])

@@ -18,10 +18,11 @@ Rules:
     sleeps until one arrives, re-checking at most every STALL_RECHECK_S.
   * `max_step_failures` consecutive failed steps make the engine unhealthy (`healthy` false,
     `on_health(False)` called on the loop); a step that succeeds makes it healthy again.
-  * Each streamed request has an asyncio.Queue fed with `loop.call_soon_threadsafe`. The
-    stream ends with the request's finished output; an abort ends it with a synthetic
-    finished output whose finish_reason is "abort". If a step raises, every request of the
-    engine is aborted and every open stream raises `EngineError`.
+  * Each streamed request has an asyncio.Queue fed with `loop.call_soon_threadsafe` (each
+    step output stamped `emitted_at`, for the per-token path's to_loop). The stream ends
+    with the request's finished output; an abort ends it with a synthetic finished output
+    whose finish_reason is "abort". If a step raises, every request of the engine is
+    aborted and every open stream raises `EngineError`.
   * `abort` marks the id abandoned (`engine.abandoned`: a set, the one exception to the
     rule above, read by the engine thread while it steps) before its command runs: a step whose every request is abandoned stops after its current layer
     (LLMEngine.step), so an abort of a long prompt lands within a layer, not a chunk.
@@ -36,6 +37,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
@@ -302,6 +304,7 @@ class AsyncEngine:
             # stream() opened late still sees the output; everything else leaves now.
             if out.finish_reason != "prefill_done":
                 del self._streams[out.request_id]
+        out.emitted_at = time.monotonic()
         self._put(q, out)
 
     def _run(self) -> None:

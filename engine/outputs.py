@@ -50,6 +50,7 @@ class RequestOutput:
     prompt_logprobs: list | None = None                   # per prompt token: (logprob|None, top|None)
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)    # for prefill-only requests (transfer)
+    emitted_at: float = 0.0                    # time.monotonic() AsyncEngine handed it to the loop
 
     @property
     def num_prompt_tokens(self) -> int:

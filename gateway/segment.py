@@ -21,8 +21,10 @@
     P lost while its Prefill runs: the Prefill is cut and retried like a failed one
 
 Up to its first token, each step laps the request's PhaseClock (gateway/waterfall.py: the
-TTFT waterfall). Every RPC carries the request's remaining deadline. A segment's cleanup() cancels its open
-calls and sends Abort to both workers in the background (each Abort its own short deadline).
+TTFT waterfall; local: routing, then local_prefill up to the first chunk). The Prefill call
+itself: prefill_call.py. Every RPC carries the request's remaining deadline. A segment's
+cleanup() cancels its open calls and sends Abort to both workers in the background (each
+Abort its own short deadline).
 A call a segment opens attaches the segment to its worker (Segment.attach_decode /
 attach_prefill -> Worker.attach: counted in flight, cut if the worker is lost) until the call
 ends or cleanup() detaches it (Segment.detach -> Worker.detach); nothing else moves those
@@ -37,7 +39,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from protos.pdserve.v1 import decode_pb2, prefill_pb2
+from protos.pdserve.v1 import decode_pb2
 from services.metrics import Metrics
 from services.protoconv import FINISH_FROM_PROTO, logprob_from_proto, sampling_to_proto
 
@@ -49,14 +51,12 @@ from .segment_state import Segment
 from .placement import Placement
 from .decode_calls import (ABORT_TIMEOUT_S, DecodeLost as _DecodeLost, abort_call,
                            remaining as _remaining, submit_first)
-from .waterfall import prefill_phases
-from .worker_errors import (DECODE_REFUSALS, LostCall, PrefillRetries, blames_destination,
+from .prefill_call import prefill
+from .worker_errors import (DECODE_REFUSALS, PrefillRetries, blames_destination,
                             rpc_error)
 
 log = logging.getLogger(__name__)
 
-_DESTINATION_FIELDS = ("decode_worker_id", "kv_endpoint", "transfer_id", "num_cached_tokens",
-                       "compat", "expires_at_unix_ms", "idle_timeout_ms", "max_expires_at_unix_ms")
 # A decode worker whose KV endpoint failed stays out of routing this long: its gRPC health
 # does not cover the KV endpoint, so its next probe would bring it back at once.
 KV_FAULT_HOLD_S = 10.0
@@ -163,7 +163,7 @@ class Segments:
                 return None, None
             self.placement.started(seg.ticket)
             try:
-                resp = await self._prefill(seg, prompt, params, kv, req, retries)
+                resp = await prefill(self.router, seg, prompt, params, kv, req, retries)
                 self.placement.first_token(seg.ticket, asyncio.get_running_loop().time())
                 return kv, resp
             except grpc.aio.AioRpcError as e:
@@ -259,9 +259,10 @@ class Segments:
                      ) -> AsyncIterator[GenerateEvent]:
         """The decode worker's TokenChunks as events, until the request finishes (`first`:
         a local first segment, whose last chunk's usage says the prompt's cached tokens)."""
-        w = seg.decode
+        w, gaps = seg.decode, self.metrics.token_path.gaps()
         while True:
             chunk = await self._next_chunk(seg)
+            read = gaps.tick()           # the per-token path: services/token_path.py
             if chunk is None:
                 continue
             fin = FINISH_FROM_PROTO.get(chunk.finish_reason)
@@ -276,6 +277,7 @@ class Segments:
                 if first:
                     req.cached_tokens = chunk.usage.cached_tokens
             ev = _add(req, chunk.tokens, fin)
+            self.metrics.token_path.since("gateway", read)
             if ev is not None:
                 yield ev
             if req.out.finished:
@@ -298,29 +300,6 @@ class Segments:
         if msg is grpc.aio.EOF:
             raise _DecodeLost(w, "the stream ended without a finish reason")
         return msg.tokens if msg.HasField("tokens") else None
-
-    # -- the prefill half ------------------------------------------------------------------
-    async def _prefill(self, seg: Segment, prompt: list[int], params, kv: decode_pb2.KvReady,
-                       req: RequestState, retries: PrefillRetries) -> prefill_pb2.PrefillResponse:
-        hashes = self.router.hashes(self.router.prefill, prompt, kv.compat.block_size)
-        w = self.router.pick_prefill(kv, retries.exclude(), hashes)
-        req.clock.lap("routing")
-        dest = prefill_pb2.KvDestination(**{f: getattr(kv, f) for f in _DESTINATION_FIELDS},
-                                         dst_block_ids=kv.block_ids)
-        call = w.stub.Prefill(prefill_pb2.PrefillRequest(
-            request_id=seg.rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
-            destination=dest), timeout=_remaining(req.deadline), metadata=seg.metadata)
-        seg.attach_prefill(w, call)
-        try:
-            resp = await seg.prefill_call
-        except asyncio.CancelledError:
-            if not seg.prefill_lost or seg.lost or asyncio.current_task().cancelling():
-                raise
-            raise LostCall(grpc.StatusCode.UNAVAILABLE, seg.prefill_lost) from None
-        req.clock.split(prefill_phases(resp), "prefill_queue")   # the transits: queueing
-        seg.detach(w)
-        self.router.served(w, hashes)
-        return resp
 
     # -- cleanup ---------------------------------------------------------------------------
     def cleanup(self, seg: Segment) -> None:

@@ -87,7 +87,10 @@ class PhaseClock:
 
     def _add(self, phase: str, a: float, b: float) -> None:
         self.ms[phase] = self.ms.get(phase, 0.0) + (b - a) * 1e3
-        self.spans.append((phase, a, b))
+        if self.spans and self.spans[-1][0] == phase and self.spans[-1][2] == a:
+            self.spans[-1] = (phase, self.spans[-1][1], b)     # one span: transit + queue
+        else:
+            self.spans.append((phase, a, b))
 
     def stop(self, phase: str = "first_token_out", now: float | None = None) -> None:
         self.lap(phase, now)
@@ -141,8 +144,11 @@ class Waterfall:
         """A request's first token is out: its phases into the window, histogram and trace."""
         self.observe(clock.phases_ms())
         if parent_span is not None and tracing.tracing_enabled():
+            off = tracing.wall_offset_ns()       # one offset: the spans tile, no gap or overlap
             for phase, a, b in clock.spans:
-                tracing.record_span(f"pdserve.phase.{phase}", parent_span, a, b)
+                span = tracing.start_span(f"pdserve.phase.{phase}", parent_span, None,
+                                          tracing.monotonic_to_ns(a, off))
+                span.end(end_time=tracing.monotonic_to_ns(b, off))
 
     def summary(self) -> dict:
         """{"count": n, "phases": {name: {"p50_ms", "p90_ms", "mean_ms", "share", "count"}}}

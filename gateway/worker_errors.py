@@ -18,8 +18,6 @@
 """
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from services.protoconv import KV_DESTINATION_FAULT
@@ -117,17 +115,3 @@ class PrefillRetries:
             self.refused.append(address)
         self.charged += 1
         return self.charged <= self.CHARGED
-
-
-async def refusal_reason(decode_call) -> tuple[grpc.StatusCode, str]:
-    """Why the decode worker ended the request before its first token (SubmitFirstToken not
-    accepted): INTERNAL and the error of its stream's last chunk if one comes within a
-    second (a failed KV transfer, ...), else RESOURCE_EXHAUSTED: the reservation lapsed
-    (overload)."""
-    try:
-        msg = await asyncio.wait_for(decode_call.read(), 1.0)
-    except (asyncio.TimeoutError, grpc.aio.AioRpcError):
-        msg = None
-    if msg and msg is not grpc.aio.EOF and msg.HasField("tokens") and msg.tokens.error:
-        return grpc.StatusCode.INTERNAL, msg.tokens.error
-    return grpc.StatusCode.RESOURCE_EXHAUSTED, "reservation expired or aborted"

@@ -23,7 +23,9 @@ object holding its state (call.py), in four phases:
                      (DEADLINE_EXCEEDED), queued or not, and its engine request aborted: a
                      step of abandoned requests stops at its next layer
     finish transfer: await every send (bounded by kv_send_timeout_s)
-    respond:         PrefillResponse; then engine.release(): blocks back to the pool
+    respond:         PrefillResponse (its `timings`: queue, compute, KV push tail on this
+                     clock, for the gateway's TTFT waterfall); then engine.release(): blocks
+                     back to the pool
     Any error, Abort(request_id) or the caller's cancel: cancel the transfer, abort the
     engine request (frees its blocks). Drain (SIGTERM): the calls not started are handed
     back at once, the same way, ending UNAVAILABLE (handback.py): retried elsewhere.

@@ -22,6 +22,7 @@ dashboard sums over pods:
         kv_transfer_bytes_total, kv_transfer_seconds (the sender), kv_transfer_failures_total
         (the side that saw it), kv_transfer_fallbacks_total{kind} (the side that fell back)
         energy_joules_total  -> fed by an `EnergyMeter`; absent where NVML reports no power
+    every role: token_path_seconds{stage} (services/token_path.py: the per-token path)
 
 `/metrics` is always served in the plain text format 0.0.4: prometheus-client 0.26 drops the
 `:` from sample names in OpenMetrics (prometheus/client_python#1177), so the Accept header is
@@ -40,6 +41,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from .recent import RecentWindow
+
+from .token_path import TokenPath
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +77,14 @@ class Metrics:
         # Registered first, so a scrape refreshes the engine gauges before reading them.
         self.registry.register(_BeforeScrape(self._refresh))
         # Every role.
-        self.num_requests_running = self._gauge(
-            "num_requests_running",
+        self.num_requests_running = self._gauge("num_requests_running",
             "Requests in the engine's running batch (gateway: requests in flight)")
-        self._kv_fallbacks = self._counter(
-            "kv_transfer_fallbacks",
+        self._kv_fallbacks = self._counter("kv_transfer_fallbacks",
             "KV transfers replaced by a fallback (recompute, retry on another worker, migrate)",
             "kind")
         self._energy: Any = None          # created on the first joule: absent, not zero
         self._lock = threading.Lock()
+        self.token_path = TokenPath(self.registry, role)    # services/token_path.py
         if role == "gateway":
             self._gateway_metrics()
         else:

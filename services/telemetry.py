@@ -23,9 +23,10 @@ class RoleTelemetry:
         self.steps = StepMetrics(metrics.role, metrics.registry) if metrics.role != "gateway" else None
 
     def step_observers(self) -> list:
-        """What the worker's engine should tell each step: the step-time counters, and the
-        meter where it has a power reading. `watch_steps(engine)` once the engine exists."""
-        return [o for o in (self.steps, self.meter if self.meter.available else None) if o]
+        """What the worker's engine should tell each step: the step-time counters, the
+        decode worker's token path (engine_step), and the meter where it has a power reading. `watch_steps(engine)` once the engine exists."""
+        path = self.metrics.token_path if self.metrics.role == "decode" else None   # engine_step
+        return [o for o in (self.steps, self.meter if self.meter.available else None, path) if o]
 
     def watch_steps(self, engine) -> None:
         """The step counters read their requests' context from `engine`."""

@@ -8,6 +8,7 @@ manager, `inject_metadata()` returns its argument, `extract_context()` returns N
 trace context crosses gRPC as W3C `traceparent`/`tracestate` metadata.
 
     gateway  pdserve.generate (request_id, model, prompt_tokens, completion_tokens)
+               pdserve.phase.<name>  each TTFT phase (gateway/waterfall.py), from its clock
       prefill  pdserve.prefill (request_id, prompt_tokens, cached_tokens)
                  pdserve.prefill.queue      arrival -> first scheduled (from timestamps)
                  pdserve.prefill.compute    first scheduled -> first token

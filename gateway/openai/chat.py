@@ -60,7 +60,8 @@ class Chat(Endpoint):
         run = Run(self.gw, self.inputs([ids], params, b.n))
         await run.start()
         if b.stream:
-            return StreamingResponse(self.stream(run), media_type="text/event-stream",
+            return StreamingResponse(self.gw.metrics.token_path.timed_writes(self.stream(run)),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return self.response(await run.collect())
 

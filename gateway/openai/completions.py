@@ -36,7 +36,8 @@ class Completion(Endpoint):
         run = Run(self.gw, self.inputs([ids for ids, _ in self.prompt_list], params, b.n))
         await run.start()
         if b.stream:
-            return StreamingResponse(self.stream(run), media_type="text/event-stream",
+            return StreamingResponse(self.gw.metrics.token_path.timed_writes(self.stream(run)),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         outs = await run.collect()
         choices = [self.choice(i, o) for i, o in enumerate(outs)]

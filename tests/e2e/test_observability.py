@@ -97,6 +97,15 @@ def test_one_trace_across_three_processes(system):
     for child in ("pdserve.decode.reservation", "pdserve.decode.transfer_wait",
                   "pdserve.decode.generate"):
         assert [s["parent_span_id"] for s in by_name[child]] == [decode["span_id"]], child
+    # The TTFT waterfall (gateway/waterfall.py): one child span of the root per phase, in
+    # order, tiling the interval from the request to its first token
+    phases = sorted((s for s in gw if s["trace_id"] == trace and s["name"].startswith("pdserve.phase.")),
+                    key=lambda s: s["start_ns"])
+    assert [s["name"].removeprefix("pdserve.phase.") for s in phases] == [
+        "gateway_queue", "routing", "decode_reservation", "routing", "prefill_queue",
+        "prefill_compute", "kv_transfer", "decode_admission", "first_token_out"]
+    assert all(s["parent_span_id"] == root["span_id"] for s in phases)
+    assert all(a["end_ns"] == b["start_ns"] for a, b in zip(phases, phases[1:]))
     # Nothing of this request leaked into another trace.
     assert not [s for s in pf + dc if s["attributes"].get("request_id") == internal and s["trace_id"] != trace]
 

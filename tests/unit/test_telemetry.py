@@ -378,8 +378,9 @@ def test_role_telemetry_worker_without_gpu(tmp_path):
                                 trace_file=str(tmp_path / "s.jsonl"))
     try:
         assert t.port > 0 and tracing.tracing_enabled() and not t.meter.available
-        # CPU: no energy meter; the step-time counters (services/step_metrics.py) only
-        assert [type(o).__name__ for o in t.step_observers()] == ["StepMetrics"]
+        # CPU: no energy meter; the step-time counters (services/step_metrics.py) and the
+        # decode worker's per-token path (services/token_path.py: engine_step)
+        assert [type(o).__name__ for o in t.step_observers()] == ["StepMetrics", "TokenPath"]
         with urllib.request.urlopen(f"http://127.0.0.1:{t.port}/metrics", timeout=5) as r:
             assert b"pdserve:kv_cache_usage_perc" in r.read()
     finally:

@@ -76,6 +76,32 @@ def test_summary_percentiles_means_and_shares():
         w.observe({"warp_drive": 1.0})
 
 
+def test_each_phase_is_a_child_span_of_the_request():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from services import tracing
+    exp = InMemorySpanExporter()
+    assert tracing.setup_tracing("pdserve-test", exporter=exp)
+    try:
+        root = tracing.start_span("pdserve.generate")
+        c = PhaseClock(start=100.0)
+        c.lap("gateway_queue", 100.001)
+        c.split({"prefill_compute": 2.0}, "prefill_queue", 100.004)
+        c.stop("first_token_out", 100.005)
+        Waterfall().observe_request(c, root)
+        root.end()
+        spans = exp.get_finished_spans()
+        phases = [s for s in spans if s.name.startswith("pdserve.phase.")]
+        assert [s.name for s in phases] == ["pdserve.phase.gateway_queue", "pdserve.phase.prefill_queue",
+                                            "pdserve.phase.prefill_compute", "pdserve.phase.first_token_out"]
+        gen = next(s for s in spans if s.name == "pdserve.generate")
+        assert all(s.parent.span_id == gen.context.span_id for s in phases)
+        durations = [(s.end_time - s.start_time) / 1e6 for s in phases]
+        assert durations == pytest.approx([1.0, 1.0, 2.0, 1.0], abs=1e-3)
+        assert all(a.end_time == b.start_time for a, b in zip(phases, phases[1:]))
+    finally:
+        tracing.shutdown_tracing()
+
+
 @pytest.fixture(scope="module")
 def system(model_dir):  # noqa: F811
     with System.started(model_dir) as s:
@@ -137,3 +163,26 @@ def test_a_request_through_the_gateway_fills_the_waterfall(system):
     assert (at[0] - arrived) * 1e3 <= clock.ttft_ms <= (at[1] - arrived) * 1e3, (at, phases)
     assert gw.waterfall.summary()["count"] == before + 1
     assert reg.get_sample_value("pdserve:ttft_phase_seconds_count", label) == hist_before + 1
+
+
+def test_a_local_request_has_the_local_shape(model_dir):  # noqa: F811
+    """--disaggregation never: the decode worker computes the prompt; the phases are
+    gateway_queue, routing, local_prefill, first_token_out, adding up as before."""
+    with System.started(model_dir, gateway_config={"disaggregation": "never"}) as s:
+        async def main():
+            inp = GenerateInput("wfl-" + uuid.uuid4().hex, _prompt(30, 8),
+                                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                                arrived=time.monotonic())
+            at, last = [], None
+            async for ev in s.gateway.generate(inp):
+                if ev.token_ids:
+                    at.append(time.monotonic())
+                last = ev
+            await s.wait_all_free()
+            return inp.arrived, at, last
+        arrived, at, last = s.run(main())
+        clock = last.usage.timings
+        assert list(clock.phases_ms()) == ["gateway_queue", "routing", "local_prefill",
+                                           "first_token_out"]
+        assert (at[0] - arrived) * 1e3 <= clock.ttft_ms <= (at[1] - arrived) * 1e3
+        assert s.gateway.waterfall.summary()["phases"]["local_prefill"]["count"] == 1
