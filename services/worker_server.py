@@ -48,6 +48,7 @@ from .energy import EnergyMeter
 from .grpc_options import SERVER_OPTIONS
 from .metrics import Metrics
 from .security import MTLS, RequestGuard, add_port, read_token
+from .startup_log import StartupClock
 from .worker_config import available_cores
 
 log = logging.getLogger(__name__)
@@ -261,6 +262,7 @@ class WorkerRole(abc.ABC):
 async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
                 ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve `role` until SIGTERM/SIGINT (or `stop` is set), then drain and return."""
+    clock = StartupClock()          # its phases, logged once warm (services/startup_log.py)
     token = read_token(cfg.internal_token_file)     # a bad file fails before the model loads
     if transport is None:
         from kvtransfer.ucx import UcxTransport   # imports ucxx; only a serving process needs it
@@ -273,10 +275,12 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         cfg = replace(cfg, engine=replace(cfg.engine, speculative=""))
     ae = kv = None
     worker_id = cfg.worker_id or role.name
+    clock.mark("telemetry + transport")
     try:
         connector = role.kv_connector(cfg, transport)
         engine = await asyncio.to_thread(cfg.build_engine, connector, tel.step_observers(),
                                          False if role.prefill_only else None)
+        clock.add(getattr(engine, "startup_s", {}))
         tel.watch_steps(engine)
         # what exists now (torch, the model, imports: hundreds of thousands of objects) lives
         # as long as the process: keep it out of every later full GC pass, which would
@@ -295,7 +299,13 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         parts = WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter, token)
         servicer = role.servicer_class(parts)
         role.add_to_server(servicer, srv.server)
-        await srv.run(lambda: role.warm_up(servicer, ae), ready, stop)
+        clock.mark("engine other + server")
+
+        async def warm_up():
+            await role.warm_up(servicer, ae)
+            clock.mark("warm-up")
+            log.info("%s", clock.line(worker_id))
+        await srv.run(warm_up, ready, stop)
     finally:
         if ae is not None:
             await ae.shutdown()
