@@ -4,7 +4,8 @@
     KV transport (default UCX, imported lazily; tests pass a LoopbackTransport)
     telemetry (tracing, metrics, the energy meter)
     role.kv_connector()            the engine's KV seam, made before the engine (prefill)
-    build the engine               (off the loop) with the connector and the step observers
+    build the engine               (off the loop, on one torch thread: build_on_one_thread)
+                                   with the connector and the step observers
     gRPC server bound              (worker id: "<role>-<host>:<port>" unless configured)
     role.open_kv()                 its KV endpoint (prefill: the connector; decode: a receiver)
     AsyncEngine thread started; role.servicer_class(parts) added to the server
@@ -63,6 +64,20 @@ def limit_threads(num_threads: int) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
     torch.set_num_threads(num_threads)
     return num_threads
+
+
+def build_on_one_thread(build, *args):
+    """`build(*args)` with one torch intra-op thread, then the worker's own count again. A
+    model loads in small per-layer conversions, where more threads mostly add OpenMP
+    barriers, which busy-wait: the default model took 1.2 s to build on one thread and
+    2.2-9.8 s on two on a shared 2-core machine (and both workers load at once)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return build(*args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Draining(Exception):
@@ -278,8 +293,8 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
     clock.mark("telemetry + transport")
     try:
         connector = role.kv_connector(cfg, transport)
-        engine = await asyncio.to_thread(cfg.build_engine, connector, tel.step_observers(),
-                                         False if role.prefill_only else None)
+        engine = await asyncio.to_thread(build_on_one_thread, cfg.build_engine, connector,
+                                         tel.step_observers(), False if role.prefill_only else None)
         clock.add(getattr(engine, "startup_s", {}))
         tel.watch_steps(engine)
         # what exists now (torch, the model, imports: hundreds of thousands of objects) lives
