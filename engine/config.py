@@ -13,18 +13,14 @@ import time: the CLI (and so the gateway process, which never loads torch) impor
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from .paths import cache_dir  # noqa: F401  (re-exported: where pdserve keeps what it builds)
 from .quant import QUANTIZATIONS
 from .rope_config import rope, rotary_dim_of  # noqa: F401  (rotary_dim_of: the families' import)
 from .spec_decode import SpeculativeConfig
 
-def cache_dir() -> Path:
-    """Where pdserve keeps what it builds or fetches on a machine (the CPU kernels, the
-    default models): $XDG_CACHE_HOME/pdserve, by default ~/.cache/pdserve. The one rule."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve"
 
 
 @dataclass

@@ -18,7 +18,10 @@ quantization blocks apart, so row permutations and per-expert slices keep quanti
 
 The header (metadata and tensor table) is parsed here with `struct`: the `gguf` package's
 reader builds a numpy view per metadata item and took 7.5 s on SmolLM2's 49k-token
-vocabulary, in every process that opened the file; this takes well under a second. Tensor
+vocabulary, in every process that opened the file; this takes well under a second, and is
+done once per file: the parse is cached on disk (engine/gguf_cache.py: keyed by the file's
+path, size and mtime, trusted only while the file's header bytes and the entry's checksum
+agree), so every later process (both workers and the gateway, every start) reads it. Tensor
 data are numpy views of the memory-mapped file, shaped as the `gguf` reader shapes them (its
 quantization tables and dequantizers are still used).
 
@@ -37,6 +40,7 @@ from typing import Iterator
 
 import numpy as np
 
+from . import gguf_cache
 from .gguf_arch import TENSOR_TYPES, Gemma3, GGUFArch, Llama, RawTensor  # noqa: F401 (RawTensor: re-exported)
 from .gguf_moe import Deepseek2, QwenMoe
 
@@ -84,6 +88,11 @@ class GGUFTensor:
 
 # GGUF metadata value types -> struct format (8: string, 9: array)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+# GGML type number -> (name, values a block, bytes a block), as the `gguf` package has them
+_GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 8: ("Q8_0", 32, 34),
+               2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144),
+               13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 28: ("F64", 1, 8), 24: ("I8", 1, 1),
+               25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8)}
 _FLOATS = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
            "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
@@ -119,11 +128,32 @@ class _Reader:
 
 def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
     """(metadata {key: value}, tensors) of a GGUF file (versions 2 and 3, little-endian)."""
-    from gguf import GGMLQuantizationType
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if buf[:4] != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r})")
+    cached = gguf_cache.load(path, buf)
+    if cached is None:
+        meta, infos, start, header_len = _parse_header(buf, path)
+        gguf_cache.store(path, buf, meta, infos, start, header_len)
+    else:
+        meta, infos, start = cached
+    return meta, [GGUFTensor(name, _ggml_type(kind)[0], dims, _tensor_data(buf, dims, kind, start + offset))
+                  for name, dims, kind, offset in infos]
+
+
+def _ggml_type(kind: int) -> tuple[str, int, int]:
+    """(name, values a block, bytes a block) of GGML type number `kind`: the table below,
+    else the `gguf` package's (imported only then: it takes a while)."""
+    if kind not in _GGML_TYPES:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        t = GGMLQuantizationType(kind)
+        _GGML_TYPES[kind] = (t.name, *GGML_QUANT_SIZES[t])
+    return _GGML_TYPES[kind]
+
+
+def _parse_header(buf, path) -> tuple[dict, list, int, int]:
+    """(metadata, [(name, dims, GGML type number, offset)], data start, header bytes read)."""
     r = _Reader(buf, path)
     r.at = 4
     version, n_tensors, n_kv = r.take("IQQ")
@@ -139,21 +169,18 @@ def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
         dims = r.take(f"{r.take('I')}Q")
         dims = (dims,) if isinstance(dims, int) else dims
         kind, offset = r.take("IQ")
-        infos.append((name, dims, GGMLQuantizationType(kind), offset))
+        infos.append((name, tuple(dims), kind, offset))
     align = int(meta.get("general.alignment", 32))
-    start = -(-r.at // align) * align
-    return meta, [GGUFTensor(name, kind.name, dims, _tensor_data(buf, dims, kind, start + offset))
-                  for name, dims, kind, offset in infos]
+    return meta, infos, -(-r.at // align) * align, r.at
 
 
-def _tensor_data(buf, dims, kind, at: int) -> np.ndarray:
+def _tensor_data(buf, dims, kind: int, at: int) -> np.ndarray:
     """A tensor's bytes in the file: [rows..., cols] of its float type, or of whole blocks."""
-    from gguf import GGML_QUANT_SIZES
     n = int(np.prod(dims))
     rows = tuple(reversed(dims))
-    if kind.name in _FLOATS:
-        return np.frombuffer(buf, _FLOATS[kind.name], n, at).reshape(rows)
-    block, size = GGML_QUANT_SIZES[kind]
+    name, block, size = _ggml_type(kind)
+    if name in _FLOATS:
+        return np.frombuffer(buf, _FLOATS[name], n, at).reshape(rows)
     return np.frombuffer(buf, np.uint8, n * size // block, at).reshape(*rows[:-1], rows[-1] * size // block)
 
 

@@ -45,6 +45,8 @@ class RawTensor:
     data: np.ndarray          # as stored: float rows, or uint8 rows of quantized blocks
 
     def dequantize(self) -> np.ndarray:
+        if self.type_name == "F32":           # as stored (no `gguf` import: it takes a while)
+            return self.data.reshape(self.shape).copy()
         from gguf import GGMLQuantizationType, quants
         out = quants.dequantize(self.data, GGMLQuantizationType[self.type_name]) \
             .astype(np.float32, copy=False).reshape(self.shape)

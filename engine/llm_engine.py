@@ -75,9 +75,12 @@ class LLMEngine:
         self.config = config
         mc = config.model
         self.dtype = config.torch_dtype
+        t0 = time.perf_counter()      # start-up phases, in startup_s (a worker logs them)
         self.model = quantize_model(load_model(mc, self.dtype, config.device, config.kernel_backend,
                                                config.quantization), config.quantization)
+        t1 = time.perf_counter()
         self.tokenizer = Tokenizer.from_dir(mc.model_dir) if has_tokenizer(mc.model_dir) else None
+        t2 = time.perf_counter()
         eos = set(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self.eos_token_ids = eos
         cc = config.cache
@@ -87,6 +90,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, config.device,
                                   config.scheduler.max_num_seqs, decode_graphs,
                                   kv_dtype=config.kv_torch_dtype)
+        self.startup_s = {"weights": t1 - t0, "tokenizer": t2 - t1,
+                          "kv cache + kernels": time.perf_counter() - t2}
         # off the CPU, logits stay on the device and only the sampled ids come back
         self.sampler = Sampler(eos) if config.device == "cpu" else DeviceSampler(eos)
         # speculative verification runs per position on the host (spec logits are copied back)
@@ -135,8 +140,12 @@ class LLMEngine:
         (`from_model_dir(d, num_blocks=64, kernel_backend="triton")`; defaults: EngineOptions')."""
         if options is not None and by_name:
             raise TypeError("give EngineOptions or options by name, not both")
-        return cls(EngineConfig.build(model_dir, options or EngineOptions.of(**by_name)),
-                   kv_connector, step_observers, decode_graphs)
+        t0 = time.perf_counter()
+        config = EngineConfig.build(model_dir, options or EngineOptions.of(**by_name))
+        t1 = time.perf_counter()
+        engine = cls(config, kv_connector, step_observers, decode_graphs)
+        engine.startup_s = {"config": t1 - t0, **engine.startup_s}
+        return engine
 
     @property
     def kv_cache(self) -> torch.Tensor:

@@ -153,7 +153,8 @@ def _fill(model: CausalLM, tensors: dict[str, Weight], dtype: torch.dtype, devic
     quantized = {n.removesuffix(".weight"): t for n, t in tensors.items() if not isinstance(t, torch.Tensor)}
     for path in quantized:
         _set(model, path, nn.Identity())
-    model.to_empty(device=device).to(dtype)
+    _materialise(model, device)
+    model.to(dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(tensors[name])
@@ -169,6 +170,19 @@ def _fill(model: CausalLM, tensors: dict[str, Weight], dtype: torch.dtype, devic
                                                  head=path == "lm_head", backend=backend))
         # buffers were on the meta device: rebuild the rotary table (fp32) where it lives now
         model.cos_sin = model.rotary_table(device)
+
+
+def _materialise(model: nn.Module, device: str) -> None:
+    """`model.to_empty(device=device)` without its `torch.empty_like` of meta tensors, whose
+    Python meta path imports torch's symbolic shapes and sympy (a second of start-up)."""
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                   requires_grad=p.requires_grad)
+        for name, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:

@@ -14,6 +14,8 @@ predict the next token. Prompt logprobs use the logits at every prompt row.
 """
 from __future__ import annotations
 
+import math
+import mmap
 from array import array
 from dataclasses import dataclass
 
@@ -41,6 +43,18 @@ class ModelOutput:
     spec_logits: dict                             # request_id -> [k + 1, V] fp32 (speculating requests)
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.zeros(shape), whose pages on CPU are committed as they are first written: an
+    anonymous mapping (zero pages from the kernel) where torch.zeros writes every byte (a
+    0.5 GiB cache: a quarter to half a second of start-up on a busy machine)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = math.prod(shape) * dtype.itemsize
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)   # holds the mapping
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype, device="cpu",
                  max_num_seqs: int = 256, decode_graphs: bool | None = None,
@@ -58,8 +72,8 @@ class ModelRunner:
         # are lazily committed
         kv_dtype = kv_dtype or dtype
         parts, heads, dim = c.kv_block_shape()
-        self.kv_cache = torch.zeros(c.num_layers, parts, num_blocks, block_size, heads, dim,
-                                    dtype=kv_dtype, device=device)
+        self.kv_cache = lazy_zeros((c.num_layers, parts, num_blocks, block_size, heads, dim),
+                                   kv_dtype, device)
         # [layers, parts, blocks, heads] fp32, written with the blocks (kernels/reference.py)
         self.kv_scales = None if kv_dtype.is_floating_point and kv_dtype.itemsize > 1 else \
             torch.zeros(c.num_layers, parts, num_blocks, heads, device=device)

@@ -94,6 +94,10 @@ class GatewayConfig:
     health_interval_s: float = field(default=1.0, metadata={
         "help": "seconds between health/Stats probes of each worker"})
     probe_timeout_s: float = field(default=1.0, metadata={"help": "deadline of one probe"})
+    wait_for_workers_s: float = field(default=0.0, metadata={
+        "help": "at start, report SERVING (and print the ready line) only once every worker "
+                "listed is healthy, probing those that are not every 0.1 s, for up to this "
+                "long (0: at once); `pdserve up` starts the gateway beside its workers so"})
     stall_timeout_s: float = field(default=3.0, metadata={
         "help": "a worker whose probes go unanswered this long (stalled, not draining) has "
                 "its calls moved: decode streams migrate, Prefills are retried elsewhere"})
@@ -156,6 +160,8 @@ class GatewayConfig:
                              f"got {self.disaggregation!r}")
         if self.disagg_max_local_tokens < 0 or self.disagg_max_stall_ms < 0:
             raise ValueError("disagg_max_local_tokens and disagg_max_stall_ms must be >= 0")
+        if self.wait_for_workers_s < 0:
+            raise ValueError(f"wait_for_workers_s must be >= 0, got {self.wait_for_workers_s}")
         if self.health_interval_s <= 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.drain_timeout_s < 0:

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from services import metrics, security, service_names
 from services import tracing
 from services.grpc_options import SERVER_OPTIONS
+from services.startup_log import StartupClock
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from services.protoconv import FINISH_TO_PROTO, sampling_from_proto
@@ -206,16 +207,32 @@ def _append(acc: generation_pb2.GenerateResponse, msg: generation_pb2.GenerateRe
 
 # -- server ---------------------------------------------------------------------------------
 
+async def _wait_for_workers(models: Models, timeout_s: float, clock: StartupClock) -> None:
+    """`--wait-for-workers-s` (0: nothing to wait for): until every worker of every pool is
+    healthy, or timeout_s (then SERVING anyway: the health probes keep looking for the rest)."""
+    if timeout_s <= 0:
+        return
+    pools = [pool for gw in models for pool in (gw.prefill, gw.decode)]
+    done = await asyncio.gather(*(pool.until_healthy(timeout_s) for pool in pools))
+    for pool, ok in zip(pools, done):
+        if not ok:
+            log.warning("%s workers not all healthy after %gs: serving with %d of %d", pool.kind,
+                        timeout_s, sum(w.healthy for w in pool.workers.values()), len(pool.workers))
+    clock.mark("waiting for workers")
+
+
 async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run the gateway until `stop` is set (or forever); `ready` is set once SERVING.
     (The same shape as the workers' serve(cfg, ready, stop).)"""
+    clock = StartupClock()        # its start-up phases, one line once SERVING
     tracing.setup_tracing("pdserve-gateway", span_file=cfg.trace_file or None)
     models = Models.from_config(cfg)
     metrics_server = None
     if cfg.metrics_port:
         metrics_server, _ = metrics.start_metrics_server(models.registry, cfg.host, cfg.metrics_port)
     await models.start()
+    clock.mark("models + first probes")
     keys = KeyStore(cfg.api_key, cfg.api_key_file, cfg.api_key_rpm, cfg.api_key_concurrency)
     server, health_servicer = _grpc_server(models, keys)
     port = security.add_port(server, f"{cfg.host}:{cfg.grpc_port}",
@@ -233,12 +250,15 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
         log.warning("public %s listens in plain text beyond loopback (no --tls-cert)", line)
     if not keys.enabled and not security.is_loopback(cfg.host):
         log.warning("the public APIs on %s need no API key (no --api-key/--api-key-file)", cfg.host)
+    await _wait_for_workers(models, cfg.wait_for_workers_s, clock)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{cfg.host}:{port}"
     for gw in models:
         log.info("gateway serving %s on %s (prefill: %d, decode: %d workers)", gw.model_name,
                  address, len(gw.prefill.workers), len(gw.decode.workers))
+    clock.mark("servers")
+    log.info("%s", clock.line("gateway"))
     print(f"gateway ready on {address}", flush=True)
     if ready is not None:
         ready.set()

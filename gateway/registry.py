@@ -180,6 +180,18 @@ class WorkerPool:
         self._retiring.pop(w, None)
         await w.close()
 
+    async def until_healthy(self, timeout_s: float, interval_s: float = 0.1) -> bool:
+        """At start (`--wait-for-workers-s`): probe the workers not yet healthy every
+        interval_s until all are (True) or timeout_s passes (False)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not all(w.healthy for w in self.workers.values()):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(min(interval_s, max(0.0, deadline - loop.time())))
+            await asyncio.gather(*(self.probe(w) for w in list(self.workers.values()) if not w.healthy))
+        return True
+
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)

@@ -2,9 +2,15 @@
 `pdserve up`, pdserve/up.py, runs; also the e2e fixtures).
 
     the gateway's fixed ports free? (else one line, nothing started) -> pick free ports ->
-    start workers -> each worker SERVING (gRPC health; workers report it only after loading
-    and warm-up) -> start gateway with their addresses -> gateway SERVING -> print one line
+    start workers and, beside them, the gateway told their addresses -> every worker SERVING
+    (gRPC health; workers report it only after loading and warm-up) and the gateway SERVING
+    (it reports it only once it has probed every worker healthy: `--wait-for-workers-s`, so
+    a request sent at the ready line finds them) -> print one line
     "pdserve ready: grpc=HOST:PORT ... id=MODEL-ID" -> supervise
+
+The start-up probes reconnect every 100-250 ms (PROBE_OPTIONS) and poll every 0.1 s: a
+process is seen SERVING within a fraction of a second, not after gRPC's exponential
+reconnect backoff (which had added seconds, tens of them on a loaded machine).
 
 Start-up is told a line per process on stderr (`say`): "prefill 0: loading M on ADDR ...",
 "loaded in 3.1 s, warming up ..." (its health answers NOT_SERVING), "ready in 4.1 s"; and
@@ -82,6 +88,12 @@ from .processes import (Child, LaunchError, ModelPools, free_port, ports_in_use,
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0          # a worker's --drain-timeout-s when its argv has none
 RETIRE_GRACE_S = 10.0                   # past the drain: the server's stop, engine shutdown
+# The start-up probes' channels reconnect every 100-250 ms: a channel opened before its
+# process binds its port (all of them are: a worker binds after loading) would otherwise back
+# off exponentially (gRPC's default: 1 s growing 1.6x to 120 s), and see a process that has
+# been SERVING for seconds only at its next attempt.
+PROBE_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                 ("grpc.max_reconnect_backoff_ms", 250), ("grpc.enable_retries", 0)]
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:
@@ -163,21 +175,25 @@ class Launcher(LivePools):
             for m in self.models or [ModelPools("", self.model_dir, self.num_prefill,
                                                 self.num_decode)]:
                 self._spawn_workers(m, engine_args)
+            self.write_discovery()             # --autoscale: the gateway reads the files
+            self._spawn_gateway(timeout_s)     # beside the workers: SERVING once they all are
             self._wait_serving(list(self.children), deadline)
-            self.write_discovery()
-            port = self.grpc_port or free_port(self.host)
-            gw = [
-                "gateway", *self._gateway_models(), "--host", self.host,
-                "--grpc-port", str(port), "--http-port", str(self.http_port),
-                *self._metrics_args(),
-                *self._mtls_args(), *self._token_args(),
-                *(["--tls-cert", self.tls_cert, "--tls-key", self.tls_key] if self.tls_cert else []),
-                *self.gateway_args]
-            self._spawn(Child("gateway", f"{self.host}:{port}", gw, env=self.gateway_env))
-            self._wait_serving([self.children[-1]], deadline)
         except BaseException:
             self.stop()
             raise
+
+    def _spawn_gateway(self, timeout_s: float) -> None:
+        """The gateway, told every worker's address up front; it reports SERVING only once
+        they are all healthy (`--wait-for-workers-s`), so its SERVING is the system's."""
+        port = self.grpc_port or free_port(self.host)
+        gw = [
+            "gateway", *self._gateway_models(), "--host", self.host,
+            "--grpc-port", str(port), "--http-port", str(self.http_port),
+            *self._metrics_args(),
+            "--wait-for-workers-s", f"{timeout_s:g}", *self._mtls_args(), *self._token_args(),
+            *(["--tls-cert", self.tls_cert, "--tls-key", self.tls_key] if self.tls_cert else []),
+            *self.gateway_args]
+        self._spawn(Child("gateway", f"{self.host}:{port}", gw, env=self.gateway_env))
 
     def _spawn_workers(self, m: ModelPools, engine_args: list[str]) -> None:
         ports = {r: [free_port(self.host) for _ in range(n)]
@@ -250,12 +266,13 @@ class Launcher(LivePools):
         """A channel the launcher's health probe of `c` can use (mTLS/TLS as configured)."""
         read = lambda p: Path(p).read_bytes()  # noqa: E731
         if c.role == "gateway" and self.tls_cert:
-            return grpc.secure_channel(c.address, grpc.ssl_channel_credentials(read(self.tls_cert)))
+            return grpc.secure_channel(c.address, grpc.ssl_channel_credentials(read(self.tls_cert)),
+                                       PROBE_OPTIONS)
         if c.role != "gateway" and self.mtls is not None:
             ca, cert, key = self.mtls
             return grpc.secure_channel(c.address, grpc.ssl_channel_credentials(
-                read(ca), private_key=read(key), certificate_chain=read(cert)))
-        return grpc.insecure_channel(c.address)
+                read(ca), private_key=read(key), certificate_chain=read(cert)), PROBE_OPTIONS)
+        return grpc.insecure_channel(c.address, PROBE_OPTIONS)
 
     def _wait_serving(self, children: list[Child], deadline: float) -> None:
         wait_serving(children, deadline, self.probe_channel, self._cancel, self.say)
@@ -281,6 +298,9 @@ class Launcher(LivePools):
                     c.restart_at = None
                     c.restarts += 1
                     self.say(f"restarting {c.label} on {c.address} (restart #{c.restarts})")
+                    if "--wait-for-workers-s" in c.argv:   # again: it serves with the workers up now
+                        i = c.argv.index("--wait-for-workers-s")
+                        c.argv = c.argv[:i] + c.argv[i + 2:]
                     c.start()
                 continue
             code = c.popen.poll()

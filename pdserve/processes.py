@@ -178,7 +178,7 @@ def wait_serving(children: list[Child], deadline: float, channel, cancel, say) -
                     warming.add(key)
                     say(f"{c.label}: loaded in {took:.1f} s, warming up ...")
             # a bounded pause between rounds (each probe has its own deadline)
-            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())) if waiting else 0)
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())) if waiting else 0)
     finally:
         for ch in channels.values():
             ch.close()

@@ -4,7 +4,8 @@
     KV transport (default UCX, imported lazily; tests pass a LoopbackTransport)
     telemetry (tracing, metrics, the energy meter)
     role.kv_connector()            the engine's KV seam, made before the engine (prefill)
-    build the engine               (off the loop) with the connector and the step observers
+    build the engine               (off the loop, on one torch thread: build_on_one_thread)
+                                   with the connector and the step observers
     gRPC server bound              (worker id: "<role>-<host>:<port>" unless configured)
     role.open_kv()                 its KV endpoint (prefill: the connector; decode: a receiver)
     AsyncEngine thread started; role.servicer_class(parts) added to the server
@@ -51,6 +52,7 @@ from .energy import EnergyMeter
 from .grpc_options import SERVER_OPTIONS
 from .metrics import Metrics
 from .security import MTLS, RequestGuard, add_port, read_token
+from .startup_log import StartupClock
 from .worker_config import available_cores
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,20 @@ def limit_threads(num_threads: int) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
     torch.set_num_threads(num_threads)
     return num_threads
+
+
+def build_on_one_thread(build, *args):
+    """`build(*args)` with one torch intra-op thread, then the worker's own count again. A
+    model loads in small per-layer conversions, where more threads mostly add OpenMP
+    barriers, which busy-wait: the default model took 1.2 s to build on one thread and
+    2.2-9.8 s on two on a shared 2-core machine (and both workers load at once)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return build(*args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Draining(Exception):
@@ -273,6 +289,7 @@ class WorkerRole(abc.ABC):
 async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
                 ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve `role` until SIGTERM/SIGINT (or `stop` is set), then drain and return."""
+    clock = StartupClock()          # its phases, logged once warm (services/startup_log.py)
     token = read_token(cfg.internal_token_file)     # a bad file fails before the model loads
     if transport is None:
         from kvtransfer.ucx import UcxTransport   # imports ucxx; only a serving process needs it
@@ -285,10 +302,12 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         cfg = replace(cfg, engine=replace(cfg.engine, speculative=""))
     ae = kv = None
     worker_id = cfg.worker_id or role.name
+    clock.mark("telemetry + transport")
     try:
         connector = role.kv_connector(cfg, transport)
-        engine = await asyncio.to_thread(cfg.build_engine, connector, tel.step_observers(),
-                                         False if role.prefill_only else None)
+        engine = await asyncio.to_thread(build_on_one_thread, cfg.build_engine, connector,
+                                         tel.step_observers(), False if role.prefill_only else None)
+        clock.add(getattr(engine, "startup_s", {}))
         tel.watch_steps(engine)
         # what exists now (torch, the model, imports: hundreds of thousands of objects) lives
         # as long as the process: keep it out of every later full GC pass, which would
@@ -307,7 +326,13 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         parts = WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter, token)
         servicer = role.servicer_class(parts)
         role.add_to_server(servicer, srv.server)
-        await srv.run(lambda: role.warm_up(servicer, ae), ready, stop)
+        clock.mark("engine other + server")
+
+        async def warm_up():
+            await role.warm_up(servicer, ae)
+            clock.mark("warm-up")
+            log.info("%s", clock.line(worker_id))
+        await srv.run(warm_up, ready, stop)
     finally:
         if ae is not None:
             await ae.shutdown()

@@ -88,6 +88,18 @@ def _block_rows(packed: torch.Tensor, ids: torch.Tensor, width: int, blk: int) -
     return torch.where((ids % blk < h)[:, None], b & 15, b >> 4).int()
 
 
+def int4pack_all_rows(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Every row of nibble-split int8 codes held in torch's CPU int4 layout, as int8 codes
+    [N, K]: `int4pack_rows` of all N at once, by reshapes (no gather; N a multiple of the
+    block, `int4pack_block()` nonzero)."""
+    blk = int4pack_block()
+    b = packed.view(n // blk, 2 * k, blk // 2)                       # [N/blk, 2K, blk/2]
+    c = torch.cat((b & 15, b >> 4), dim=2)                           # [N/blk, 2K, blk] codes
+    # q = 16 (hi - 8) + lo as a byte: its high nibble (hi - 8) mod 16 = hi ^ 8, its low lo
+    q = ((c[:, :k] ^ 8) << 4) | c[:, k:]                             # [N/blk, K, blk] uint8
+    return q.transpose(1, 2).reshape(n, k).view(torch.int8)
+
+
 def int4pack_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     """Rows `ids` [T] of nibble-split int8 codes held in torch's CPU int4 layout (2K
     columns), as int8 codes [T, K]."""
