@@ -34,6 +34,7 @@ from .config import EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_connector import KVConnector
 from .loader import load_model
+from .quant import amx
 from .quant.quantize import quantize_model
 from .outputs import EngineStats, Prefix, RequestOutput
 from .request import Request, RequestStatus
@@ -87,6 +88,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, config.device,
                                   config.scheduler.max_num_seqs, decode_graphs,
                                   kv_dtype=config.kv_torch_dtype)
+        # after the runner: bind_kv_cache settles the backend, and so each layer's kernel
+        self.amx = amx.attach(self.model, config.amx_weights, config.amx_weights_max_gb,
+                              config.amx_min_rows, config.device)
         # off the CPU, logits stay on the device and only the sampled ids come back
         self.sampler = Sampler(eos) if config.device == "cpu" else DeviceSampler(eos)
         # speculative verification runs per position on the host (spec logits are copied back)
