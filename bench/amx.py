@@ -109,6 +109,12 @@ def engine_table(model: str, rounds: int, threads_list) -> list[str]:
             p = statistics.median(r[0] for r in runs)
             d = {b: statistics.median(r[1][b] for r in runs) for b in (16, 32)}
             out.append(f"| {th} | {mode} | {p:.0f} | {d[16]:.0f} | {d[32]:.0f} |")
+        # the ratio within each round (the two runs back to back), then the median
+        on, off = res["bf16"], res["off"]
+        rp = statistics.median(a[0] / b[0] for a, b in zip(on, off))
+        rd = {k: statistics.median(a[1][k] / b[1][k] for a, b in zip(on, off)) for k in (16, 32)}
+        out.append(f"| {th} | bf16 / off, median of per-round ratios | {rp:.2f}x | {rd[16]:.2f}x | "
+                   f"{rd[32]:.2f}x |")
     return out
 
 
