@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from .paths import cache_dir  # noqa: F401  (re-exported: where pdserve keeps what it builds)
-from .quant import QUANTIZATIONS
+from .quant import AMX_WEIGHTS, QUANTIZATIONS
 from .rope_config import rope, rotary_dim_of  # noqa: F401  (rotary_dim_of: the families' import)
 from .spec_decode import SpeculativeConfig
 
@@ -299,6 +299,15 @@ class EngineOptions:
     speculative: str = field(default="", metadata={
         "help": "speculative decoding: ngram:n=3,k=4 | draft:MODEL_DIR,k=4 (also min_n=, "
                 "disable_batch_size=); empty: off"})
+    amx_weights: str = field(default="off", metadata={
+        "help": "bfloat16 copies of the quantized linears for matmuls of --amx-min-rows rows or "
+                "more (prefill, batched decode), on the CPU's bf16 tiles through oneDNN: auto (on "
+                "a CPU with amx_bf16 or avx512_bf16, when they fit --amx-weights-max-gb) | off (default: "
+                "the recorded golden outputs are of the int4 kernels) | bf16"})
+    amx_weights_max_gb: float = field(default=1.0, metadata={
+        "help": "memory the bfloat16 copies may take under --amx-weights auto"})
+    amx_min_rows: int = field(default=8, metadata={
+        "help": "rows from which a quantized linear multiplies by its bfloat16 copy"})
 
     def __post_init__(self):
         check_kernel_backend(self.kernel_backend)
@@ -310,6 +319,9 @@ class EngineOptions:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unsupported quantization {self.quantization!r}: expected one of "
                              f"{QUANTIZATIONS}")
+        if self.amx_weights not in AMX_WEIGHTS or self.amx_min_rows < 1 or self.amx_weights_max_gb < 0:
+            raise ValueError(f"amx_weights must be one of {AMX_WEIGHTS} (got {self.amx_weights!r}), "
+                             f"amx_min_rows >= 1 (got {self.amx_min_rows}), amx_weights_max_gb >= 0")
 
     @classmethod
     def of(cls, **options) -> "EngineOptions":
@@ -334,6 +346,9 @@ class EngineConfig:
     kernel_backend: str
     speculative: SpeculativeConfig | None
     quantization: str = "auto"
+    amx_weights: str = "off"
+    amx_weights_max_gb: float = 1.0
+    amx_min_rows: int = 8
 
     @classmethod
     def build(cls, model_dir: str | Path, options: EngineOptions) -> "EngineConfig":
@@ -342,7 +357,8 @@ class EngineConfig:
                    cache=options.cache, scheduler=options.scheduler, device=options.device,
                    dtype=options.dtype, kernel_backend=options.kernel_backend,
                    speculative=SpeculativeConfig.parse(options.speculative),
-                   quantization=options.quantization)
+                   quantization=options.quantization, amx_weights=options.amx_weights,
+                   amx_weights_max_gb=options.amx_weights_max_gb, amx_min_rows=options.amx_min_rows)
 
     @property
     def torch_dtype(self):

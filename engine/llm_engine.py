@@ -34,6 +34,7 @@ from .config import EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_connector import KVConnector
 from .loader import load_model
+from .quant import amx
 from .quant.quantize import quantize_model
 from .outputs import EngineStats, Prefix, RequestOutput
 from .request import Request, RequestStatus
@@ -90,6 +91,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, config.device,
                                   config.scheduler.max_num_seqs, decode_graphs,
                                   kv_dtype=config.kv_torch_dtype)
+        # after the runner: bind_kv_cache settles the backend, and so each layer's kernel
+        self.amx = amx.attach(self.model, config.amx_weights, config.amx_weights_max_gb,
+                              config.amx_min_rows, config.device)
         self.startup_s = {"weights": t1 - t0, "tokenizer": t2 - t1,
                           "kv cache + kernels": time.perf_counter() - t2}
         # off the CPU, logits stay on the device and only the sampled ids come back

@@ -7,6 +7,7 @@ CLI and config import the names without loading torch).
     int8_g32.py     int8 with a scale per 32 values (GGUF Q8_0; every method's head/table)
     int4.py         int4_g32 / int4_g128 (GGUF Q4_0 / Q4_1, compressed-tensors int4)
     fp8.py          fp8 / fp8_tensor (quant_method "fp8", compressed-tensors fp8)
+    amx.py          bfloat16 copies of the linears for matmuls of many rows (--amx-weights)
     linear.py       QuantLinear, QuantEmbedding, QuantExperts: layers holding a scheme
     quantize.py     quantize_model (float checkpoint -> quantized layers), weight_bytes
     checkpoint.py   pre-quantized tensors of GGUF and Hugging Face checkpoints, by scheme
@@ -28,6 +29,8 @@ SCHEMES = {
 }
 # what --quantization takes: auto (as the checkpoint holds it), none (float), or a scheme
 QUANTIZATIONS = ("auto", "none", *SCHEMES)
+# what --amx-weights takes (amx.py: bfloat16 copies for matmuls of many rows)
+AMX_WEIGHTS = ("auto", "off", "bf16")
 _loaded: dict = {}
 
 

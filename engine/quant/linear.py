@@ -1,7 +1,8 @@
 """The layers a quantized model is made of; each holds a scheme and its weight as the
 scheme's chosen kernel stores it (a Packed, engine/quant/scheme.py).
 
-    QuantLinear      y = x @ W.T (+ bias): nn.Linear's drop-in (decoder linears, the head)
+    QuantLinear      y = x @ W.T (+ bias): nn.Linear's drop-in (decoder linears, the head);
+                     with `keep_dense`, a bfloat16 copy for inputs of many rows (amx.py)
     QuantEmbedding   an embedding table of int8 rows (a scale per row, or per 32 values),
                      whose layout a tied head shares: one copy for lookups and logits
     QuantExperts     an MoE block's experts, a QuantLinear per expert and projection
@@ -31,6 +32,9 @@ class QuantLinear(nn.Module):
         self.scheme, self.packed, self.head = scheme, packed, head
         self.out_features, self.in_features = packed.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # the bfloat16 copy for matmuls of `dense_rows` rows or more (engine/quant/amx.py)
+        self.register_buffer("dense", None, persistent=False)
+        self.dense_rows = 0
 
     @classmethod
     def of(cls, qw: QuantWeight, bias: torch.Tensor | None = None, *, keep_scales: bool = True,
@@ -71,10 +75,23 @@ class QuantLinear(nn.Module):
     def set_backend(self, backend: str, moved: dict) -> None:
         self.packed = _repacked(self.scheme, self.packed, backend, moved)
 
+    def keep_dense(self, min_rows: int) -> None:
+        """Keep the weight dequantized and rounded once to bfloat16 beside the codes; inputs
+        of `min_rows` rows or more multiply by it (engine/quant/amx.py)."""
+        w = self.dequantize(torch.float32)
+        self.dense = w.to(torch.bfloat16, memory_format=torch.contiguous_format)
+        self.dense_rows = min_rows
+
+    def drop_dense(self) -> None:
+        self.dense, self.dense_rows = None, 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = self.packed.forward(x2)     # not __call__: no hooks here, and ~200 such calls a step
+        if self.dense is not None and x2.shape[0] >= self.dense_rows:
+            y = nn.functional.linear(x2.to(torch.bfloat16), self.dense)    # oneDNN's bf16 brgemm
+        else:
+            y = self.packed.forward(x2)     # not __call__: no hooks here, ~200 such calls a step
         if self.head:
             y = self.packed.refine_top(x2, y)
         if y.dtype != x.dtype:
