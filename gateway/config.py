@@ -12,8 +12,8 @@ from services.cli_args import check_ports
 from services.security import mtls_triple, tls_pair
 
 
-METRICS_PREFIXES = ("pdserve", "vllm")
-DISAGGREGATION_MODES = ("always", "never", "auto")     # gateway/disagg.py's MODES      # pdserve:... or vLLM's own names (vllm:...)
+METRICS_PREFIXES = ("pdserve", "vllm")      # pdserve:... or vLLM's own names (vllm:...)
+DISAGGREGATION_MODES = ("always", "never", "auto")     # gateway/disagg.py's MODES
 
 
 def check_metrics_prefix(prefix: str) -> None:
@@ -73,6 +73,9 @@ class GatewayConfig:
     worker_metrics_file: str = field(default="", metadata={
         "help": "more workers' /metrics as a file of ID=URL lines, re-read at every scrape "
                 "(`pdserve up --autoscale` rewrites it as workers come and go)"})
+    planner_url: str = field(default="", metadata={
+        "help": "the autoscaler's GET /plan URL, shown on the REST port's /status page "
+                "(fetched by the gateway, cached a few seconds; empty: no planner attached)"})
     metrics_prefix: str = field(default="pdserve", metadata={
         "help": "metric name prefix: pdserve (pdserve:...) or vllm (vllm:..., the names "
                 "vLLM's dashboards query)"})

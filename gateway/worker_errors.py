@@ -18,6 +18,8 @@
 """
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from services.protoconv import KV_DESTINATION_FAULT

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def never(model_dir):  # noqa: F811
-    with System.started(model_dir, gateway_config={"disaggregation": "never"}) as s:
+    # room for a stream long enough that an Abort sent after its first chunk always finds it
+    with System.started(model_dir, gateway_config={"disaggregation": "never"},
+                        decode_options={"num_blocks": 512}) as s:
         yield s
 
 
@@ -73,7 +75,7 @@ def test_a_local_prefill_streams_every_token_from_the_first(never, offline):  # 
 def test_aborting_a_local_request_frees_every_block(never):
     async def main():
         rid = "loc-abort-" + uuid.uuid4().hex
-        stream = _local_decode(never, rid, _prompt(40, 12), 400)
+        stream = _local_decode(never, rid, _prompt(40, 12), 3000)
         assert (await asyncio.wait_for(stream.read(), RPC_S)).tokens.tokens   # streaming
         assert (await never.held())[1] > 0
         assert (await never.dec.Abort(common_pb2.AbortRequest(request_id=rid, reason="test"),
@@ -82,7 +84,7 @@ def test_aborting_a_local_request_frees_every_block(never):
         assert rest[-1].tokens.finish_reason == common_pb2.FINISH_REASON_ABORT
         await never.wait_all_free()
         # and the caller's cancel, mid-stream
-        stream = _local_decode(never, "loc-cancel-" + uuid.uuid4().hex, _prompt(40, 13), 400)
+        stream = _local_decode(never, "loc-cancel-" + uuid.uuid4().hex, _prompt(40, 13), 3000)
         assert (await asyncio.wait_for(stream.read(), RPC_S)).tokens.tokens
         stream.cancel()
         await never.wait_all_free()

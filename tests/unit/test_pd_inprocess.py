@@ -124,7 +124,7 @@ class System:
                                        **self.prefill_options}),
                                    **self.prefill_config)
         dcfg = DecodeWorkerConfig(port=dport, kv_expiry_s=10, **common, engine=EngineOptions.of(
-            block_size=BS, num_blocks=64, **self.decode_options), **self.decode_config)
+            **{"block_size": BS, "num_blocks": 64, **self.decode_options}), **self.decode_config)
         ready = [asyncio.Event(), asyncio.Event()]
         self.tasks = [
             asyncio.create_task(serve(pcfg, PREFILL, transport=self.prefill_transport, ready=ready[0],
