@@ -12,10 +12,16 @@ Invariants (checked by `check()` in tests):
   4. A block is hashed only after its KV data is fully written (by compute or by a finished
      transfer), so a prefix hit never reads a half-filled block.
 Initial free order is block 0, 1, ..., num_blocks - 1.
+
+With an `events` log (engine/kv_events.py), every hash registered is reported "stored" and
+every hash evicted "removed", in the device tier, in the order they happen: the log's device
+set always equals `cached`'s keys.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from .kv_events import DEVICE, KvEventLog
 
 
 class Block:
@@ -31,9 +37,10 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, events: KvEventLog | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.events = events
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
@@ -50,14 +57,17 @@ class BlockPool:
         """Take n blocks from the head of the free queue (evicting their cached hashes)."""
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
-        out = []
+        out, evicted = [], []
         for _ in range(n):
             _, b = self.free_queue.popitem(last=False)
             if b.block_hash is not None:
                 del self.cached[b.block_hash]
+                evicted.append(b.block_hash)
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
+        if evicted and self.events is not None:
+            self.events.removed(evicted, DEVICE)
         return out
 
     def lookup(self, block_hash: bytes) -> Block | None:
@@ -81,10 +91,19 @@ class BlockPool:
 
     def cache(self, block: Block, block_hash: bytes) -> None:
         """Register a full block under its hash; a hash already held by another block wins."""
-        if block.block_hash is not None or block_hash in self.cached:
-            return
-        block.block_hash = block_hash
-        self.cached[block_hash] = block
+        self.cache_all([block], [block_hash])
+
+    def cache_all(self, blocks, hashes) -> None:
+        """cache() for each (block, hash) pair, reported as one event."""
+        new = []
+        for block, block_hash in zip(blocks, hashes):
+            if block.block_hash is not None or block_hash in self.cached:
+                continue
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+            new.append(block_hash)
+        if new and self.events is not None:
+            self.events.stored(new, DEVICE)
 
     def check(self) -> None:
         """Assert the invariants above (for tests)."""
@@ -94,3 +113,5 @@ class BlockPool:
             if b.block_hash is not None:
                 assert self.cached[b.block_hash] is b, b
         assert all(b.block_hash == h for h, b in self.cached.items())
+        if self.events is not None:
+            assert self.events.held(DEVICE) == set(self.cached), "event log != cached hashes"

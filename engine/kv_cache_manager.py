@@ -1,14 +1,15 @@
 """Per-request view of the block pool: prefix lookup, slot allocation, caching, freeing.
 
 Block hashes are chained: hash_i = H(hash_{i-1} || tokens of block i), so equal hashes mean
-equal whole prefixes. Only full blocks are hashed, and only once their KV is written.
+equal whole prefixes (engine/block_hash.py, shared with the gateway). Only full blocks are
+hashed, and only once their KV is written. The pool reports what it holds to `events`
+(engine/kv_events.py), the log the worker streams to the gateway.
 """
 from __future__ import annotations
 
-import hashlib
-from array import array
-
+from .block_hash import hash_block_tokens, prefix_block_hashes  # noqa: F401 (re-exported)
 from .block_pool import Block, BlockPool
+from .kv_events import KvEventLog
 from .request import Request
 
 
@@ -16,24 +17,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block_tokens(parent: bytes, tokens) -> bytes:
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
-
-
-def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """Chained hashes of every full block of `token_ids`, as this cache keys them. (The
-    gateway's prefix affinity, gateway/registry.py, hashes prompts its own way.)"""
-    out, parent = [], b""
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
-        out.append(parent)
-    return out
-
-
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KvEventLog | None = None):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.events = events if events is not None else KvEventLog()
+        self.pool = BlockPool(num_blocks, self.events)
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[Block]] = {}
         self.num_hashed: dict[str, int] = {}     # blocks of the request registered in the cache
@@ -104,8 +93,7 @@ class KVCacheManager:
         if n_full <= start:
             return
         hashes = self._hashes(req, n_full)
-        for i in range(start, n_full):
-            self.pool.cache(blocks[i], hashes[i])
+        self.pool.cache_all(blocks[start:n_full], hashes[start:n_full])
         self.num_hashed[req.request_id] = n_full
 
     def trim(self, req: Request, num_tokens: int) -> None:

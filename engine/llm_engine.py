@@ -87,6 +87,7 @@ class LLMEngine:
         cc = config.cache
         self.num_blocks = cc.num_blocks or memory.kv_cache_blocks(config)
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv_events = self.kv.events      # what the worker streams to the gateway (KvEvents)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, config.device,
                                   config.scheduler.max_num_seqs, decode_graphs,

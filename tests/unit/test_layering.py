@@ -25,7 +25,7 @@ MAY_IMPORT = {
 }
 # the engine modules the gateway may use: none of them imports torch
 GATEWAY_ENGINE = {"engine.tokenizer", "engine.gguf", "engine.sampling_params", "engine.structured",
-                  "engine.output_processor"}
+                  "engine.output_processor", "engine.block_hash", "engine.kv_events"}
 # inside the engine, downward only: kernels < quantization schemes < model families; none of
 # them knows the step machinery (scheduler, runner, loader, engine) above them
 ENGINE_LAYERS = {
