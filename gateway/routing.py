@@ -15,7 +15,9 @@
               FAILED_PRECONDITION
 
 Affinity is the gateway's own bookkeeping (affinity.PrefixAffinity): prompt block hashes ->
-the worker it sent them to; a worker's actual prefix cache is not consulted.
+the worker it sent them to; a worker's actual prefix cache is not consulted yet. `index` (a
+PrefixIndex: what each worker of both pools reports it holds, by address, fed by
+gateway/kv_events_client.py) is kept beside it.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from google.protobuf.json_format import MessageToDict
 from protos.pdserve.v1 import decode_pb2
 
 from .affinity import PrefixAffinity, decode_bounds
+from .prefix_index import PrefixIndex
 from .registry import Worker, WorkerPool
 from .request import GatewayError
 
@@ -36,6 +39,9 @@ class Router:
         self.slack, self.slack_ratio = slack, slack_ratio
         self.decode_slack = decode_slack
         self._affinity = {"prefill": PrefixAffinity(), "decode": PrefixAffinity()}
+        # what every worker of both pools really holds, by address, fed by their KV events
+        # (gateway/kv_events_client.py)
+        self.index = PrefixIndex()
 
     def hashes(self, pool: WorkerPool, prompt: list[int], block_size: int = 0) -> list[bytes]:
         """The prompt's block hashes for `pool`'s affinity (its workers' block size)."""
