@@ -7,7 +7,8 @@ following that worker's KvEvents stream (services/kv_events_rpc.py) into the mod
         snapshot parts  -> index.reset(worker, epoch, seq, state)  (a new epoch: a restart)
         event batch     -> index.apply(worker, epoch, events); False (a gap, another epoch):
                            the index dropped the worker -> resubscribe with no epoch
-        heartbeat       -> nothing (each read has a deadline: read_timeout_s)
+        heartbeat       -> nothing, or (its seq past the index's) a batch was lost: resync
+                           as for a gap; each read has a deadline (read_timeout_s)
         stream error, EOF or a read past its deadline -> reconnect after a backoff (doubling
                            from backoff_s up to max_backoff_s, reset by any message); the
                            index keeps the worker's state meanwhile and resumes from its seq
@@ -79,12 +80,15 @@ class KvEventsClient:
         return on_change
 
     async def stop(self) -> None:
+        """Cancel every subscriber and wait until each has ended (one that lost a cancel to
+        a read completing at that moment sees `_stopped` at its next message)."""
         self._stopped = True
-        tasks = list(self._tasks.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks.clear()
+        tasks, self._tasks = list(self._tasks.values()), {}
+        while tasks:
+            for t in tasks:
+                t.cancel()
+            _, pending = await asyncio.wait(tasks, timeout=1.0)
+            tasks = list(pending)
 
     @property
     def following(self) -> list[str]:
@@ -107,7 +111,7 @@ class KvEventsClient:
     async def _run(self, pool: WorkerPool, address: str) -> None:
         """Follow `address` until cancelled (removed, or the gateway stops)."""
         delay = self.backoff_s
-        while True:
+        while not self._stopped:
             w = pool.workers.get(address)
             if w is None:                   # removed meanwhile: _unfollow cancels us
                 return
@@ -132,14 +136,16 @@ class KvEventsClient:
         call = stub.KvEvents(req)
         parts, got = SnapshotParts(), False
         try:
-            while True:
-                msg = await asyncio.wait_for(call.read(), self.read_timeout_s)
+            while not self._stopped:
+                async with asyncio.timeout(self.read_timeout_s):   # (wait_for may lose a cancel)
+                    msg = await call.read()
                 if msg is grpc.aio.EOF:
                     return got
                 got = True
                 self._take(pool.kind, address, msg, parts)
         finally:
             call.cancel()
+        return got
 
     def _take(self, kind: str, address: str, msg, parts: SnapshotParts) -> None:
         if msg.snapshot:
@@ -149,20 +155,27 @@ class KvEventsClient:
                     self._resyncs.labels("gateway", kind).inc()   # from it: a restart or a gap
                 self.index.reset(address, msg.epoch, msg.seq, state)
             return
-        if not msg.events:
-            return                           # a heartbeat
+        if not msg.events:                   # a heartbeat: the last seq the worker sent
+            pos = self.index.position(address)
+            if pos is not None and pos[0] == msg.epoch and pos[1] < msg.seq:
+                self._gap(kind, address, "a heartbeat is past the last event applied")
+            return
         if self.drop_batches > 0:
             self.drop_batches -= 1
             return
         events = events_from_proto(msg.events)
         pos = self.index.position(address)
-        if not self.index.apply(address, msg.epoch, events):
-            self._resyncs.labels("gateway", kind).inc()
-            log.warning("KV events of %s worker %s: %s; resubscribing for a snapshot", kind,
-                        address, "an event was lost" if pos and pos[0] == msg.epoch
-                        else "another epoch")
-            raise _Resubscribe
+        if not self.index.apply(address, msg.epoch, events):     # the index dropped it
+            self._gap(kind, address, "an event was lost" if pos and pos[0] == msg.epoch
+                      else "another epoch")
         self._events.labels("gateway", kind).inc(len(events))
+
+    def _gap(self, kind: str, address: str, why: str) -> None:
+        self.index.drop(address)
+        self._resyncs.labels("gateway", kind).inc()
+        log.warning("KV events of %s worker %s: %s; resubscribing for a snapshot", kind,
+                    address, why)
+        raise _Resubscribe
 
 
 class _IndexBlocks:
