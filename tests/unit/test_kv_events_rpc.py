@@ -8,7 +8,8 @@ gateway.core.Gateway over gRPC on 127.0.0.1, sharing an internal token file.
   next heartbeat), the worker resynced from a snapshot (split in parts of 8 hashes here),
   counted once in kv_index_resyncs_total
 - a restarted prefill worker (same address, new epoch): the index follows its new log
-- a gateway stopped leaves no subscriber task and no open stream on the workers
+- a worker discovery removes is forgotten (its state dropped, its stream closed); a gateway
+  stopped leaves no subscriber task and no open stream on the workers
 - KvEvents without the internal credential: UNAUTHENTICATED
 Plus the wire helpers alone: batch bounds, snapshot parts, the engine-thread listener.
 """
@@ -238,6 +239,16 @@ def test_a_stopped_gateway_leaves_no_task_and_no_stream(cluster):
             assert loop.time() < deadline, [s.open_streams for s in streams]
             await asyncio.sleep(0.02)
         assert sorted(gw.kv_events.following) == sorted([cluster.pre_addr, cluster.dec_addr])
+        while gw.router.index.position(cluster.dec_addr) is None:
+            assert loop.time() < deadline, "no snapshot from the decode worker"
+            await asyncio.sleep(0.02)
+        dec_set = next(ws for ws, pool in gw._sets if pool is gw.decode)
+        await dec_set._apply([])                  # discovery no longer lists the decode worker
+        assert gw.kv_events.following == [cluster.pre_addr]
+        assert gw.router.index.position(cluster.dec_addr) is None
+        while streams[1].open_streams != base[1]:
+            assert loop.time() < deadline, "the removed worker's stream stayed open"
+            await asyncio.sleep(0.02)
         await gw.stop()
         assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("kv-events-")
                     and t not in set(cluster.gateway.kv_events._tasks.values())]
