@@ -110,42 +110,48 @@ class KvEventsClient:
     # ----------------------------------------------------------------- one worker
     async def _run(self, pool: WorkerPool, address: str) -> None:
         """Follow `address` until cancelled (removed, or the gateway stops)."""
-        delay = self.backoff_s
+        delay, last_why = self.backoff_s, ""
         while not self._stopped:
             w = pool.workers.get(address)
             if w is None:                   # removed meanwhile: _unfollow cancels us
                 return
+            answered = [False]
             try:
-                if await self._stream(pool, address, w.stub):
-                    delay = self.backoff_s  # it answered: the next failure starts afresh
+                await self._stream(pool, address, w.stub, answered)
             except _Resubscribe:
-                delay = self.backoff_s
+                pass
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, ValueError) as e:
                 why = (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError)
                        else f"{type(e).__name__}: {e}")
-                log.info("KV events of %s worker %s: %s; retrying in %.1fs", pool.kind, address,
-                         why, delay)
+                # once per kind of failure in a row (a worker still starting is refused a while)
+                log.log(logging.DEBUG if why == last_why else logging.INFO,
+                        "KV events of %s worker %s: %s; retrying in %.1fs", pool.kind, address,
+                        why, delay)
+                last_why = why
+                answered[0] = answered[0] and not isinstance(e, ValueError)   # (bad messages
+                # from a newer worker: back off as from any failure, not every 0.1 s)
+            if answered[0]:                 # it answered: the next failure starts afresh
+                delay, last_why = self.backoff_s, ""
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff_s)
 
-    async def _stream(self, pool: WorkerPool, address: str, stub) -> bool:
-        """One KvEvents call, until it ends (False: it ended before any message)."""
+    async def _stream(self, pool: WorkerPool, address: str, stub, answered: list) -> None:
+        """One KvEvents call, until it ends; answered[0] set at its first message."""
         pos = self.index.position(address)
         req = common_pb2.KvEventsRequest(epoch=pos[0], since_seq=pos[1]) if pos else \
             common_pb2.KvEventsRequest()
         call = stub.KvEvents(req)
-        parts, got = SnapshotParts(), False
+        parts = SnapshotParts()
         try:
             while not self._stopped:
                 async with asyncio.timeout(self.read_timeout_s):   # (wait_for may lose a cancel)
                     msg = await call.read()
                 if msg is grpc.aio.EOF:
-                    return got
-                got = True
+                    return
+                answered[0] = True
                 self._take(pool.kind, address, msg, parts)
         finally:
             call.cancel()
-        return got
 
     def _take(self, kind: str, address: str, msg, parts: SnapshotParts) -> None:
         if msg.snapshot:
