@@ -351,9 +351,12 @@ class AsyncEngine:
                     self._set_failures(self.step_failures + 1)
                     self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
                     outs = []
+                # before the outputs: whoever got one reads stats that include its step
+                self._stats = eng.stats()
                 for out in outs:
                     self._deliver(out)
-            self._stats = eng.stats()
+            else:
+                self._stats = eng.stats()
         for _, _, fut in pending:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineError(f"{self.name} shut down"))

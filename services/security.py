@@ -205,7 +205,7 @@ class RequestGuard(grpc.aio.ServerInterceptor):
       Bearer TOKEN` gets UNAUTHENTICATED;
     - with `callers` (certificate common names; mTLS only), a peer whose certificate names
       none of them gets PERMISSION_DENIED for any method but Stats: the gateway's RPCs
-      (Decode, Prefill, SubmitFirstToken, Abort) are the gateway's even among the holders
+      (Decode, Prefill, SubmitFirstToken, Abort, KvEvents) are the gateway's even among the holders
       of the operator's certificates (a prefill worker reads a decode worker's Stats);
     - a request that does not parse ends with INVALID_ARGUMENT (grpc's own handling says
       UNKNOWN): the methods get raw bytes and parse them here; so does one over `max_bytes`
