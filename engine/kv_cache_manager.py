@@ -78,10 +78,11 @@ class KVCacheManager:
 
     def _revive(self, hits: list[Block], hashes: list[bytes]) -> list[Block]:
         """The offload tiers' continuation of a device hit; the hit's blocks are held meanwhile
-        so the revival's allocation cannot evict them."""
+        so the revival's allocation cannot evict them, and one free block is left for the
+        tokens to compute (a revival that filled the pool would only be evicted again)."""
         self.pool.touch(hits)
         try:
-            return self.offload.revive(self.pool, hashes, self.pool.num_free_blocks)
+            return self.offload.revive(self.pool, hashes, max(self.pool.num_free_blocks - 1, 0))
         finally:
             self.pool.free(reversed(hits))
 

@@ -176,7 +176,7 @@ class OffloadManager:
         """Device blocks holding the leading `hashes` found in the host or disk tier (at most
         `limit`), loaded and cached; free in the pool (ref 0), as a device hit is."""
         plan = []
-        for h in hashes[:limit]:
+        for h in hashes[:max(limit, 0)]:
             tier = HOST if self.host is not None and h in self.host else \
                 DISK if self.disk is not None and h in self.disk else None
             if tier is None or pool.lookup(h) is not None or not self.costs.worth(tier):

@@ -214,3 +214,20 @@ def test_the_flags_reach_both_workers_and_pdserve_up():
     assert argv == ["--kv-offload-host-gb", "2.0", "--kv-offload-disk", "/d"]
     with pytest.raises(ValueError, match="kv_offload_host_gb"):
         EngineOptions.of(kv_offload_host_gb=-1)
+
+
+def test_revival_is_declined_when_measured_slower_and_measured_again_now_and_then():
+    from engine.kv_offload import PROBE_EVERY, TierCosts
+    c = TierCosts(block_size=16)
+    assert c.worth(DISK)                        # nothing measured: try it
+    c.observe_step(0.016, {"a": 16})            # 1 ms per token: 16 ms a block
+    c.observe_load(DISK, 0.004)
+    c.observe_step(0.020, {"a": 8, "b": 1})     # the 4 ms load is not compute
+    assert abs(c.compute_s_per_token - (0.001 + 0.2 * ((0.016 / 9) - 0.001))) < 1e-12
+    assert c.worth(DISK)
+    c.observe_step(0.005, {"a": 1, "b": 1})     # a decode step measures nothing
+    for _ in range(60):
+        c.observe_load(DISK, 0.5)               # the disk became slow
+    c.loading_s = 0.0
+    answers = [c.worth(DISK) for _ in range(2 * PROBE_EVERY)]
+    assert answers.count(True) == 2 and answers[PROBE_EVERY - 1]
