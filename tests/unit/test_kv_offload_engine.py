@@ -147,3 +147,20 @@ def test_the_default_model_revives_from_the_host_tier():
     assert again.num_cached_tokens == 48 and seen.tokens["again"] == 16 + GREEDY.max_tokens - 1
     assert again.token_ids == first.token_ids
     e.close()
+
+
+def test_a_workers_metrics_carry_the_tier_series(model_dir):
+    """What a worker process sets up (services/telemetry.py) exposes the tiers on /metrics."""
+    from prometheus_client.exposition import generate_latest
+
+    from services.telemetry import start_role_telemetry
+    tel = start_role_telemetry("decode")
+    e, _ = engine(model_dir, kv_offload_host_gb=0.01)
+    tel.watch_steps(e)
+    evict_and_rerun(e)
+    text = generate_latest(tel.metrics.registry).decode()
+    assert 'pdserve:kv_tier_hits_total{role="decode",tier="host"} 3.0' in text
+    assert 'pdserve:kv_tier_blocks{role="decode",tier="disk"} 0.0' in text
+    assert 'pdserve:kv_tier_bytes_total{direction="in",role="decode",tier="host"}' in text
+    tel.close()
+    e.close()
