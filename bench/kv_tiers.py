@@ -8,7 +8,8 @@ Each round and way: a fresh prompt P (its own token ids), served once; two other
 the same length evict it from a device pool of prompt blocks + 8; P served again, timed from
 add_request to its first token (max_tokens 1): the TTFT of a returning prompt. The table: the
 median TTFT per way, the prompt tokens the engine computed for the second P (a step
-observer's count), the blocks revived, and the median of the per-round ratios to recompute.
+observer's count), the blocks revived, their mean load time (the tier's seconds "in" per
+block revived), and the median of the per-round ratios to recompute.
 The disk tier's files are written before the timed run (its queue flushed), so the timed
 load reads them from the page cache, as a recently written tier would be read.
 No timing here is asserted anywhere: this is a measurement, not a test.
@@ -98,13 +99,20 @@ def main() -> None:
     base = [x[0] for x in res["recompute (no tiers)"]]
     print(f"\nreturning prompt (model {Path(a.model).name}, {a.prompt_tokens} tokens, pool "
           f"{blocks} blocks of 16, {a.threads} thread(s)), median of {a.rounds} alternating rounds\n")
-    print("| way | TTFT ms | prompt tokens computed | blocks revived | recompute / way (median ratio) |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| way | TTFT ms | prompt tokens computed | blocks revived | load ms per block "
+          "(mean) | recompute / way (median ratio) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for way, xs in res.items():
         ratio = statistics.median(b / x[0] for b, x in zip(base, xs))
+        e = engines[way][0]
+        load = "-"
+        if e.offload is not None:
+            st = e.offload.stats()
+            n = sum(st.hits.values())
+            load = f"{sum(v for (t, d), v in st.seconds.items() if d == 'in') / n * 1e3:.2f}" if n else "-"
         print(f"| {way} | {statistics.median(x[0] for x in xs) * 1e3:.1f} | "
               f"{statistics.median(x[1] for x in xs):.0f} | {statistics.median(x[2] for x in xs):.0f} | "
-              f"{ratio:.2f}x |")
+              f"{load} | {ratio:.2f}x |")
     for e, _ in engines.values():
         e.close()
 
