@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 ALPHA = 0.2                 # EWMA weight of the newest measurement
 PROBE_EVERY = 32            # declines of a tier between two measurements anyway (O4)
 QUEUE_BLOCKS = 256          # each queue's bound, in blocks
+DISK_QUEUE_BYTES = 256 << 20    # ... and the disk queue's in bytes (its staging copies)
 
 
 @dataclass
@@ -122,6 +123,7 @@ class OffloadManager:
         self.layout = (host if host is not None else disk).layout
         self.costs = TierCosts(block_size)
         self.queue_blocks = queue_blocks
+        self.disk_queue_blocks = max(4, min(queue_blocks, DISK_QUEUE_BYTES // self.layout.nbytes))
         self.cuda = kv_cache.device.type == "cuda"
         self.stream = torch.cuda.Stream(kv_cache.device) if self.cuda else None
         self._cv = threading.Condition()
@@ -281,7 +283,7 @@ class OffloadManager:
             sc = torch.empty(self.layout.scale_shape, pin_memory=self.cuda) if src_sc is not None else None
             self._copy(kv, sc, src_kv, src_sc, job.event)
         with self._cv:
-            if len(self._writes) >= self.queue_blocks:
+            if len(self._writes) >= self.disk_queue_blocks:
                 self._drop()
                 if slot is not None:
                     self.host.unpin(slot)

@@ -136,7 +136,8 @@ class LLMEngine:
             c = self.config
             draft = LLMEngine.from_model_dir(sc.draft_model, EngineOptions(
                 device=c.device, dtype=c.dtype, kernel_backend=c.kernel_backend,
-                max_model_len=mc.max_model_len, cache=replace(c.cache, num_blocks=None),
+                max_model_len=mc.max_model_len, cache=replace(c.cache, num_blocks=None,
+                                                              kv_offload_host_gb=0.0, kv_offload_disk=""),
                 scheduler=c.scheduler))
             if draft.config.model.vocab_size != mc.vocab_size:
                 raise ValueError(f"draft model {sc.draft_model}: vocabulary of "
