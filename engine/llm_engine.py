@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from . import memory
+from . import kv_offload, memory
 from .config import EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_connector import KVConnector
@@ -109,6 +109,10 @@ class LLMEngine:
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache, mc.name, self.kv_scales, mc.kv_layout())
         self.step_observers = list(step_observers)
+        # host / disk tiers under the pool (None: off); each step's time prices a revival
+        self.offload = kv_offload.attach(self.kv, self.runner, config)
+        if self.offload is not None:
+            self.step_observers.append(self.offload)
         self.speculator = self._speculator()
         self.spec_stats = self.speculator.stats if self.speculator is not None else SpecStats()
         # the last step scheduled nothing (every waiting request lacks blocks or a slot):
@@ -119,6 +123,10 @@ class LLMEngine:
         # adds, while a step may be running): see step()
         self.abandoned: set[str] = set()
 
+    def close(self) -> None:
+        """Stop the engine's helper threads (the offload tiers'); idempotent."""
+        self.kv.close()
+
     def _speculator(self) -> Speculator | None:
         sc, mc = self.config.speculative, self.config.model
         if sc is None:
@@ -128,7 +136,8 @@ class LLMEngine:
             c = self.config
             draft = LLMEngine.from_model_dir(sc.draft_model, EngineOptions(
                 device=c.device, dtype=c.dtype, kernel_backend=c.kernel_backend,
-                max_model_len=mc.max_model_len, cache=replace(c.cache, num_blocks=None),
+                max_model_len=mc.max_model_len, cache=replace(c.cache, num_blocks=None,
+                                                              kv_offload_host_gb=0.0, kv_offload_disk=""),
                 scheduler=c.scheduler))
             if draft.config.model.vocab_size != mc.vocab_size:
                 raise ValueError(f"draft model {sc.draft_model}: vocabulary of "
