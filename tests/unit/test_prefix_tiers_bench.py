@@ -145,3 +145,25 @@ def test_rows_ratios_and_the_table():
     assert "| prompt tokens computed | 0.60 | <= 0.5 | no |" in pt.table("chat", rows, "")
     with pytest.raises(ValueError):
         pt.mismatches(ref, ref[:2])
+
+
+def test_the_load_generator_keeps_each_requests_streamed_text():
+    import asyncio
+    import json
+
+    import httpx
+
+    from pdserve.loadgen import Job, Target, send
+    chunks = [{"choices": [{"text": "Hello"}]}, {"choices": [{"text": ""}]},
+              {"choices": [{"text": " world"}]},
+              {"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 4}}]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    def handler(request):
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            return await send(http, Target("http://x", "m"), Job("p", 3))
+    r = asyncio.run(go())
+    assert r["status"] == "ok" and r["text"] == "Hello world" and r["output_tokens"] == 3
