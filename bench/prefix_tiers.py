@@ -349,6 +349,8 @@ def run_trace(name: str, args, model: str, help_text: str, trees: dict, tmp: Pat
                   f"{run['computed']['prefill']:.0f} prefill + {run['computed']['decode']:.0f} "
                   f"decode tokens, window {run['window_s']:.1f} s, load {run['load'][0]:.1f}"
                   f" -> {run['load'][1]:.1f}", flush=True)
+            for e in sorted({r["error"] for r in run["records"] if r["error"]})[:2]:
+                print(f"#   failed: {e}", flush=True)
     reference = runs["a"][0]["records"]
     rows = {s: aggregate(runs[s], reference) for s in args.systems}
     prompt_tokens = sum(r.input_length for r in recs)
