@@ -23,7 +23,7 @@ prefix_chat.jsonl     multi-turn chat: 24 sessions starting at Poisson times (2 
                       3 turns each, the next turn 5-8 s after the last one arrived; each
                       prompt is the shared 512-token system prompt (block id 0), the whole
                       history (earlier user messages and replies) and a new user message of
-                      40-80 tokens. 72 requests over ~25 s, prompts ~550-800 tokens.
+                      40-80 tokens. 72 requests over 29 s, prompts 553-781 tokens.
 prefix_longdoc.jsonl  long documents: 8 documents of 1,024 tokens (2 blocks), asked 30
                       questions (30-60 tokens, the request's own block) at Poisson arrivals of
                       1.2 a second, the document drawn with weights 1/rank. ~25 s.
