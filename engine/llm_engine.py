@@ -119,6 +119,7 @@ class LLMEngine:
         # until a command frees blocks or adds work, another step would do nothing either
         self.stalled = False
         self.abandoned_steps = 0             # steps dropped mid-way: all their requests abandoned
+        self.prompt_tokens_computed = 0      # prompt tokens run through the model (steps done)
         # ids whose abort is on its way; the one field another thread writes (AsyncEngine.abort
         # adds, while a step may be running): see step()
         self.abandoned: set[str] = set()
@@ -274,6 +275,7 @@ class LLMEngine:
             self.abandoned_steps += 1
             log.info("step dropped: %s", e)
             return []
+        self.prompt_tokens_computed += sched.num_prompt_tokens
         outputs = self._postprocess(sched, out)
         if self.step_observers:
             tokens = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}
