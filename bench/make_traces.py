@@ -16,6 +16,18 @@ longdoc.jsonl  long documents: 6 documents of 3-6 whole blocks (1,536-3,072 toke
                so their blocks are shared; the question's block is the request's own id.
                Answers 32-192 tokens. 34 requests over 215 s, prompts 1,556-2,634 tokens.
 
+Two more, small, for bench/prefix_tiers.py (issue 31: prefix reuse beyond one worker's KV
+pool), greedy with short fixed outputs (16-32 tokens) so the runs are about prefill:
+
+prefix_chat.jsonl     multi-turn chat: 24 sessions starting at Poisson times (2 a second),
+                      3 turns each, the next turn 5-8 s after the last one arrived; each
+                      prompt is the shared 512-token system prompt (block id 0), the whole
+                      history (earlier user messages and replies) and a new user message of
+                      40-80 tokens. 72 requests over 29 s, prompts 553-781 tokens.
+prefix_longdoc.jsonl  long documents: 8 documents of 1,024 tokens (2 blocks), asked 30
+                      questions (30-60 tokens, the request's own block) at Poisson arrivals of
+                      1.2 a second, the document drawn with weights 1/rank. ~25 s.
+
 Sized for the 2-core machine and the default model (prefill ~100-200 tok/s per core, decode
 ~100 tok/s aggregate). At scale 1, with prefix caching, each asks about 65-85 newly computed
 prompt tokens/s (chat: 70k prompt tokens in all, 18.5k not in an earlier prompt's 512-token
@@ -82,6 +94,38 @@ def longdoc(rng: random.Random) -> list[TraceRecord]:
     return recs
 
 
+def prefix_chat(rng: random.Random, sessions: int = 24, turns: int = 3) -> list[TraceRecord]:
+    """bench/prefix_tiers.py's chat trace (module docstring)."""
+    recs, start = [], 0.0
+    for s in range(sessions):
+        t, context = start, BLOCK_TOKENS                 # the system prompt, one whole block
+        for _ in range(turns):
+            prompt, reply = context + rng.randint(40, 80), rng.randint(16, 32)
+            recs.append(TraceRecord(round(t * 1000.0), prompt, reply,
+                                    _ids([SYSTEM_ID], 1000 * (s + 1), prompt)))
+            context = prompt + reply
+            t += rng.uniform(5.0, 8.0)
+        start += rng.expovariate(2.0)
+    return sorted(recs, key=lambda r: r.timestamp_ms)
+
+
+def prefix_longdoc(rng: random.Random, docs: int = 8, questions: int = 30) -> list[TraceRecord]:
+    """bench/prefix_tiers.py's long-document trace (module docstring)."""
+    weights = [1.0 / (i + 1) for i in range(docs)]
+    recs, t = [], 0.0
+    for q in range(questions):
+        d = rng.choices(range(docs), weights)[0]
+        doc_ids = (100_000 * (d + 1), 100_000 * (d + 1) + 1)       # 2 whole blocks
+        recs.append(TraceRecord(round(t * 1000.0), 2 * BLOCK_TOKENS + rng.randint(30, 60),
+                                rng.randint(16, 32), doc_ids + (10_000_000 + q,)))
+        t += rng.expovariate(1.2)
+    return recs
+
+
+TRACES = (("chat", chat), ("longdoc", longdoc), ("prefix_chat", prefix_chat),
+          ("prefix_longdoc", prefix_longdoc))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "traces"))
@@ -89,7 +133,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name, make in (("chat", chat), ("longdoc", longdoc)):
+    for name, make in TRACES:
         recs = make(random.Random(f"{args.seed}:{name}"))
         write_trace(out / f"{name}.jsonl", recs)
         span = recs[-1].timestamp_ms / 1000.0

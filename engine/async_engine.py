@@ -361,6 +361,9 @@ class AsyncEngine:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineError(f"{self.name} shut down"))
         self._fail_all(EngineError(f"{self.name} shut down"))
+        close = getattr(eng, "close", None)
+        if close is not None:       # the offload tiers' threads: queued disk writes finish
+            close()
 
     def _set_failures(self, n: int) -> None:
         was = self.healthy

@@ -15,7 +15,8 @@ Initial free order is block 0, 1, ..., num_blocks - 1.
 
 With an `events` log (engine/kv_events.py), every hash registered is reported "stored" and
 every hash evicted "removed", in the device tier, in the order they happen: the log's device
-set always equals `cached`'s keys.
+set always equals `cached`'s keys. `before_reuse(blocks)` (engine/kv_offload.py's), when set,
+is told the evicted blocks before `allocate` hands them out, while their KV is still intact.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
+        self.before_reuse = None            # fn(evicted blocks), see the module docstring
 
     @property
     def num_blocks(self) -> int:
@@ -62,12 +64,16 @@ class BlockPool:
             _, b = self.free_queue.popitem(last=False)
             if b.block_hash is not None:
                 del self.cached[b.block_hash]
-                evicted.append(b.block_hash)
-                b.block_hash = None
+                evicted.append(b)
             b.ref_cnt = 1
             out.append(b)
-        if evicted and self.events is not None:
-            self.events.removed(evicted, DEVICE)
+        if evicted:
+            if self.events is not None:
+                self.events.removed([b.block_hash for b in evicted], DEVICE)
+            if self.before_reuse is not None:
+                self.before_reuse(evicted)
+            for b in evicted:
+                b.block_hash = None
         return out
 
     def lookup(self, block_hash: bytes) -> Block | None:
@@ -93,17 +99,19 @@ class BlockPool:
         """Register a full block under its hash; a hash already held by another block wins."""
         self.cache_all([block], [block_hash])
 
-    def cache_all(self, blocks, hashes) -> None:
-        """cache() for each (block, hash) pair, reported as one event."""
+    def cache_all(self, blocks, hashes) -> list[Block]:
+        """cache() for each (block, hash) pair, reported as one event; the blocks newly
+        registered."""
         new = []
         for block, block_hash in zip(blocks, hashes):
             if block.block_hash is not None or block_hash in self.cached:
                 continue
             block.block_hash = block_hash
             self.cached[block_hash] = block
-            new.append(block_hash)
+            new.append(block)
         if new and self.events is not None:
-            self.events.stored(new, DEVICE)
+            self.events.stored([b.block_hash for b in new], DEVICE)
+        return new
 
     def check(self) -> None:
         """Assert the invariants above (for tests)."""

@@ -244,6 +244,15 @@ class CacheConfig:
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto (the model dtype) | fp8_e4m3 | int8: 8-bit KV with a scale per block and "
                 "KV head, K stored minus a calibrated per-layer mean (engine/kv_calibration.py)"})
+    # offload tiers under the pool (engine/kv_offload.py, engine/kv_tiers.py)
+    kv_offload_host_gb: float = field(default=0.0, metadata={
+        "help": "host-memory KV tier, GiB (0: off): cached blocks are copied there and a prefix "
+                "found there is loaded back instead of recomputed, when that measures cheaper"})
+    kv_offload_disk: str = field(default="", metadata={
+        "help": "directory of a local-disk KV tier (empty: off): one checksummed file per "
+                "block, reused by a restart with the same model and KV layout"})
+    kv_offload_disk_gb: float = field(default=4.0, metadata={
+        "help": "the disk tier's bound, GiB (oldest blocks deleted first)"})
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -259,6 +268,9 @@ class CacheConfig:
                              f"{self.gpu_memory_utilization}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_offload_host_gb < 0 or self.kv_offload_disk_gb <= 0:
+            raise ValueError(f"kv_offload_host_gb must be >= 0 (0: off) and kv_offload_disk_gb "
+                             f"> 0, got {self.kv_offload_host_gb} and {self.kv_offload_disk_gb}")
 
 
 @dataclass

@@ -4,6 +4,11 @@ Block hashes are chained: hash_i = H(hash_{i-1} || tokens of block i), so equal 
 equal whole prefixes (engine/block_hash.py, shared with the gateway). Only full blocks are
 hashed, and only once their KV is written. The pool reports what it holds to `events`
 (engine/kv_events.py), the log the worker streams to the gateway.
+
+With offload tiers attached (`attach_offload`, engine/kv_offload.py): every newly cached
+block is copied down to them, and a prefix lookup continues the device hit with the blocks
+they hold, revived into device blocks (free, cached) before the hit is returned, so to the
+scheduler a revived block is a device hit like any other.
 """
 from __future__ import annotations
 
@@ -28,6 +33,16 @@ class KVCacheManager:
         self.num_hashed: dict[str, int] = {}     # blocks of the request registered in the cache
         self.prefix_queries = 0                  # tokens looked up
         self.prefix_hits = 0                     # tokens found
+        self.offload = None                      # engine/kv_offload.OffloadManager
+
+    def attach_offload(self, offload) -> None:
+        self.offload = offload
+        self.pool.before_reuse = offload.before_reuse
+
+    def close(self) -> None:
+        """Stop the offload tiers' threads (their queued copies finish first, bounded)."""
+        if self.offload is not None:
+            self.offload.close()
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,15 +64,33 @@ class KVCacheManager:
         if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return [], 0
         n = req.num_tokens - 1 if leave_one else req.num_tokens
-        hits = []
-        for h in self._hashes(req, n // self.block_size):
+        hits, hashes = [], self._hashes(req, n // self.block_size)
+        for h in hashes:
             b = self.pool.lookup(h)
             if b is None:
                 break
             hits.append(b)
+        if self.offload is not None and len(hits) < len(hashes):
+            hits += self._revive(hits, hashes[len(hits):])
         self.prefix_queries += req.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def _revive(self, hits: list[Block], hashes: list[bytes]) -> list[Block]:
+        """The offload tiers' continuation of a device hit; the hit's blocks are held meanwhile
+        so the revival's allocation cannot evict them, and one free block is left for the
+        tokens to compute (a revival that filled the pool would only be evicted again)."""
+        self.pool.touch(hits)
+        try:
+            return self.offload.revive(self.pool, hashes, max(self.pool.num_free_blocks - 1, 0))
+        finally:
+            self.pool.free(reversed(hits))
+
+    def tier_stats(self):
+        """engine/kv_offload.TierStats, or None without tiers."""
+        if self.offload is None:
+            return None
+        return self.offload.stats(len(self.pool.cached))
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed_blocks: list[Block] = ()) -> bool:
@@ -93,7 +126,9 @@ class KVCacheManager:
         if n_full <= start:
             return
         hashes = self._hashes(req, n_full)
-        self.pool.cache_all(blocks[start:n_full], hashes[start:n_full])
+        new = self.pool.cache_all(blocks[start:n_full], hashes[start:n_full])
+        if new and self.offload is not None:
+            self.offload.stored(new)
         self.num_hashed[req.request_id] = n_full
 
     def trim(self, req: Request, num_tokens: int) -> None:

@@ -14,7 +14,8 @@ A worker's engine appends to one `KvEventLog`; the worker streams it to the gate
     since(s)  the events after seq s, or None when they are no longer all kept (the log keeps
               the last `capacity` events): the reader then takes snapshot()
     snapshot  (seq, {tier: [hashes]}): the state after event seq, kept current incrementally
-    listeners fn() called after each append, on the appending thread (the engine's): a
+    listeners fn() called after each append, on the appending thread (the engine's, or for
+              HOST/DISK the offload tiers' copier and disk threads, engine/kv_offload.py): a
               worker uses it to wake its event loop (loop.call_soon_threadsafe); it must not
               block or raise
 

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from . import memory
+from . import kv_offload, memory
 from .config import EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_connector import KVConnector
@@ -109,15 +109,24 @@ class LLMEngine:
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache, mc.name, self.kv_scales, mc.kv_layout())
         self.step_observers = list(step_observers)
+        # host / disk tiers under the pool (None: off); each step's time prices a revival
+        self.offload = kv_offload.attach(self.kv, self.runner, config)
+        if self.offload is not None:
+            self.step_observers.append(self.offload)
         self.speculator = self._speculator()
         self.spec_stats = self.speculator.stats if self.speculator is not None else SpecStats()
         # the last step scheduled nothing (every waiting request lacks blocks or a slot):
         # until a command frees blocks or adds work, another step would do nothing either
         self.stalled = False
         self.abandoned_steps = 0             # steps dropped mid-way: all their requests abandoned
+        self.prompt_tokens_computed = 0      # prompt tokens run through the model (steps done)
         # ids whose abort is on its way; the one field another thread writes (AsyncEngine.abort
         # adds, while a step may be running): see step()
         self.abandoned: set[str] = set()
+
+    def close(self) -> None:
+        """Stop the engine's helper threads (the offload tiers'); idempotent."""
+        self.kv.close()
 
     def _speculator(self) -> Speculator | None:
         sc, mc = self.config.speculative, self.config.model
@@ -128,7 +137,8 @@ class LLMEngine:
             c = self.config
             draft = LLMEngine.from_model_dir(sc.draft_model, EngineOptions(
                 device=c.device, dtype=c.dtype, kernel_backend=c.kernel_backend,
-                max_model_len=mc.max_model_len, cache=replace(c.cache, num_blocks=None),
+                max_model_len=mc.max_model_len, cache=replace(c.cache, num_blocks=None,
+                                                              kv_offload_host_gb=0.0, kv_offload_disk=""),
                 scheduler=c.scheduler))
             if draft.config.model.vocab_size != mc.vocab_size:
                 raise ValueError(f"draft model {sc.draft_model}: vocabulary of "
@@ -265,6 +275,7 @@ class LLMEngine:
             self.abandoned_steps += 1
             log.info("step dropped: %s", e)
             return []
+        self.prompt_tokens_computed += sched.num_prompt_tokens
         outputs = self._postprocess(sched, out)
         if self.step_observers:
             tokens = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}

@@ -43,6 +43,14 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt tokens this step runs through the model: of each request's scheduled
+        positions [start, start + n), those below its prompt length (prefix hits, KV received
+        or revived lie before `start`; generated and speculative tokens after the prompt)."""
+        return sum(max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens) - s.start)
+                   for s in self.scheduled)
+
     def __bool__(self):
         return bool(self.scheduled)
 

@@ -110,6 +110,7 @@ class Autoscaler:
         self._cooldown = 0
         self._lock = threading.Lock()
         self.last: Decision | None = None
+        self._current: tuple[int, int] | None = None     # the last step's actuator.current()
         self.history: list[dict] = []
         self.notify = None        # notify(line) on each change, before it is made (pdserve up)
 
@@ -233,16 +234,18 @@ class Autoscaler:
                 log.exception("autoscale step failed; trying again next interval")
             stop.wait(self.cfg.interval_s)
 
-    def state(self) -> dict:
-        """The /plan JSON; "current" is the actuator's now (a change under way shows), else
-        the last step's."""
+    def state(self, live: bool = True) -> dict:
+        """The /plan JSON. "current" is the actuator's now when `live` (a change under way
+        shows; cheap for the local launcher), else, or when that call fails, the last step's
+        (the Kubernetes planner: no API call per /plan request)."""
         with self._lock:
-            d, cur = self.last, getattr(self, "_current", None)
-        try:
-            cur = tuple(self.actuator.current())
-        except Exception:                          # noqa: BLE001 (an API call may fail)
-            if cur is None:
-                raise
+            d, cur = self.last, self._current
+        if live or cur is None:
+            try:
+                cur = tuple(self.actuator.current())
+            except Exception:                      # noqa: BLE001 (an API call may fail)
+                if cur is None:
+                    raise
         if d is None:
             d = Decision(cur[0], cur[1], ["no decision yet"], {"known": False}, 0.0)
         return {"mode": "autoscale", "target": {"prefill": d.prefill, "decode": d.decode},

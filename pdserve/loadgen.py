@@ -13,7 +13,9 @@ a server that sends none has its content chunks counted instead (tokens_from_usa
 status: "ok" (200 and a whole stream), "rejected" (429: never retried here), "error" (any other
 HTTP status, an error chunk in the stream, a transport error or the client timeout).
 Records are sim.stats's per-request dicts plus `sent_s` (from the run start), `http_status`,
-`retry_after`, `error` (a short reason) and `prompt_tokens` (usage's), so sim.stats.summarize reads them as they are.
+`retry_after`, `error` (a short reason), `prompt_tokens` (usage's) and `text` (the streamed
+output, joined: bench/prefix_tiers.py compares greedy outputs across systems), so
+sim.stats.summarize reads them as they are.
 """
 from __future__ import annotations
 
@@ -74,23 +76,22 @@ def client(target: Target, connections: int) -> httpx.AsyncClient:
                                                  max_keepalive_connections=connections))
 
 
-def _content(chunk: dict) -> bool:
-    for c in chunk.get("choices") or []:
-        if c.get("text") or (c.get("delta") or {}).get("content"):
-            return True
-    return False
+def _content(chunk: dict) -> str:
+    """The chunk's output text ("" for none)."""
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for c in chunk.get("choices") or [])
 
 
 def _record(t0: float, status: str, **kw) -> dict:
     r = {"ttft_s": None, "itl_s": None, "e2e_s": time.perf_counter() - t0, "output_tokens": 0,
          "status": status, "tokens_from_usage": False, "http_status": None,
-         "retry_after": None, "error": "", "prompt_tokens": None}
+         "retry_after": None, "error": "", "prompt_tokens": None, "text": ""}
     r.update(kw)
     return r
 
 
 async def _stream(resp: httpx.Response, t0: float) -> dict:
-    stamps, usage = [], None
+    stamps, usage, text = [], None, []
     async for line in resp.aiter_lines():
         if not line.startswith("data:"):
             continue
@@ -102,15 +103,16 @@ async def _stream(resp: httpx.Response, t0: float) -> dict:
             return _record(t0, "error", http_status=200,
                            error=f"stream error: {chunk['error']}"[:ERROR_TEXT])
         usage = chunk.get("usage") or usage
-        if _content(chunk):
+        if piece := _content(chunk):
             stamps.append(time.perf_counter())
+            text.append(piece)
     n = int(usage["completion_tokens"]) if usage else len(stamps)
     if not stamps:
         return _record(t0, "error", http_status=200, error="no content in the stream")
     itl = (stamps[-1] - stamps[0]) / (n - 1) if n > 1 and len(stamps) > 1 else None
     return _record(t0, "ok", http_status=200, ttft_s=stamps[0] - t0, itl_s=itl,
                    output_tokens=n, tokens_from_usage=usage is not None,
-                   prompt_tokens=usage.get("prompt_tokens") if usage else None)
+                   prompt_tokens=usage.get("prompt_tokens") if usage else None, text="".join(text))
 
 
 async def send(http: httpx.AsyncClient, target: Target, job: Job) -> dict:

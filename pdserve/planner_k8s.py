@@ -131,7 +131,7 @@ class PlanView:
             return {"mode": "autoscale", "target": {}, "current": {}, "reasons": [self.holding],
                     "signals": {"known": False}, "updated_unix": 0.0, "history": [],
                     "max_workers": self.autoscaler.cfg.max_workers}
-        state = self.autoscaler.state()
+        state = self.autoscaler.state(live=False)   # the last step's replicas: no API call
         if self.holding:
             state["reasons"] = [self.holding] + state["reasons"]
         return state

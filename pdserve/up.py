@@ -70,6 +70,9 @@ class UpConfig:
     decode_threads: int = field(default=0, metadata={
         "help": "torch threads of each decode worker (0: half the cores split among the "
                 "decode workers, at least 1)"})
+    prefill_num_blocks: int = field(default=0, metadata={
+        "help": "KV blocks of each prefill worker (0: --num-blocks, every worker's); e.g. "
+                "prefill pools sized to a workload's prefixes, decode pools to its requests"})
     kv_expiry_s: float = field(default=30.0, metadata={
         "help": "the decode workers' --kv-expiry-s: a KV reservation expires this long without "
                 "KV arriving"})
@@ -124,6 +127,8 @@ class UpConfig:
             raise ValueError("--restart-backoff must be > 0 and --max-restarts >= 0")
         if self.prefill_threads < 0 or self.decode_threads < 0:
             raise ValueError("--prefill-threads and --decode-threads must be >= 0 (0: a share)")
+        if self.prefill_num_blocks < 0:
+            raise ValueError("--prefill-num-blocks must be >= 0 (0: --num-blocks)")
         if self.max_queue_delay_factor < 0:
             raise ValueError("--max-queue-delay-factor must be >= 0 (0: off)")
         if not 0 < self.kv_expiry_s <= self.kv_max_reservation_s:
@@ -172,10 +177,12 @@ def plain_text_ports(cfg: UpConfig, launcher: Launcher) -> list[str]:
 
 def worker_args(cfg: UpConfig, models: list[ModelPools] = ()) -> tuple[list[str], list[str]]:
     """The options `up` hands every (prefill, decode) worker of its own: threads, the
-    prefill workers' queue-delay bound and the decode workers' reservation deadlines."""
+    prefill workers' queue-delay bound (and KV pool, when given) and the decode workers'
+    reservation deadlines. A role's own options come after the engine's: they win."""
     prefill_threads, decode_threads = cfg.threads(models)
+    pool = ["--num-blocks", str(cfg.prefill_num_blocks)] if cfg.prefill_num_blocks else []
     return (["--threads", str(prefill_threads), "--max-queue-delay-factor",
-             str(cfg.max_queue_delay_factor)],
+             str(cfg.max_queue_delay_factor), *pool],
             ["--threads", str(decode_threads), "--kv-expiry-s", str(cfg.kv_expiry_s),
              "--kv-max-reservation-s", str(cfg.kv_max_reservation_s)])
 

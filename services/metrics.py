@@ -22,6 +22,8 @@ dashboard sums over pods:
         kv_transfer_bytes_total, kv_transfer_seconds (the sender), kv_transfer_failures_total
         (the side that saw it), kv_transfer_fallbacks_total{kind} (the side that fell back)
         energy_joules_total  -> fed by an `EnergyMeter`; absent where NVML reports no power
+        kv_tier_{blocks,hits_total,bytes_total,seconds_total,dropped_total}{tier}: the KV
+        offload tiers, read from the engine at each scrape (services/kv_tier_metrics.py)
     every role: token_path_seconds{stage} (services/token_path.py: the per-token path)
 
 `/metrics` is always served in the plain text format 0.0.4: prometheus-client 0.26 drops the

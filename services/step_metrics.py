@@ -22,6 +22,15 @@ are powers of two (at most ~17 per kind): the label set stays bounded. The conte
 request comes from the engine it is bound to (`bind(engine)`: its requests' computed tokens
 after the step, less this step's), or for a request that left the engine in this step from
 what the previous step saw of it.
+
+One more counter, labelled {role}, read from the bound engine after each step:
+
+    pdserve:prompt_tokens_computed_total         prompt tokens the engine really ran through
+                                                 the model (LLMEngine.prompt_tokens_computed:
+                                                 not prefix-cache hits, not KV received from
+                                                 a prefill worker, a tier or a peer)
+
+what bench/prefix_tiers.py sums over the workers to compare prefix reuse across systems.
 """
 from __future__ import annotations
 
@@ -50,12 +59,18 @@ class StepMetrics:
         self.role = role
         self._counters = [Counter(PREFIX + n, d, ("role", "kind", "bucket"), registry=registry)
                           for n, d in zip(NAMES, DOCS)]
+        self._prompt = Counter(PREFIX + "prompt_tokens_computed", "Prompt tokens the engine "
+                               "ran through the model (not prefix hits, not KV received, revived "
+                               "or fetched)", ("role",), registry=registry).labels(role)
         self._requests: Mapping[str, Any] = {}
         self._ctx: dict[str, int] = {}       # request -> context after the last step it was in
+        self._engine, self._prompt_seen = None, 0
 
     def bind(self, engine) -> None:
-        """Read the requests' computed tokens from `engine` (an LLMEngine)."""
+        """Read the requests' computed tokens (and the engine's prompt tokens) from `engine`
+        (an LLMEngine)."""
         self._requests = engine.requests
+        self._engine, self._prompt_seen = engine, engine.prompt_tokens_computed
 
     def _context(self, rid: str, n: int) -> int:
         req = self._requests.get(rid)
@@ -66,6 +81,10 @@ class StepMetrics:
     def on_step(self, duration_s: float, tokens: Mapping[str, int]) -> None:
         if not tokens:
             return
+        if self._engine is not None:
+            done = self._engine.prompt_tokens_computed
+            self._prompt.inc(done - self._prompt_seen)
+            self._prompt_seen = done
         ctx = {rid: self._context(rid, n) for rid, n in tokens.items()}
         self._ctx = {rid: ctx[rid] + n for rid, n in tokens.items()}   # bounded: this step's
         total = sum(tokens.values())

@@ -7,6 +7,7 @@ from typing import Any
 
 from .energy import EnergyMeter, gpu_index, nvml_power_reader
 from .metrics import Metrics, start_metrics_server
+from .kv_tier_metrics import KvTierMetrics
 from .step_metrics import StepMetrics
 from .tracing import setup_tracing, shutdown_tracing
 
@@ -21,6 +22,8 @@ class RoleTelemetry:
         self.metrics, self.meter, self.server, self.port = metrics, meter, server, port
         # step time by shape (services/step_metrics.py), for `pdserve profile --from-url`
         self.steps = StepMetrics(metrics.role, metrics.registry) if metrics.role != "gateway" else None
+        # the KV offload tiers' (services/kv_tier_metrics.py)
+        self.tiers = KvTierMetrics(metrics.role, metrics.registry) if metrics.role != "gateway" else None
 
     def step_observers(self) -> list:
         """What the worker's engine should tell each step: the step-time counters, the
@@ -29,9 +32,12 @@ class RoleTelemetry:
         return [o for o in (self.steps, self.meter if self.meter.available else None, path) if o]
 
     def watch_steps(self, engine) -> None:
-        """The step counters read their requests' context from `engine`."""
+        """The step counters read their requests' context from `engine`, the tier metrics
+        its offload tiers."""
         if self.steps is not None:
             self.steps.bind(engine)
+        if self.tiers is not None:
+            self.tiers.bind(engine)
 
     def close(self) -> None:
         if self.server is not None:

@@ -1,6 +1,8 @@
 """Small helpers shared by several test files."""
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import pytest
@@ -56,3 +58,37 @@ def up_metadata(up_pid: int) -> tuple[tuple[str, str], ...]:
     workers' RPCs (the tests run as the same user, so they can read its token file)."""
     from services.security import read_token
     return (("authorization", f"Bearer {read_token(up_token_file(up_pid))}"),)
+
+
+@contextlib.contextmanager
+def supervising(launcher, interval_s: float = 0.1):
+    """Run `launcher.supervise` (restarts, as `pdserve up` does) in a thread while inside;
+    on the way out stop it and check it did not give up."""
+    stop, result = threading.Event(), {}
+    th = threading.Thread(target=lambda: result.update(rc=launcher.supervise(stop, interval_s)),
+                          name="supervisor", daemon=True)
+    th.start()
+    try:
+        yield launcher
+    finally:
+        stop.set()
+        th.join(10)
+    assert result.get("rc") == 0, "the supervisor gave up"
+
+
+def assert_disconnect_frees(base: str, body: dict, held, timeout_s: float,
+                            headers: dict | None = None) -> None:
+    """Open a streamed chat completion at `base`, read 8 SSE lines, check `held()` (the blocks
+    the system holds) is non-empty, hang up, then require `held()` empty within `timeout_s`."""
+    import httpx
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", base + "/v1/chat/completions", json=body,
+                      headers=headers or {}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()            # kept referenced: closing it closes the stream
+            for _ in range(8):
+                next(lines)
+            assert held(), "the request is not running"
+    t0 = time.monotonic()
+    wait_until(lambda: (not (b := held()), b), timeout_s, "no held blocks after disconnect")
+    assert time.monotonic() - t0 < timeout_s

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import re
-import time
 
 import grpc
 import httpx
@@ -20,7 +19,7 @@ import pytest
 
 from pdserve.launcher import free_port
 from protos.pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from tests.helpers import wait_until
+from tests.helpers import assert_disconnect_frees, wait_until
 
 from tests.e2e.conftest import _start
 
@@ -142,17 +141,8 @@ def test_a_disconnected_local_stream_frees_every_block(tiny_pair):
     never = tiny_pair[1]
     body = {"model": "x", "messages": PROMPTS[0], "max_tokens": 2000, "ignore_eos": True,
             "stream": True}
-    with httpx.Client(timeout=60) as c:
-        body["model"] = c.get(never.http_base + "/v1/models").json()["data"][0]["id"]
-        with c.stream("POST", never.http_base + "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()            # kept referenced: closing it closes the stream
-            for _ in range(8):
-                next(lines)
-            assert held_blocks(never)                     # the request is running
-    t0 = time.monotonic()
-    wait_until(lambda: (not (b := held_blocks(never)), b), 5.0, "no held blocks after disconnect")
-    assert time.monotonic() - t0 < 5.0
+    body["model"] = httpx.get(never.http_base + "/v1/models", timeout=60).json()["data"][0]["id"]
+    assert_disconnect_frees(never.http_base, body, lambda: held_blocks(never), 5.0)
 
 
 def test_auto_keeps_a_short_prompt_local_and_disaggregates_a_long_one(model_dir, tmp_path_factory):

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import common_pb2, generation_pb2_grpc
 from tests.e2e.test_gateway import collect, gen_stub, prompts, request, stats
-from tests.helpers import wait_until
+from tests.helpers import supervising, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -40,15 +40,8 @@ def supervised(start_system):
     from pdserve.launcher import free_port
     launcher = start_system(2, 2, gateway_args=["--health-interval-s", "0.5"],
                             restart_backoff_s=0.5, http_port=free_port())
-    stop = threading.Event()
-    result = {}
-    th = threading.Thread(target=lambda: result.update(rc=launcher.supervise(stop, 0.1)),
-                          name="supervisor", daemon=True)
-    th.start()
-    yield launcher
-    stop.set()
-    th.join(10)
-    assert result.get("rc") == 0, "the supervisor gave up"
+    with supervising(launcher):
+        yield launcher
 
 
 def pools_full(launcher, timeout_s: float = 5.0) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import grpc
 import httpx
@@ -19,7 +18,7 @@ import pytest
 
 from pdserve.launcher import free_port
 from protos.pdserve.v1 import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc, prefill_pb2_grpc
-from tests.helpers import wait_until
+from tests.helpers import assert_disconnect_frees, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -386,17 +385,8 @@ def test_error_statuses(sys_a, model):
 def test_disconnect_frees_blocks_on_both_workers(sys_a, model):
     body = {"model": model, "messages": PROMPT, "max_tokens": 2000, "ignore_eos": True,
             "stream": True}
-    with httpx.Client(timeout=30) as c:
-        with c.stream("POST", sys_a.http_base + "/v1/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()            # kept referenced: closing it closes the stream
-            for _ in range(8):
-                next(lines)
-            assert held_blocks(sys_a)                     # the request is running
-    t0 = time.monotonic()
-    wait_until(lambda: (not (b := held_blocks(sys_a)), b), 2.0, "no held blocks after disconnect")
-    assert time.monotonic() - t0 < 2.0
+    assert_disconnect_frees(sys_a.http_base, body, lambda: held_blocks(sys_a), 2.0,
+                            headers={"Authorization": f"Bearer {KEY}"})
 
 
 # ----------------------------------------------------------------------------- 429 / 503

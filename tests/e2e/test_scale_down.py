@@ -23,7 +23,7 @@ from protos.pdserve.v1 import common_pb2
 from tests.e2e.test_faults import (_busiest_prefill, _long_prompt_burst, fallbacks, greedy,
                                    pools_full, stream)
 from tests.e2e.test_gateway import collect, gen_stub, prompts, request, stats
-from tests.helpers import wait_until
+from tests.helpers import supervising, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -47,15 +47,8 @@ def supervised(start_system):
         decode_args=["--drain-timeout-s", str(DECODE_DRAIN_S), "--drain-migrate-s",
                      str(DECODE_MIGRATE_S), "--num-blocks", "4096"],
         prefill_args=["--drain-timeout-s", str(PREFILL_DRAIN_S)])
-    stop = threading.Event()
-    result = {}
-    th = threading.Thread(target=lambda: result.update(rc=launcher.supervise(stop, 0.1)),
-                          name="supervisor", daemon=True)
-    th.start()
-    yield launcher
-    stop.set()
-    th.join(10)
-    assert result.get("rc") == 0, "the supervisor gave up"
+    with supervising(launcher):
+        yield launcher
 
 
 def _retire(launcher, child) -> tuple[threading.Thread, dict]:

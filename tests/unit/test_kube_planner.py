@@ -144,3 +144,28 @@ def test_a_failure_after_a_decision_is_shown_first_then_cleared(servers):
     assert view.state()["reasons"][0] == "kubernetes API: no answer: GET ...: timed out: holding"
     act.fail = False
     assert step_or_hold(auto, view) and not view.state()["reasons"][0].startswith("kubernetes")
+
+
+def test_plan_after_a_decision_makes_no_api_call(servers):
+    gw, _ = servers
+
+    class Counting:
+        observed: dict = {}
+        calls = 0
+
+        def current(self):
+            self.calls += 1
+            return (1, 1)
+
+        def scale(self, p, d):
+            pass
+    act = Counting()
+    cfg = AutoscaleConfig(slo_ttft_ms=100, slo_itl_ms=50, max_workers=3, allow_colocated=False)
+    auto = Autoscaler(cfg, ClusterMetrics(f"http://127.0.0.1:{gw}", []), act, example())
+    view = PlanView(auto)
+    assert step_or_hold(auto, view)
+    calls = act.calls
+    states = [view.state() for _ in range(5)]
+    assert act.calls == calls, "GET /plan called the Kubernetes API"
+    assert all(s["current"] == {"prefill": 1, "decode": 1} for s in states)
+    assert auto.state()["current"] == {"prefill": 1, "decode": 1} and act.calls == calls + 1

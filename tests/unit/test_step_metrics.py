@@ -92,3 +92,55 @@ def test_live_points_delta_and_merge():
     assert abs(prof.decode_s(4, 400) - 0.15) < abs(base.decode_s(4, 400) - 0.15)
     with pytest.raises(ValueError, match="no live prefill"):
         live.refreshed(None, pts, 100, {})
+
+
+def _prompt_computed(registry) -> float:
+    return registry.get_sample_value("pdserve:prompt_tokens_computed_total", {"role": "prefill"})
+
+
+def _run(eng, rid, ids, params) -> int:
+    """Run one request to its end; its prefix-cache hit (tokens)."""
+    req = eng.add_request(rid, ids, params)
+    for _ in range(40):
+        if not eng.has_unfinished_requests():
+            return req.num_cached_tokens
+        eng.step()
+    raise AssertionError("the engine did not finish")
+
+
+def test_prompt_tokens_computed_counts_only_what_the_prefix_cache_missed():
+    registry = CollectorRegistry()
+    sm = StepMetrics("prefill", registry)
+    eng = LLMEngine.from_model_dir(ensure_default_model(), block_size=8, num_blocks=64,
+                                   max_num_batched_tokens=16, step_observers=[sm])
+    sm.bind(eng)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+    prompt = list(range(3, 23))                               # 20 tokens: 2 whole blocks of 8
+    assert _run(eng, "first", prompt, params) == 0
+    assert _prompt_computed(registry) == 20                   # chunks of 16 + 4, nothing cached
+    assert _run(eng, "again", prompt, params) == 16
+    assert _prompt_computed(registry) == 20 + 4               # the 16 cached tokens are not run
+    # a longer prompt sharing those blocks: the partial block's 4 tokens and its own 8
+    assert _run(eng, "longer", prompt + list(range(50, 58)), params) == 16
+    assert _prompt_computed(registry) == 24 + 12
+    assert eng.prompt_tokens_computed == 36                   # the engine's own count
+
+
+def test_prompt_tokens_received_from_a_prefill_worker_are_not_counted():
+    registry = CollectorRegistry()
+    sm = StepMetrics("decode", registry)
+    eng = LLMEngine.from_model_dir(ensure_default_model(), block_size=8, num_blocks=64,
+                                   step_observers=[sm])
+    sm.bind(eng)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    assert eng.add_remote_request("r", list(range(3, 23)), params) is not None
+    eng.remote_kv_done("r", 7)                                # the KV "arrived" (zeros: fine)
+    steps = 0
+    while eng.has_unfinished_requests() and steps < 20:
+        eng.step()
+        steps += 1
+    assert not eng.has_unfinished_requests() and steps == 3   # tokens 2..4 decoded
+    assert registry.get_sample_value("pdserve:prompt_tokens_computed_total",
+                                     {"role": "decode"}) == 0
+    assert registry.get_sample_value("pdserve:engine_step_tokens_total",
+                                     {"role": "decode", "kind": "decode", "bucket": "1"}) == 3

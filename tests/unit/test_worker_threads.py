@@ -69,9 +69,10 @@ def test_up_splits_the_cores_between_the_roles():
 def test_up_hands_threads_and_reservation_flags_to_the_workers(monkeypatch):
     up = config_from_args(UpConfig, build_parser().parse_args([
         "up", "--prefill-threads", "3", "--decode-threads", "2", "--kv-expiry-s", "20",
-        "--kv-max-reservation-s", "900", "--max-queue-delay-factor", "6"]))
+        "--kv-max-reservation-s", "900", "--max-queue-delay-factor", "6", "--num-blocks",
+        "400", "--prefill-num-blocks", "100"]))
     prefill_args, decode_args = worker_args(up)
-    lau = Launcher("m", prefill_args=prefill_args, decode_args=decode_args)
+    lau = Launcher("m", prefill_args=prefill_args, decode_args=decode_args, engine=up.engine)
     monkeypatch.setattr(Launcher, "_spawn", lambda self, c: self.children.append(c))
     monkeypatch.setattr(Launcher, "_wait_serving", lambda self, c, deadline: None)
     lau.start()
@@ -81,6 +82,10 @@ def test_up_hands_threads_and_reservation_flags_to_the_workers(monkeypatch):
     assert (cfgs["prefill"].num_threads, cfgs["prefill"].max_queue_delay_factor) == (3, 6.0)
     d = cfgs["decode"]
     assert (d.num_threads, d.kv_expiry_s, d.kv_max_reservation_s) == (2, 20.0, 900.0)
+    # the prefill pools their own size, the decode workers --num-blocks
+    assert (cfgs["prefill"].engine.cache.num_blocks, d.engine.cache.num_blocks) == (100, 400)
+    with pytest.raises(ValueError):
+        UpConfig(prefill_num_blocks=-1)
 
 
 def test_a_cgroup_cpu_limit_caps_the_cores(tmp_path):

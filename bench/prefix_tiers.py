@@ -1,0 +1,381 @@
+"""Issue 31's benchmark: prefix reuse beyond one worker's KV pool, three systems side by side.
+
+    python bench/prefix_tiers.py [--quick] [--rounds 2] [--traces prefix_chat prefix_longdoc]
+                                 [--cpus 0-1] [--rate-scale 1] [--model FILE]
+    (pipe it to tee: bench/logs/2026-12-03-prefix-tiers.log is such a run)
+
+Each system is `pdserve up` with 2 prefill + 2 decode workers on the default model
+(SmolLM2-135M), the whole process tree pinned to the same cores (`taskset -c --cpus`), each
+prefill worker's KV pool (`--prefill-num-blocks`) a quarter of the trace's working set (the
+distinct 16-token prefix blocks of all its prompts; at least two of its longest requests),
+each decode worker's (`--num-blocks`) room for 16 of its longest requests: under
+--disaggregation always a decode worker computes no prompt, and a pool of a quarter of the
+working set refused most reservations (RESOURCE_EXHAUSTED, the request failed) in a trial.
+Prefill workers never refuse for queue delay here (--max-queue-delay-factor 0): every system
+serves every request, so the counts compare.
+
+    (a) today's affinity routing: the tree at commit a9f9160 (`git worktree add --detach
+        /tmp/pdserve-a9f9160 a9f9160`, reused when present), run from there, with this
+        benchmark's two additions (bench/prefix_tiers_baseline.patch, applied uncommitted
+        to a clean checkout each time: the counter pdserve:prompt_tokens_computed_total and
+        `pdserve up --prefill-num-blocks`; nothing that routes or caches)
+    (b) this tree, routing on the workers' KV events: --kv-offload-host-gb 0 --peer-fetch off
+    (c) this tree with a host and a disk tier and peer fetch: --kv-offload-host-gb 1
+        --kv-offload-disk DIR --kv-offload-disk-gb 2 --peer-fetch on
+
+A flag `pdserve up --help` does not list is not passed (the log says which): before issue
+31's parts merge, (b) and (c) are this tree as it is. Rounds alternate (a, b, c, a, b, c),
+each system started fresh for each trace of each round. The load is `pdserve bench --trace`'s
+(pdserve/bench.py, measure): the trace's requests at their timestamps (x --rate-scale),
+prompts synthesised from its block ids (equal ids, equal text), streaming /v1/completions,
+greedy, ignore_eos, max_tokens = the trace's output length (16-32 tokens: the runs are about
+prefill). Traces: bench/traces/prefix_chat.jsonl and prefix_longdoc.jsonl (bench/make_traces.py).
+
+Per system, over all its rounds: prompt tokens computed (the sum over every worker of
+pdserve:prompt_tokens_computed_total, from the gateway's /metrics, which holds its workers',
+after the run less before it; per round too), TTFT p50/p90 and output tok/s (sim/stats.py over
+the pooled requests), requests failed (errors and 429s), and greedy mismatches: requests whose
+output text differs from (a)'s first round (completed in both). One markdown table per
+trace, then (c)/(a) for computed tokens and TTFT p90 against the issue's targets (<= 0.5 and
+<= 0.6). --quick: one round of the first third of each trace, a smoke run.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sim.stats import summarize  # noqa: E402
+from sim.trace import BLOCK_TOKENS, TraceRecord, read_trace  # noqa: E402
+
+BASELINE_COMMIT = "a9f9160"
+BASELINE_DIR = Path("/tmp/pdserve-a9f9160")
+PATCH = ROOT / "bench" / "prefix_tiers_baseline.patch"
+COUNTER = "pdserve:prompt_tokens_computed_total"
+SYSTEMS = ("a", "b", "c")
+LABELS = {"a": "(a) affinity routing (a9f9160)", "b": "(b) routing on KV events",
+          "c": "(c) (b) + host/disk tiers + peer fetch"}
+TARGETS = (("computed", "prompt tokens computed", 0.5), ("ttft_p90_ms", "TTFT p90", 0.6))
+BLOCK_SIZE = 16            # the workers' --block-size (the engine's default)
+
+
+# -- sizing (no servers) ---------------------------------------------------------------
+def working_set_blocks(recs: list[TraceRecord], block_size: int = BLOCK_SIZE) -> int:
+    """Distinct whole KV blocks over all prompts. Block j of a prompt lies in its Mooncake
+    block m = j * block_size // BLOCK_TOKENS; two prompts with the same ids up to m have the
+    same text there (pdserve/bench_prompts.py), so the same KV block. A prompt's blocks past
+    its hash_ids are its own."""
+    seen = set()
+    for i, r in enumerate(recs):
+        for j in range(r.input_length // block_size):
+            m = j * block_size // BLOCK_TOKENS
+            key = tuple(r.hash_ids[:m + 1]) if m < len(r.hash_ids) else ("own", i)
+            seen.add((key, j))
+    return len(seen)
+
+
+def longest_blocks(recs: list[TraceRecord], block_size: int = BLOCK_SIZE) -> int:
+    """KV blocks of the trace's longest request, prompt and output."""
+    return max(-(-(r.input_length + r.output_length) // block_size) for r in recs)
+
+
+def pool_blocks(recs: list[TraceRecord], fraction: float = 0.25,
+                block_size: int = BLOCK_SIZE) -> tuple[int, int]:
+    """(each prefill worker's KV blocks, each decode worker's): `fraction` of the working
+    set but at least two longest requests; room for 16 longest requests."""
+    longest = longest_blocks(recs, block_size)
+    return (max(math.ceil(working_set_blocks(recs, block_size) * fraction), 2 * longest),
+            16 * longest)
+
+
+def system_flags(system: str, up_help: str, disk_dir: str) -> tuple[list[str], list[str]]:
+    """(flags for `pdserve up`, the wanted flags its --help does not list) of (b) or (c);
+    (a) has none of its own."""
+    want = {"a": [], "b": [("--kv-offload-host-gb", "0"), ("--peer-fetch", "off")],
+            "c": [("--kv-offload-host-gb", "1"), ("--kv-offload-disk", disk_dir),
+                  ("--kv-offload-disk-gb", "2"), ("--peer-fetch", "on")]}[system]
+    def listed(flag: str) -> bool:
+        return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", up_help) is not None
+    return ([x for f, v in want if listed(f) for x in (f, v)],
+            [f for f, _ in want if not listed(f)])
+
+
+# -- what a run measured (no servers) --------------------------------------------------
+def computed_tokens(metrics_text: str) -> dict[str, float]:
+    """COUNTER summed per role over the workers of a gateway's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {"prefill": 0.0, "decode": 0.0}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if s.name == COUNTER:
+                role = s.labels.get("role", "")
+                out[role] = out.get(role, 0.0) + s.value
+    return out
+
+
+def mismatches(reference: list[dict], records: list[dict]) -> int:
+    """Requests completed in both whose output text differs (records in trace order)."""
+    if len(reference) != len(records):
+        raise ValueError(f"{len(records)} records against {len(reference)} in the reference")
+    return sum(a["status"] == b["status"] == "ok" and a["text"] != b["text"]
+               for a, b in zip(reference, records))
+
+
+def aggregate(runs: list[dict], reference: list[dict]) -> dict:
+    """One system's rounds (each {records, window_s, computed}) as one table row."""
+    records = [r for run in runs for r in run["records"]]
+    s = summarize(records, sum(run["window_s"] for run in runs))
+    per_round = [sum(run["computed"].values()) for run in runs]
+    return {"requests": s["requests"], "failed": s["errors"] + s["rejected_429"],
+            "computed": sum(per_round) / len(per_round), "per_round": per_round,
+            "prefill_share": sum(run["computed"]["prefill"] for run in runs)
+            / max(1.0, sum(per_round)),
+            "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p90_ms": s["ttft_p90_ms"],
+            "tok_s": s["throughput_tok_s"],
+            "mismatches": sum(mismatches(reference, run["records"]) for run in runs)}
+
+
+def _ms(v) -> str:
+    return "n/a" if v is None else f"{v:.0f}"
+
+
+def ratio_lines(rows: dict[str, dict]) -> list[str]:
+    """(c)/(a) against each target: '| what | ratio | target | met |' rows."""
+    out = ["| (c) / (a) | ratio | target | met |", "| --- | ---: | ---: | --- |"]
+    for key, what, target in TARGETS:
+        a, c = rows["a"][key], rows["c"][key]
+        r = c / a if a and c is not None else None
+        met = "n/a" if r is None else "yes" if r <= target else "no"
+        out.append(f"| {what} | {'n/a' if r is None else f'{r:.2f}'} | <= {target:g} | {met} |")
+    return out
+
+
+def table(trace: str, rows: dict[str, dict], header: str) -> str:
+    lines = [f"### {trace}: {header}", "",
+             "| system | requests | prompt tokens computed (mean/round) | per round "
+             "| prefill workers' share | TTFT p50 ms | TTFT p90 ms | output tok/s | failed "
+             "| greedy mismatches vs (a) |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for system, r in rows.items():
+        lines.append(f"| {LABELS[system]} | {r['requests']} | {r['computed']:.0f} "
+                     f"| {' / '.join(f'{x:.0f}' for x in r['per_round'])} "
+                     f"| {r['prefill_share']:.0%} | {_ms(r['ttft_p50_ms'])} "
+                     f"| {_ms(r['ttft_p90_ms'])} | {r['tok_s']:.1f} | {r['failed']} "
+                     f"| {r['mismatches']} |")
+    if "a" in rows and "c" in rows:
+        lines += [""] + ratio_lines(rows)
+    return "\n".join(lines)
+
+
+# -- the systems -----------------------------------------------------------------------
+def baseline_tree() -> Path:
+    """(a)'s tree: the worktree at BASELINE_COMMIT (made when absent), its tracked files
+    reset to that commit, PATCH applied."""
+    def git(*argv: str, tree: Path = BASELINE_DIR) -> None:
+        subprocess.run(["git", "-C", str(tree), *argv], check=True, capture_output=True,
+                       timeout=300)
+    if not (BASELINE_DIR / ".git").exists():
+        git("worktree", "add", "--detach", str(BASELINE_DIR), BASELINE_COMMIT, tree=ROOT)
+    git("checkout", "--detach", BASELINE_COMMIT)
+    git("checkout", "--", ".")
+    git("apply", str(PATCH))
+    return BASELINE_DIR
+
+
+class Up:
+    """`pdserve up` from `tree`, pinned to `cpus`, on a free HTTP port; `stop()` always."""
+
+    def __init__(self, tree: Path, flags: list[str], cpus: str, log: Path, ready_s: float):
+        from pdserve.processes import free_port
+        self.http, self.log = free_port(), log
+        pin = ["taskset", "-c", cpus] if cpus and shutil.which("taskset") else []
+        argv = [*pin, sys.executable, "-m", "pdserve", "up", "--grpc-port", "0",
+                "--http-port", str(self.http), *flags]
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        self.proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=log.open("wb"),
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + ready_s
+            while "pdserve ready:" not in log.read_text(errors="replace"):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"pdserve up did not start in {ready_s:.0f} s: see {log}")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+    def metrics(self) -> str:
+        import httpx
+        return httpx.get(self.url + "/metrics", timeout=30).text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+
+def bench_args(url: str, trace: Path, args):
+    from pdserve.bench import parse
+    return parse(["--url", url, "--trace", str(trace), "--rate-scale", str(args.rate_scale),
+                  "--timeout", str(args.timeout), "--warmup", "0", "--no-progress",
+                  "--seed", "31"])
+
+
+def warm(url: str) -> None:
+    """One short request before the counters are read (the first request's one-off costs)."""
+    import httpx
+    from pdserve.bench import served_model
+    r = httpx.post(url + "/v1/completions", timeout=120,
+                   json={"model": served_model(url, {}, 30), "prompt": " the warm up",
+                         "max_tokens": 2, "temperature": 0})
+    r.raise_for_status()
+
+
+def run_one(tree: Path, flags: list[str], trace: Path, args, log: Path) -> dict:
+    """One fresh system, one trace: {records, window_s, computed (per role), load}."""
+    up = Up(tree, flags, args.cpus, log, args.ready_timeout)
+    try:
+        from pdserve.bench import measure
+        warm(up.url)
+        before = computed_tokens(up.metrics())
+        load0 = os.getloadavg()[0]
+        summary, _, records = measure(bench_args(up.url, trace, args))
+        after = computed_tokens(up.metrics())
+    finally:
+        up.stop()
+    return {"records": records, "window_s": summary["duration_s"],
+            "computed": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("prefill", "decode")},
+            "load": (load0, os.getloadavg()[0])}
+
+
+def trace_file(name: str, quick: bool, tmp: Path) -> tuple[Path, list[TraceRecord]]:
+    from sim.trace import write_trace
+    path = ROOT / "bench" / "traces" / f"{name}.jsonl"
+    recs = read_trace(path)
+    if quick:
+        recs = recs[:max(4, len(recs) // 3)]
+        path = tmp / f"{name}-quick.jsonl"
+        write_trace(path, recs)
+    return path, recs
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--traces", nargs="+", default=["prefix_chat", "prefix_longdoc"],
+      help="trace names in bench/traces/")
+    a("--rounds", type=int, default=2, help="rounds of (a, b, c) per trace")
+    a("--quick", action="store_true", help="a smoke run: 1 round, each trace's first third")
+    a("--model", default="", help="default: pdserve's default model (SmolLM2-135M)")
+    a("--cpus", default="", help="taskset -c list for every system (default: this "
+      "process's cores)")
+    a("--rate-scale", type=float, default=1.0, help="pdserve bench --rate-scale")
+    a("--pool-fraction", type=float, default=0.25, help="KV pool / the trace's working set")
+    a("--disaggregation", default="always", help="pdserve up --disaggregation (always: every "
+      "prompt on a prefill worker)")
+    a("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    a("--timeout", type=float, default=180.0, help="seconds per request")
+    a("--ready-timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds = 1
+    if "a" not in args.systems:
+        p.error("--systems needs a: the baseline of the ratios and of the greedy check")
+    args.cpus = args.cpus or ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    return args
+
+
+def up_help() -> str:
+    r = subprocess.run([sys.executable, "-m", "pdserve", "up", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return r.stdout
+
+
+def header(args, model: str, help_text: str) -> None:
+    rev = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %cd", "--date=iso"],
+                         capture_output=True, text=True).stdout.strip()
+    print(f"# bench/prefix_tiers.py {' '.join(sys.argv[1:])}")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; this tree {rev}; "
+          f"(a) = {BASELINE_DIR} at {BASELINE_COMMIT} + {PATCH.name}; model {model}")
+    print(f"# pdserve up --prefill 2 --decode 2 --disaggregation {args.disaggregation}, "
+          f"pinned to cores {args.cpus} (of {os.cpu_count()}); {args.rounds} round(s), "
+          f"rate x{args.rate_scale:g}; 1-min load average {os.getloadavg()[0]:.1f} (other "
+          f"jobs on this machine count: see each run's)")
+    for s in SYSTEMS[1:]:
+        flags, absent = system_flags(s, help_text, "DIR")
+        print(f"# {LABELS[s]}: passes {' '.join(flags) or 'no flag of its own'}"
+              + (f"; not in `pdserve up --help`, not passed: {' '.join(absent)}" if absent
+                 else ""))
+    sys.stdout.flush()
+
+
+def run_trace(name: str, args, model: str, help_text: str, trees: dict, tmp: Path) -> str:
+    path, recs = trace_file(name, args.quick, tmp)
+    ws, (pool, decode_pool) = working_set_blocks(recs), pool_blocks(recs, args.pool_fraction)
+    common = ["--model", model, "--prefill", "2", "--decode", "2", "--prefill-num-blocks",
+              str(pool), "--num-blocks", str(decode_pool), "--disaggregation",
+              args.disaggregation, "--max-queue-delay-factor", "0"]
+    runs: dict[str, list[dict]] = {s: [] for s in args.systems}
+    for rnd in range(args.rounds):
+        for s in args.systems:
+            disk = tempfile.mkdtemp(prefix=f"kv-disk-{s}-", dir=tmp)
+            flags = common + system_flags(s, help_text, disk)[0]
+            log = tmp / f"{name}-{s}-{rnd}.log"
+            run = run_one(trees[s], flags, path, args, log)
+            shutil.rmtree(disk, ignore_errors=True)
+            runs[s].append(run)
+            ok = sum(r["status"] == "ok" for r in run["records"])
+            print(f"# {name} round {rnd + 1} {s}: {ok}/{len(run['records'])} ok, computed "
+                  f"{run['computed']['prefill']:.0f} prefill + {run['computed']['decode']:.0f} "
+                  f"decode tokens, window {run['window_s']:.1f} s, load {run['load'][0]:.1f}"
+                  f" -> {run['load'][1]:.1f}", flush=True)
+            for e in sorted({r["error"] for r in run["records"] if r["error"]})[:2]:
+                print(f"#   failed: {e}", flush=True)
+    reference = runs["a"][0]["records"]
+    rows = {s: aggregate(runs[s], reference) for s in args.systems}
+    prompt_tokens = sum(r.input_length for r in recs)
+    return table(name, rows, f"{len(recs)} requests ({prompt_tokens} prompt tokens), "
+                 f"working set {ws} blocks of {BLOCK_SIZE}; KV blocks per prefill worker {pool}, "
+                 f"per decode worker {decode_pool}; "
+                 f"{args.rounds} round(s)")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.model:
+        from pdserve.default_model import resolve_default_model
+        args.model = str(resolve_default_model())
+    help_text = up_help()
+    trees = {"a": baseline_tree(), "b": ROOT, "c": ROOT}
+    header(args, args.model, help_text)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="prefix-tiers-") as tmp:
+        tables = [run_trace(n, args, args.model, help_text, trees, Path(tmp)) for n in args.traces]
+    print(f"\n## bench/prefix_tiers.py ({time.monotonic() - t0:.0f} s in all; 1-min load "
+          f"average {os.getloadavg()[0]:.1f} at the end)\n")
+    print("\n\n".join(tables))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
