@@ -3,7 +3,8 @@
 gateway.core.Gateway over gRPC on 127.0.0.1, sharing an internal token file.
 
 - after requests that evict, the gateway's `Router.index` holds, per worker address, exactly
-  the worker's own log (`kv_events.held(tier)`) and its block pool's cached hashes
+  the worker's own log (`kv_events.held(tier)`) and its block pool's cached hashes, and
+  the decode worker's host tier (--kv-offload-host-gb) as its log has it
 - a lost batch (the client's drop_batches hook): the gap is seen (by a later batch or the
   next heartbeat), the worker resynced from a snapshot (split in parts of 8 hashes here),
   counted once in kv_index_resyncs_total
@@ -95,7 +96,8 @@ class Cluster:
         self.pcfg = PrefillWorkerConfig(port=free_port(), decode=f"127.0.0.1:{self.dport}", **common,
                                         engine=EngineOptions.of(block_size=BS, num_blocks=BLOCKS))
         self.dcfg = DecodeWorkerConfig(port=self.dport, kv_expiry_s=10, **common,
-                                       engine=EngineOptions.of(block_size=BS, num_blocks=BLOCKS))
+                                       engine=EngineOptions.of(block_size=BS, num_blocks=BLOCKS,
+                                                               kv_offload_host_gb=0.01))
         self.pre = await self.serve(PREFILL, self.pcfg)
         self.dec = await self.serve(DECODE, self.dcfg)
         self.pre_addr, self.dec_addr = f"127.0.0.1:{self.pcfg.port}", f"127.0.0.1:{self.dport}"
@@ -153,19 +155,23 @@ async def _pool_cached(ae) -> set[bytes]:
 
 
 async def _in_sync(c: Cluster, within: float = 20.0) -> None:
-    """Both workers' index states at their logs' seq, then equal to the logs and pools."""
+    """Both workers' index states at their logs' seq and equal to the logs and pools (tried
+    again while the log moves: a tier may append off the engine thread)."""
     index = c.gateway.router.index
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
     for addr, (_, _, ae, _) in ((c.pre_addr, c.pre), (c.dec_addr, c.dec)):
         log = ae.kv_events
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within
-        while index.position(addr) != (log.epoch, log.seq):
-            assert loop.time() < deadline, (addr, index.position(addr), log.seq)
+        while True:
+            seq = log.seq
+            held = await _pool_cached(ae)
+            got = index.contents(addr)
+            if (index.position(addr) == (log.epoch, seq) == (log.epoch, log.seq)
+                    and got[DEVICE] == log.held(DEVICE) == held and got[HOST] == log.held(HOST)):
+                break
+            assert loop.time() < deadline, (addr, index.position(addr), seq, len(got[DEVICE]),
+                                            len(held), len(got[HOST]), len(log.held(HOST)))
             await asyncio.sleep(0.02)
-        held = await _pool_cached(ae)
-        assert index.position(addr) == (log.epoch, log.seq), "the engine moved meanwhile"
-        assert index.contents(addr)[DEVICE] == log.held(DEVICE) == held, addr
-        assert index.contents(addr)[HOST] == log.held(HOST)
 
 
 async def _all_free(c: Cluster, within: float = 10.0) -> None:
@@ -190,6 +196,9 @@ def test_the_index_equals_each_workers_cache_after_evictions(cluster):
         for _, _, ae, _ in (cluster.pre, cluster.dec):     # the pools were too small: evictions
             assert any(e.kind == "removed" for e in ae.kv_events.since(0))
         assert _metric(cluster, "pdserve:kv_events_total", pool="decode") > 0
+        assert cluster.dec[2].kv_events.held(HOST)      # its evictions went to its host tier
+        assert _metric(cluster, "pdserve:kv_index_blocks", pool="decode", tier="host") == \
+            len(cluster.dec[2].kv_events.held(HOST))
         assert _metric(cluster, "pdserve:kv_index_blocks", pool="prefill", tier="device") == \
             len(cluster.pre[2].kv_events.held(DEVICE))
     cluster.run(main())
