@@ -40,6 +40,7 @@ from services.metrics import Metrics
 from services.security import MTLS, read_token
 
 from .admission import Admission
+from .affinity import Weights
 from .config import GatewayConfig
 from .discovery import StaticResolver, WorkerSet, resolver_from_args
 from .prompt import check_prompt
@@ -110,9 +111,11 @@ class Gateway:
             (WorkerSet(_prefill_resolver(cfg), name="prefill"), self.prefill),
             (WorkerSet(resolver_from_args(cfg.decode, cfg.decode_dns, cfg.discovery_interval_s,
                                           cfg.decode_file), name="decode"), self.decode)]
-        self._segments = Segments(Router(self.prefill, self.decode, cfg.affinity_slack,
-                                         cfg.affinity_slack_ratio, cfg.decode_affinity_slack),
-                                  cfg, self.metrics)
+        self.router = Router(self.prefill, self.decode, cfg.affinity_slack,
+                             cfg.affinity_slack_ratio, cfg.decode_affinity_slack,
+                             cfg.prefix_routing, Weights(cfg.prefix_weight_host,
+                                                         cfg.prefix_weight_disk), self.metrics)
+        self._segments = Segments(self.router, cfg, self.metrics)
         self.drain_rate = DrainRate()
         self.admission = Admission(cfg.max_in_flight, cfg.slo_ttft_ms / 1e3, cfg.slo_itl_ms / 1e3)
         self.in_flight = 0
