@@ -43,6 +43,7 @@ from .admission import Admission
 from .affinity import Weights
 from .config import GatewayConfig
 from .discovery import StaticResolver, WorkerSet, resolver_from_args
+from .kv_events_client import KvEventsClient
 from .prompt import check_prompt
 from .validate import GrammarCheck
 from .waterfall import PhaseClock, Waterfall
@@ -116,6 +117,8 @@ class Gateway:
                              cfg.prefix_routing, Weights(cfg.prefix_weight_host,
                                                          cfg.prefix_weight_disk), self.metrics)
         self._segments = Segments(self.router, cfg, self.metrics)
+        # every worker's KV events into router.index (gateway/kv_events_client.py)
+        self.kv_events = KvEventsClient(self.router.index, [self.prefill, self.decode], self.metrics)
         self.drain_rate = DrainRate()
         self.admission = Admission(cfg.max_in_flight, cfg.slo_ttft_ms / 1e3, cfg.slo_itl_ms / 1e3)
         self.in_flight = 0
@@ -136,9 +139,11 @@ class Gateway:
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        """Discover the workers and probe each once (so routing works on return)."""
+        """Discover the workers and probe each once (so routing works on return); follow
+        each worker's KV events into router.index (gateway/kv_events_client.py)."""
         for wset, pool in self._sets:
             wset.on_change(pool.on_change)
+            wset.on_change(self.kv_events.watch(pool))    # after the pool's: its Worker exists
             await wset.start()
             await pool.start()
 
@@ -146,6 +151,7 @@ class Gateway:
         for wset, _ in self._sets:
             await wset.stop()
         await self._segments.drain()
+        await self.kv_events.stop()
         for _, pool in self._sets:
             await pool.stop()
 
