@@ -16,12 +16,14 @@ pool, for one prompt:
     pick     = min over eligible of (cost, load_key(), requests_total)
 
   load(w) (`w.load_tokens()`), in the same unit as saved:
-    prefill  prompt tokens queued on w and not yet computed: the larger of its Stats'
-             queued_prefill_tokens and the uncached tokens of this gateway's Prefill calls
-             open on it (exact and immediate; Stats lag a probe). cost is then the tokens w
-             computes before this prompt's first token: a TTFT in token units.
-    decode   KV tokens in use on w: the larger of its Stats' (total - free) blocks x block
-             size and the prompt tokens of this gateway's Decode streams open on it. Each
+    prefill  prompt tokens queued on w and not yet computed: the uncached tokens of this
+             gateway's Prefill calls open on it (exact and immediate), plus what its Stats'
+             queued_prefill_tokens had beyond them (other gateways'; Stats lag a probe, and
+             a call ended since is not counted twice). cost is then the tokens w computes
+             before this prompt's first token: a TTFT in token units.
+    decode   KV tokens in use on w: the prompt tokens of this gateway's Decode streams open
+             on it, plus what its Stats' (total - free) blocks x block size had beyond them
+             (the same way). Each
              decode step reads all of them (memory-bound), and the prompt's uncached part is
              what must be transferred to it (or computed there, local): Dynamo's KV router
              weighs the same two (blocks to prefill + active decode blocks) one to one.

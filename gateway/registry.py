@@ -23,8 +23,9 @@
 Load: `load_key()` = (gateway-side requests in flight, the worker's own running + waiting,
 -free KV blocks): in-flight counts are exact and immediate; Stats lag by one probe interval,
 so they break ties. `load_tokens()`: the load in tokens the routing rule weighs against the
-tokens a cached prefix saves (gateway/affinity.py): the larger of what its Stats report
-(prefill: queued prompt tokens; decode: KV tokens in use) and `open_tokens`.
+tokens a cached prefix saves (gateway/affinity.py): `open_tokens` (this gateway's calls,
+exact) plus what its Stats report (prefill: queued prompt tokens; decode: KV tokens in use)
+beyond the open_tokens it had when those Stats arrived (other gateways' calls, a probe old).
 `candidates(exclude, compat)` are the workers a pick may choose; `pick` the least loaded.
 """
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Worker:
                                      # cut if it is lost (.cut(worker, reason))
         self.tokens_of: dict = {}    # holder -> its tokens (attach), summed in open_tokens
         self.open_tokens = 0
+        self.stats_open_tokens = 0   # open_tokens when `stats` arrived (load_tokens)
         self.failing_since: float | None = None   # loop time of the first unanswered probe
         self.slow_probes = 0         # probe timeouts in a row
         self.held_until = 0.0        # loop time before which probes may not bring it back
@@ -107,13 +109,15 @@ class Worker:
 
     def load_tokens(self) -> int:
         """Its load in tokens (the module docstring): prefill, prompt tokens queued; decode,
-        KV tokens in use."""
+        KV tokens in use. This gateway's own calls exactly (open_tokens), plus what its last
+        Stats report beyond the calls it had open then (other gateways' load, a probe old):
+        a call that ended since is not counted again from Stats that still show it."""
         s, reported = self.stats, 0
         if s is not None and self.kind == "prefill":
             reported = s.queued_prefill_tokens
         elif s is not None:
             reported = (s.total_kv_blocks - s.free_kv_blocks) * (s.compat.block_size or 16)
-        return max(reported, self.open_tokens)
+        return self.open_tokens + max(0, reported - self.stats_open_tokens)
 
     def mark_failed(self, error: str) -> None:
         if self.healthy:
@@ -234,7 +238,7 @@ class WorkerPool:
                                            timeout=self.probe_timeout_s)
                 healthy = self._check_model(w, stats)
                 if healthy:
-                    w.stats = stats
+                    w.stats, w.stats_open_tokens = stats, w.open_tokens
         except grpc.aio.AioRpcError as e:
             healthy = False
             slow = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED

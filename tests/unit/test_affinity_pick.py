@@ -188,18 +188,20 @@ def test_router_keeps_kv_compat_matching():
     asyncio.run(main())
 
 
-def test_load_tokens_is_the_larger_of_stats_and_open_calls():
+def test_load_tokens_are_the_open_calls_and_what_stats_add_beyond_them():
     async def main():
         p = _Pools(prefill=("a",), decode=("d",))
         a, d = p.pools["prefill"].workers["a"], p.pools["decode"].workers["d"]
         holder = object()
         a.attach(holder, 300)
         assert a.load_tokens() == 300
-        a.stats = prefill_pb2.PrefillStats(queued_prefill_tokens=500)
+        # Stats taken while the call was open: 200 queued by someone else
+        a.stats, a.stats_open_tokens = prefill_pb2.PrefillStats(queued_prefill_tokens=500), 300
         assert a.load_tokens() == 500
-        a.detach(holder)
+        a.detach(holder)               # ended: not counted again from Stats that show it
+        assert a.load_tokens() == 200 and a.open_tokens == 0
         a.stats = None
-        assert a.load_tokens() == 0 and a.open_tokens == 0
+        assert a.load_tokens() == 0
         d.stats = decode_pb2.DecodeStats(total_kv_blocks=100, free_kv_blocks=60,
                                          compat=common_pb2.KvCompat(block_size=16))
         assert d.load_tokens() == 40 * 16
