@@ -236,3 +236,13 @@ def test_decode_prefix_is_a_preference_load_spreads():
     loads = _spread(10)
     assert sum(loads.values()) == 10 and 0 <= loads["a"] - loads["b"] <= 1
     assert _spread(10, decode_slack=16) == loads
+
+
+def test_pdserve_up_passes_the_routing_flags_to_the_gateway():
+    from pdserve.up import UpConfig, gateway_argv
+    argv = gateway_argv(UpConfig(prefix_routing="none", prefix_weight_host=0.5))
+    assert argv[argv.index("--prefix-routing") + 1] == "none"
+    assert argv[argv.index("--prefix-weight-host") + 1] == "0.5"
+    assert "--prefix-weight-disk" not in argv and "--prefix-routing" not in gateway_argv(UpConfig())
+    with pytest.raises(ValueError, match="prefix-routing"):
+        UpConfig(prefix_routing="hash")
