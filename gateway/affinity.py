@@ -23,10 +23,11 @@ pool, for one prompt:
              before this prompt's first token: a TTFT in token units.
     decode   KV tokens in use on w: the prompt tokens of this gateway's Decode streams open
              on it, plus what its Stats' (total - free) blocks x block size had beyond them
-             (the same way). Each
-             decode step reads all of them (memory-bound), and the prompt's uncached part is
-             what must be transferred to it (or computed there, local): Dynamo's KV router
-             weighs the same two (blocks to prefill + active decode blocks) one to one.
+             (the same way). Each decode step reads all of them (memory-bound), and the
+             prompt's uncached part is what must be transferred to it (or computed there,
+             local): Dynamo's KV router weighs the same two (blocks to prefill + active
+             decode blocks) one to one.
+  The prompt's own length is the same for every candidate: the pick is min(load - saved).
   W_HOST = 0.75, W_DISK = 0.5 (--prefix-weight-host, --prefix-weight-disk): a block revived
     from host memory or disk saves its compute but costs its copy back into the device
     pool (the engine loads it only when that is cheaper than computing it), so it is worth
