@@ -70,9 +70,10 @@ class Worker:
         self.last_error = ""
         self.streams: set = set()    # who holds an open call on it (attach/detach): each is
                                      # cut if it is lost (.cut(worker, reason))
-        self.tokens_of: dict = {}    # holder -> its tokens (attach), summed in open_tokens
-        self.open_tokens = 0
-        self.stats_open_tokens = 0   # open_tokens when `stats` arrived (load_tokens)
+        self.tokens_of: dict = {}    # holder -> (tokens, as its Stats count them) (attach)
+        self.open_tokens = 0         # the sum of the first (the work), ...
+        self.open_stats_tokens = 0   # ... of the second
+        self.stats_open_tokens = 0   # open_stats_tokens when `stats` arrived (load_tokens)
         self.failing_since: float | None = None   # loop time of the first unanswered probe
         self.slow_probes = 0         # probe timeouts in a row
         self.held_until = 0.0        # loop time before which probes may not bring it back
@@ -85,21 +86,27 @@ class Worker:
         """Calls this gateway has open on it now (one per attached holder)."""
         return len(self.streams)
 
-    def attach(self, holder, tokens: int = 0) -> None:
+    def attach(self, holder, tokens: int = 0, stats_tokens: int | None = None) -> None:
         """`holder` (a segment, with .cut(worker, reason)) opened a call on this worker: it
-        counts in `in_flight`, `requests_total` and (its `tokens`) `open_tokens` until
-        detach(holder), and is cut if the worker is lost. The only place these go up."""
+        counts in `in_flight`, `requests_total`, `open_tokens` (its `tokens`: the work) and
+        `open_stats_tokens` (as the worker's Stats count it: a queued Prefill's whole
+        prompt; default `tokens`) until detach(holder), and is cut if the worker is lost.
+        The only place these go up."""
         if holder in self.streams:
             raise RuntimeError(f"{self.kind} worker {self.address}: {holder!r} attached twice")
         self.streams.add(holder)
         self.requests_total += 1
-        self.tokens_of[holder] = tokens
-        self.open_tokens += tokens
+        both = (tokens, tokens if stats_tokens is None else stats_tokens)
+        self.tokens_of[holder] = both
+        self.open_tokens += both[0]
+        self.open_stats_tokens += both[1]
 
     def detach(self, holder) -> None:
         """`holder`'s call ended (or was cancelled); a holder not attached is ignored."""
         self.streams.discard(holder)
-        self.open_tokens -= self.tokens_of.pop(holder, 0)
+        tokens, stats_tokens = self.tokens_of.pop(holder, (0, 0))
+        self.open_tokens -= tokens
+        self.open_stats_tokens -= stats_tokens
 
     def load_key(self):
         s = self.stats
@@ -110,7 +117,8 @@ class Worker:
     def load_tokens(self) -> int:
         """Its load in tokens (the module docstring): prefill, prompt tokens queued; decode,
         KV tokens in use. This gateway's own calls exactly (open_tokens), plus what its last
-        Stats report beyond the calls it had open then (other gateways' load, a probe old):
+        Stats report beyond the calls it had open then, as Stats count them (a queued
+        prompt whole, cached part too; other gateways' load, a probe old):
         a call that ended since is not counted again from Stats that still show it."""
         s, reported = self.stats, 0
         if s is not None and self.kind == "prefill":
@@ -238,7 +246,7 @@ class WorkerPool:
                                            timeout=self.probe_timeout_s)
                 healthy = self._check_model(w, stats)
                 if healthy:
-                    w.stats, w.stats_open_tokens = stats, w.open_tokens
+                    w.stats, w.stats_open_tokens = stats, w.open_stats_tokens
         except grpc.aio.AioRpcError as e:
             healthy = False
             slow = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -32,11 +32,11 @@ class Segment:
         self.decode, self.decode_call = w, call
         w.attach(self, tokens)
 
-    def attach_prefill(self, w: Worker, call, tokens: int = 0) -> None:
-        """`call` (w's Prefill, `tokens` prompt tokens to compute) is this segment's; `w`
-        counts it until detach(w)."""
+    def attach_prefill(self, w: Worker, call, tokens: int = 0, prompt_tokens: int = 0) -> None:
+        """`call` (w's Prefill: `tokens` prompt tokens to compute of `prompt_tokens`) is this
+        segment's; `w` counts it until detach(w)."""
         self.prefill, self.prefill_call = w, call
-        w.attach(self, tokens)
+        w.attach(self, tokens, max(prompt_tokens, tokens))
 
     def detach(self, w: Worker | None) -> None:
         """`w`'s call ended or was cancelled: the segment no longer holds it (None: nothing)."""

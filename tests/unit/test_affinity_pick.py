@@ -193,13 +193,13 @@ def test_load_tokens_are_the_open_calls_and_what_stats_add_beyond_them():
         p = _Pools(prefill=("a",), decode=("d",))
         a, d = p.pools["prefill"].workers["a"], p.pools["decode"].workers["d"]
         holder = object()
-        a.attach(holder, 300)
+        a.attach(holder, 300, 400)             # 300 to compute of a 400-token prompt
         assert a.load_tokens() == 300
-        # Stats taken while the call was open: 200 queued by someone else
-        a.stats, a.stats_open_tokens = prefill_pb2.PrefillStats(queued_prefill_tokens=500), 300
+        # Stats taken while the call was open count its whole prompt; 200 are someone else's
+        a.stats, a.stats_open_tokens = prefill_pb2.PrefillStats(queued_prefill_tokens=600), 400
         assert a.load_tokens() == 500
         a.detach(holder)               # ended: not counted again from Stats that show it
-        assert a.load_tokens() == 200 and a.open_tokens == 0
+        assert a.load_tokens() == 200 and a.open_tokens == a.open_stats_tokens == 0
         a.stats = None
         assert a.load_tokens() == 0
         d.stats = decode_pb2.DecodeStats(total_kv_blocks=100, free_kv_blocks=60,
