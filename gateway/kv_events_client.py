@@ -7,7 +7,8 @@ following that worker's KvEvents stream (services/kv_events_rpc.py) into the mod
         snapshot parts  -> index.reset(worker, epoch, seq, state)  (a new epoch: a restart)
         event batch     -> index.apply(worker, epoch, events); False (a gap, another epoch):
                            the index dropped the worker -> resubscribe with no epoch
-        heartbeat       -> nothing (each read has a deadline: read_timeout_s)
+        heartbeat       -> nothing, or (its seq past the index's) a batch was lost: resync
+                           as for a gap; each read has a deadline (read_timeout_s)
         stream error, EOF or a read past its deadline -> reconnect after a backoff (doubling
                            from backoff_s up to max_backoff_s, reset by any message; at
                            most the pool's health interval while the worker is not healthy,
@@ -81,12 +82,15 @@ class KvEventsClient:
         return on_change
 
     async def stop(self) -> None:
+        """Cancel every subscriber and wait until each has ended (one that lost a cancel to
+        a read completing at that moment sees `_stopped` at its next message)."""
         self._stopped = True
-        tasks = list(self._tasks.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks.clear()
+        tasks, self._tasks = list(self._tasks.values()), {}
+        while tasks:
+            for t in tasks:
+                t.cancel()
+            _, pending = await asyncio.wait(tasks, timeout=1.0)
+            tasks = list(pending)
 
     @property
     def following(self) -> list[str]:
@@ -108,39 +112,47 @@ class KvEventsClient:
     # ----------------------------------------------------------------- one worker
     async def _run(self, pool: WorkerPool, address: str) -> None:
         """Follow `address` until cancelled (removed, or the gateway stops)."""
-        delay = self.backoff_s
-        while True:
+        delay, last_why = self.backoff_s, ""
+        while not self._stopped:
             w = pool.workers.get(address)
             if w is None:                   # removed meanwhile: _unfollow cancels us
                 return
+            answered = [False]
             try:
-                if await self._stream(pool, address, w.stub):
-                    delay = self.backoff_s  # it answered: the next failure starts afresh
+                await self._stream(pool, address, w.stub, answered)
             except _Resubscribe:
-                delay = self.backoff_s
+                pass
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, ValueError) as e:
                 why = (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError)
                        else f"{type(e).__name__}: {e}")
-                log.info("KV events of %s worker %s: %s; retrying in %.1fs", pool.kind, address,
-                         why, delay)
+                # once per kind of failure in a row (a worker still starting is refused a while)
+                log.log(logging.DEBUG if why == last_why else logging.INFO,
+                        "KV events of %s worker %s: %s; retrying in %.1fs", pool.kind, address,
+                        why, delay)
+                last_why = why
+                answered[0] = answered[0] and not isinstance(e, ValueError)   # (bad messages
+                # from a newer worker: back off as from any failure, not every 0.1 s)
+            if answered[0]:                 # it answered: the next failure starts afresh
+                delay, last_why = self.backoff_s, ""
             # a worker not yet healthy (starting) is retried each probe interval, so it is
             # followed within one once its probe passes, whatever the backoff had grown to
             await asyncio.sleep(delay if w.healthy else min(delay, pool.health_interval_s))
             delay = min(delay * 2, self.max_backoff_s)
 
-    async def _stream(self, pool: WorkerPool, address: str, stub) -> bool:
-        """One KvEvents call, until it ends (False: it ended before any message)."""
+    async def _stream(self, pool: WorkerPool, address: str, stub, answered: list) -> None:
+        """One KvEvents call, until it ends; answered[0] set at its first message."""
         pos = self.index.position(address)
         req = common_pb2.KvEventsRequest(epoch=pos[0], since_seq=pos[1]) if pos else \
             common_pb2.KvEventsRequest()
         call = stub.KvEvents(req)
-        parts, got = SnapshotParts(), False
+        parts = SnapshotParts()
         try:
-            while True:
-                msg = await asyncio.wait_for(call.read(), self.read_timeout_s)
+            while not self._stopped:
+                async with asyncio.timeout(self.read_timeout_s):   # (wait_for may lose a cancel)
+                    msg = await call.read()
                 if msg is grpc.aio.EOF:
-                    return got
-                got = True
+                    return
+                answered[0] = True
                 self._take(pool.kind, address, msg, parts)
         finally:
             call.cancel()
@@ -153,20 +165,27 @@ class KvEventsClient:
                     self._resyncs.labels("gateway", kind).inc()   # from it: a restart or a gap
                 self.index.reset(address, msg.epoch, msg.seq, state)
             return
-        if not msg.events:
-            return                           # a heartbeat
+        if not msg.events:                   # a heartbeat: the last seq the worker sent
+            pos = self.index.position(address)
+            if pos is not None and pos[0] == msg.epoch and pos[1] < msg.seq:
+                self._gap(kind, address, "a heartbeat is past the last event applied")
+            return
         if self.drop_batches > 0:
             self.drop_batches -= 1
             return
         events = events_from_proto(msg.events)
         pos = self.index.position(address)
-        if not self.index.apply(address, msg.epoch, events):
-            self._resyncs.labels("gateway", kind).inc()
-            log.warning("KV events of %s worker %s: %s; resubscribing for a snapshot", kind,
-                        address, "an event was lost" if pos and pos[0] == msg.epoch
-                        else "another epoch")
-            raise _Resubscribe
+        if not self.index.apply(address, msg.epoch, events):     # the index dropped it
+            self._gap(kind, address, "an event was lost" if pos and pos[0] == msg.epoch
+                      else "another epoch")
         self._events.labels("gateway", kind).inc(len(events))
+
+    def _gap(self, kind: str, address: str, why: str) -> None:
+        self.index.drop(address)
+        self._resyncs.labels("gateway", kind).inc()
+        log.warning("KV events of %s worker %s: %s; resubscribing for a snapshot", kind,
+                    address, why)
+        raise _Resubscribe
 
 
 class _IndexBlocks:

@@ -205,8 +205,9 @@ class KvEventStreams:
         """Wait for the log to move (then True after coalesce_s: False) or heartbeat_s (True:
         send a heartbeat)."""
         try:
-            await asyncio.wait_for(wake.event.wait(), self.heartbeat_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.heartbeat_s):    # (wait_for may lose a cancel)
+                await wake.event.wait()
+        except TimeoutError:
             return True
         wake.event.clear()
         if not self.closed and self.coalesce_s > 0:

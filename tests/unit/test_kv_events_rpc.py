@@ -4,10 +4,12 @@ gateway.core.Gateway over gRPC on 127.0.0.1, sharing an internal token file.
 
 - after requests that evict, the gateway's `Router.index` holds, per worker address, exactly
   the worker's own log (`kv_events.held(tier)`) and its block pool's cached hashes
-- a lost batch (the client's drop_batches hook): the gap is seen, the worker resynced from a
-  snapshot (snapshots split in parts of 8 hashes here), counted in kv_index_resyncs_total
-- a restarted decode worker (same address, new epoch): the index follows its new log
-- a gateway stopped leaves no subscriber task and no open stream on the workers
+- a lost batch (the client's drop_batches hook): the gap is seen (by a later batch or the
+  next heartbeat), the worker resynced from a snapshot (split in parts of 8 hashes here),
+  counted once in kv_index_resyncs_total
+- a restarted prefill worker (same address, new epoch): the index follows its new log
+- a worker discovery removes is forgotten (its state dropped, its stream closed); a gateway
+  stopped leaves no subscriber task and no open stream on the workers
 - KvEvents without the internal credential: UNAUTHENTICATED
 Plus the wire helpers alone: batch bounds, snapshot parts, the engine-thread listener.
 """
@@ -105,11 +107,13 @@ class Cluster:
                                      health_interval_s=0.2, internal_token_file=self.token_file,
                                      disaggregation="always"))
 
-    async def restart_decode(self) -> None:
-        task, stop, _, _ = self.dec
+    async def restart_prefill(self) -> None:
+        """(The prefill worker: a restarted decode worker has a new KV endpoint, which the
+        prefill worker learns only at its next look at the decode pool.)"""
+        task, stop, _, _ = self.pre
         stop.set()
         await asyncio.wait_for(task, 30)
-        self.dec = await self.serve(DECODE, self.dcfg)
+        self.pre = await self.serve(PREFILL, self.pcfg)
 
     async def stop(self) -> None:
         await self.gateway.stop()
@@ -196,8 +200,8 @@ def test_a_lost_batch_is_recovered_from_a_snapshot(cluster):
         before = _metric(cluster, "pdserve:kv_index_resyncs_total", pool="prefill") + \
             _metric(cluster, "pdserve:kv_index_resyncs_total", pool="decode")
         cluster.gateway.kv_events.drop_batches = 1
-        for i in range(3):                   # the first batch is lost, a later one shows the gap
-            await cluster.generate(_prompt(40, 100 + i))
+        await cluster.generate(_prompt(40, 100))   # its first batch is lost: a later batch or
+                                                   # the next heartbeat shows the gap
         assert cluster.gateway.kv_events.drop_batches == 0
         await _all_free(cluster)
         await _in_sync(cluster)
@@ -209,13 +213,13 @@ def test_a_lost_batch_is_recovered_from_a_snapshot(cluster):
 
 def test_a_restarted_worker_is_followed_on_its_new_epoch(cluster):
     async def main():
-        old = cluster.dec[2].kv_events.epoch
-        await cluster.restart_decode()
-        assert cluster.dec[2].kv_events.epoch != old
+        old = cluster.pre[2].kv_events.epoch
+        await cluster.restart_prefill()
+        assert cluster.pre[2].kv_events.epoch != old
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20
-        while not cluster.gateway.decode.workers[cluster.dec_addr].healthy:
-            assert loop.time() < deadline, "the restarted decode worker never probed healthy"
+        while not cluster.gateway.prefill.workers[cluster.pre_addr].healthy:
+            assert loop.time() < deadline, "the restarted prefill worker never probed healthy"
             await asyncio.sleep(0.05)
         await cluster.generate(_prompt(40, 200))
         await _all_free(cluster)
@@ -235,6 +239,16 @@ def test_a_stopped_gateway_leaves_no_task_and_no_stream(cluster):
             assert loop.time() < deadline, [s.open_streams for s in streams]
             await asyncio.sleep(0.02)
         assert sorted(gw.kv_events.following) == sorted([cluster.pre_addr, cluster.dec_addr])
+        while gw.router.index.position(cluster.dec_addr) is None:
+            assert loop.time() < deadline, "no snapshot from the decode worker"
+            await asyncio.sleep(0.02)
+        dec_set = next(ws for ws, pool in gw._sets if pool is gw.decode)
+        await dec_set._apply([])                  # discovery no longer lists the decode worker
+        assert gw.kv_events.following == [cluster.pre_addr]
+        assert gw.router.index.position(cluster.dec_addr) is None
+        while streams[1].open_streams != base[1]:
+            assert loop.time() < deadline, "the removed worker's stream stayed open"
+            await asyncio.sleep(0.02)
         await gw.stop()
         assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("kv-events-")
                     and t not in set(cluster.gateway.kv_events._tasks.values())]
