@@ -1,4 +1,5 @@
-"""The prefill worker: gRPC `PrefillWorker` (Prefill, Abort, Stats) + health + reflection;
+"""The prefill worker: gRPC `PrefillWorker` (Prefill, Abort, Stats, KvEvents: its prefix
+cache's blocks for the gateway's index, services/kv_events_rpc.py) + health + reflection;
 its KV goes out through `KVPush` (kv_push.py), the engine's KV connector.
 
 One Prefill call (see protos/pdserve/v1/prefill.proto for the whole lifecycle), one `Call`
@@ -48,6 +49,7 @@ from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services import protoconv, service_names, tracing, worker_server
+from services.kv_events_rpc import KvEventsRpc
 from services.security import MTLS, read_token, transfer_id_signed
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
@@ -69,12 +71,13 @@ class _DestinationFault(RpcStatus):
     by trailing metadata (protoconv.KV_DESTINATION_FAULT)."""
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
+class PrefillServicer(KvEventsRpc, prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, parts: WorkerParts):
         self.cfg: PrefillWorkerConfig = parts.cfg
         self.ae, self.kv, self.srv = parts.engine, parts.kv, parts.srv
         self.worker_id, self.metrics, self.meter = parts.worker_id, parts.metrics, parts.meter
         self.token = parts.token
+        self.kv_events = parts.kv_events     # KvEvents: services/kv_events_rpc.py
         self.compat = self.kv.compat
         self.block_size = self.ae.block_size
         self._tasks: dict[str, asyncio.Task] = {}
