@@ -14,8 +14,13 @@ The table, per (process, phase), the median over rounds per variant:
   * "<process> / <phase>": the process's own "start-up:" line (services/startup_log.py:
     imports, config, weights, tokenizer, kv cache + kernels, ..., warm-up), where the
     checkout logs one (older ones do not: "-").
+With --first-request (REST on a free port): once ready, the time to the first streamed token
+of one chat request (a ~100-token prompt, 8 tokens out), then of FIRST_REQUEST_WARM more:
+"client / first request TTFT" beside "client / warm TTFT (median)" (no cold start for the
+first request: the first within ~1.5x the warm).
 With --cold-cache the variant's pdserve caches beside the model (the GGUF header cache and
-the repacked weights: engine/gguf_cache.py) are removed before each start.
+the built model and the prefill warm-up's cost: engine/gguf_cache.py,
+engine/build_cache.py) are removed before each start.
 No timing here is asserted anywhere: this is a measurement, not a test.
 """
 from __future__ import annotations
@@ -46,6 +51,8 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to the ready line")
     p.add_argument("--cold-cache", action="store_true",
                    help="remove the model's pdserve caches before each start")
+    p.add_argument("--first-request", action="store_true",
+                   help="time the first chat request after the ready line against warm ones")
     p.add_argument("up_args", nargs="*", help="more `pdserve up` arguments (after --)")
     return p.parse_args(argv)
 
@@ -69,7 +76,8 @@ def _reader(stream, lines: list, ready: threading.Event, t0: float) -> None:
 
 def one_start(root: Path, args) -> dict[str, float]:
     """One `pdserve up` from checkout `root`: {"pdserve up / to ready line": s, ...}."""
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--grpc-port", "0", "--http-port", "0",
+    http_port = _free_port() if args.first_request else 0
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--grpc-port", "0", "--http-port", str(http_port),
            *(["--model", args.model] if args.model else []), *args.up_args]
     env = dict(os.environ, PYTHONPATH=str(root), PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
@@ -85,6 +93,8 @@ def one_start(root: Path, args) -> dict[str, float]:
             tail = "\n".join(line for _, line in err[-30:])
             raise SystemExit(f"{root}: no ready line within {args.timeout:g} s:\n{tail}")
         took = next(t for t, line in out if line.startswith(READY))
+        ready_line = next(line for _, line in out if line.startswith(READY))
+        client = first_requests(http_port, ready_line) if http_port else {}
     finally:
         p.send_signal(signal.SIGTERM)
         try:
@@ -94,7 +104,46 @@ def one_start(root: Path, args) -> dict[str, float]:
             p.wait(10)
         for r in readers:
             r.join(5)
-    return {"pdserve up / to ready line": took, **phases_of([line for _, line in err])}
+    return {"pdserve up / to ready line": took, **client, **phases_of([line for _, line in err])}
+
+
+FIRST_REQUEST_WARM = 3
+PROMPT = ("Summarise in one line why a server that loads quickly matters to the people who run "
+          "it: restarts after a crash, rolling upgrades, scaling out under a burst of traffic, "
+          "and tests that start a whole system many times a day all wait for it, and every "
+          "second of that wait is a second in which requests queue or are refused. ")
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ttft(url: str, model: str, i: int) -> float:
+    """One request's TTFT; `i` heads its prompt (no request hits another's prefix cache)."""
+    import httpx
+    body = {"model": model, "max_tokens": 8, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": f"{i}. {PROMPT}"}]}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content":"' in line.replace(" ", ""):
+                return time.perf_counter() - t0
+    raise SystemExit(f"{url}: no content streamed")
+
+
+def first_requests(http_port: int, ready_line: str) -> dict[str, float]:
+    """TTFT of the first chat request after the ready line, and the median of the warm ones."""
+    model = re.search(r" id=(\S+)", ready_line)[1]
+    url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
+    seed = time.time_ns() % 10**6
+    first = _ttft(url, model, seed)
+    warm = statistics.median(_ttft(url, model, seed + i) for i in range(1, 1 + FIRST_REQUEST_WARM))
+    return {"client / first request TTFT": first, "client / warm TTFT (median)": warm,
+            "client / first / warm": first / warm}
 
 
 def phases_of(lines: list[str]) -> dict[str, float]:

@@ -19,8 +19,8 @@ worker the launcher asks for, which goes straight to loading its model.
 
 Why it is safe to fork here: the zygote is single-threaded when it forks (importing torch
 starts no OpenMP or intra-op pool; none of its ops ran), has made no gRPC channel or server
-(gRPC objects do not survive fork), no UCX context (ucxx is imported by the child, when it
-serves), and was started with the children's OMP_NUM_THREADS=1 (libgomp reads it once, at
+(gRPC objects do not survive fork), no UCX context (ucxx is imported, its context and
+workers are made by each child, when it serves), and was started with the children's OMP_NUM_THREADS=1 (libgomp reads it once, at
 load): each child sets its own torch thread count (services/worker_server.limit_threads).
 `Forked` is what the launcher holds instead of a subprocess.Popen: pid, poll, wait,
 send_signal, terminate, kill, returncode; `spawn` returns at once (the pid follows the
@@ -42,7 +42,8 @@ import threading
 import time
 
 PRELOAD = ("torch", "engine.llm_engine", "engine.async_engine", "services.worker_server",
-           "prefill_worker.server", "decode_worker.server")
+           "services.telemetry", "prefill_worker.server", "decode_worker.server",
+           "kvtransfer.ucx")      # ucxx's import makes no thread and no UCX context
 SPAWN_TIMEOUT_S = 120.0          # a pid after a request: the preload (seconds) and one fork
 MAX_MESSAGE = 1 << 20
 
