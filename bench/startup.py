@@ -8,7 +8,8 @@ turn: `python -m pdserve.cli up --grpc-port 0 --http-port 0` (1P1D, the default 
 `--model`), timed from the spawn to its "pdserve ready:" line on stdout, then SIGTERM.
 
 The table, per (process, phase), the median over rounds per variant:
-  * "pdserve up / to ready line": the wall time a user waits;
+  * "server / to ready": the wall time a user waits (pdserve: to the ready line;
+    `--llama-server BIN`: llama.cpp's server on the same GGUF, to /health answering 200);
   * "<process> / loaded" and "/ ready": the launcher's own lines ("loaded in X s, warming
     up", "ready in X s": from its spawn of that process);
   * "<process> / <phase>": the process's own "start-up:" line (services/startup_log.py:
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 
 READY = "pdserve ready:"
+READY_KEY = "server / to ready (pdserve: its ready line; llama-server: /health 200)"
 LAUNCHER = re.compile(r"pdserve up: (?P<proc>[\w ]+?): (?:loaded in (?P<loaded>[\d.]+) s|"
                       r"ready in (?P<ready>[\d.]+) s)")
 PHASES = re.compile(r"start-up \((?P<who>[^)]*)\): (?P<body>.*?); ready (?P<age>[\d.]+) s after exec")
@@ -51,6 +53,9 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to the ready line")
     p.add_argument("--cold-cache", action="store_true",
                    help="remove the model's pdserve caches before each start")
+    p.add_argument("--llama-server", default="", metavar="BIN",
+                   help="also start llama.cpp's llama-server (bench/build_llama_server.sh) on "
+                        "the same GGUF each round: -t 2 -cb --parallel 32 -c 32768")
     p.add_argument("--first-request", action="store_true",
                    help="time the first chat request after the ready line against warm ones")
     p.add_argument("up_args", nargs="*", help="more `pdserve up` arguments (after --)")
@@ -75,7 +80,7 @@ def _reader(stream, lines: list, ready: threading.Event, t0: float) -> None:
 
 
 def one_start(root: Path, args) -> dict[str, float]:
-    """One `pdserve up` from checkout `root`: {"pdserve up / to ready line": s, ...}."""
+    """One `pdserve up` from checkout `root`: {READY_KEY: s, ...}."""
     http_port = _free_port() if args.first_request else 0
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--grpc-port", "0", "--http-port", str(http_port),
            *(["--model", args.model] if args.model else []), *args.up_args]
@@ -104,7 +109,7 @@ def one_start(root: Path, args) -> dict[str, float]:
             p.wait(10)
         for r in readers:
             r.join(5)
-    return {"pdserve up / to ready line": took, **client, **phases_of([line for _, line in err])}
+    return {READY_KEY: took, **client, **phases_of([line for _, line in err])}
 
 
 FIRST_REQUEST_WARM = 3
@@ -168,10 +173,48 @@ def _process_of(who: str) -> str:
 
 
 def clear_caches(model: str) -> None:
+    import hashlib
+
+    from engine.config import cache_dir
     from engine.gguf import find_gguf
     from engine.gguf_cache import remove_caches     # this checkout's idea of where they are
     if (f := find_gguf(model)) is not None:
         remove_caches(f)
+    who = hashlib.sha256(str(Path(f or model).resolve()).encode()).hexdigest()[:12]
+    for e in (cache_dir() / "built").glob(f"*-{who}-*"):     # engine/build_cache.py's entries
+        e.unlink(missing_ok=True)
+
+
+def llama_start(binary: Path, gguf: str, args) -> dict[str, float]:
+    """One llama-server start on `gguf`: seconds to its /health answering 200 (and, with
+    --first-request, the same client requests as pdserve's)."""
+    import httpx
+    port = _free_port()
+    cmd = [str(binary), "-m", gguf, "-t", "2", "-cb", "--parallel", "32", "-c", "32768",
+           "--host", "127.0.0.1", "--port", str(port)]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         stdin=subprocess.DEVNULL)
+    try:
+        while True:
+            if p.poll() is not None or time.perf_counter() - t0 > args.timeout:
+                raise SystemExit(f"llama-server: not healthy within {args.timeout:g} s")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)        # a bounded poll: the server binds its port, then loads
+        took = time.perf_counter() - t0
+        client = first_requests(port, " id=default") if args.first_request else {}
+    finally:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+    return {READY_KEY: took, **client}
 
 
 def table(results: dict[str, list[dict[str, float]]]) -> str:
@@ -180,7 +223,7 @@ def table(results: dict[str, list[dict[str, float]]]) -> str:
     for runs in results.values():
         for run in runs:
             keys += [k for k in run if k not in keys]
-    keys.sort(key=lambda k: (k.split(" / ")[0] != "pdserve up", k.split(" / ")[0]))
+    keys.sort(key=lambda k: (k.split(" / ")[0] not in ("server", "client"), k.split(" / ")[0]))
     head = ["process", "phase", *[f"{n} (s, median of {len(results[n])})" for n in names]]
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for k in keys:
@@ -195,21 +238,30 @@ def table(results: dict[str, list[dict[str, float]]]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # this checkout's engine
     vs = variants(args)
     model = args.model
     if args.cold_cache and not model:
         from pdserve.default_model import resolve_default_model
         model = str(resolve_default_model())
     results: dict[str, list[dict[str, float]]] = {n: [] for n, _ in vs}
+    gguf = ""
+    if args.llama_server:
+        from engine.gguf import find_gguf
+        from pdserve.default_model import resolve_default_model
+        gguf = str(find_gguf(model or str(resolve_default_model())))
+        vs.append(("llama-server", Path(args.llama_server)))
+        results["llama-server"] = []
     for rnd in range(args.rounds):
         for name, root in vs:
             if args.cold_cache:
                 clear_caches(model)
-            run = one_start(root, args)
+            run = llama_start(root, gguf, args) if name == "llama-server" else one_start(root, args)
             results[name].append(run)
             print(f"round {rnd + 1} {name}: ready line after "
-                  f"{run['pdserve up / to ready line']:.2f} s", flush=True)
-    print(f"\npdserve up (1P1D unless told), {args.model or 'the default model'}, "
+                  f"{run[READY_KEY]:.2f} s", flush=True)
+    print(f"\npdserve up (1P1D unless told), {args.model or 'the default model'}, load average "
+          f"{open('/proc/loadavg').read().split()[0]} at the end, "
           f"{args.rounds} rounds alternating {', '.join(n for n, _ in vs)}"
           f"{' (caches removed before each start)' if args.cold_cache else ''}\n")
     print(table(results))

@@ -8,6 +8,14 @@
     a request sent at the ready line finds them) -> print one line
     "pdserve ready: grpc=HOST:PORT ... id=MODEL-ID" -> supervise
 
+The workers are forked by a zygote (pdserve/zygote.py) that the launcher starts first of all:
+it imports torch and the engine once while the launcher fetches the model and picks ports,
+so the workers begin at their model's load, not at torch's import (the gateway, which never
+imports torch, is a process of its own). `pdserve up: zygote: ready in X s` tells its import
+time. Each worker's model comes from the build cache when it was built here before
+(engine/build_cache.py), and a prefill worker's warm-up timings likewise
+(prefill_worker/warm_up.py).
+
 The start-up probes reconnect every 100-250 ms (PROBE_OPTIONS) and poll every 0.1 s: a
 process is seen SERVING within a fraction of a second, not after gRPC's exponential
 reconnect backoff (which had added seconds, tens of them on a loaded machine).

@@ -9,6 +9,8 @@ launcher.
                   SIGTERM when the launcher dies            its second start on: its
                                                             pdserve:process_restarts gauge
 
+A worker with a zygote (pdserve/zygote.py) is forked by it instead: the same arguments,
+`--parent-pid` the zygote's; its `popen` is then a zygote's `Forked`.
 Both are flags, not environment: `--parent-pid` is an option of the `pdserve` command itself
 (pdserve/cli.py), `--restarts` one of every worker's config (services/worker_config.py).
 `ModelPools`: one model of a several-model system, how many workers of each role it gets.
