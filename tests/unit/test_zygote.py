@@ -86,3 +86,13 @@ def test_the_real_preload_forks_with_one_thread(tmp_path):
             capture_output=True, text=True).stdout
     finally:
         z.close()
+
+
+def test_the_zygote_holds_no_secret_meant_for_the_gateway(monkeypatch):
+    monkeypatch.setenv("PDSERVE_API_KEY", "sekrit-zygote-test")
+    z = Zygote(preload=("json",), drop=("PDSERVE_API_KEY",))
+    try:
+        environ = open(f"/proc/{z.popen.pid}/environ", "rb").read()
+        assert b"sekrit-zygote-test" not in environ and b"OMP_NUM_THREADS=1" in environ
+    finally:
+        z.close()
