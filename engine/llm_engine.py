@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 from . import kv_offload, memory
+from .build_cache import cached_model
 from .config import EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_connector import KVConnector
@@ -77,8 +78,10 @@ class LLMEngine:
         mc = config.model
         self.dtype = config.torch_dtype
         t0 = time.perf_counter()      # start-up phases, in startup_s (a worker logs them)
-        self.model = quantize_model(load_model(mc, self.dtype, config.device, config.kernel_backend,
-                                               config.quantization), config.quantization)
+        # the loaded, quantized model: from engine/build_cache.py when built here before
+        self.model, self.model_cache = cached_model(config, lambda: quantize_model(load_model(
+            mc, self.dtype, config.device, config.kernel_backend, config.quantization),
+            config.quantization))
         t1 = time.perf_counter()
         self.tokenizer = Tokenizer.from_dir(mc.model_dir) if has_tokenizer(mc.model_dir) else None
         t2 = time.perf_counter()

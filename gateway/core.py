@@ -40,6 +40,7 @@ from services.metrics import Metrics
 from services.security import MTLS, read_token
 
 from .admission import Admission
+from .affinity import Weights
 from .config import GatewayConfig
 from .discovery import StaticResolver, WorkerSet, resolver_from_args
 from .kv_events_client import KvEventsClient
@@ -112,7 +113,9 @@ class Gateway:
             (WorkerSet(resolver_from_args(cfg.decode, cfg.decode_dns, cfg.discovery_interval_s,
                                           cfg.decode_file), name="decode"), self.decode)]
         self.router = Router(self.prefill, self.decode, cfg.affinity_slack,
-                             cfg.affinity_slack_ratio, cfg.decode_affinity_slack)
+                             cfg.affinity_slack_ratio, cfg.decode_affinity_slack,
+                             cfg.prefix_routing, Weights(cfg.prefix_weight_host,
+                                                         cfg.prefix_weight_disk), self.metrics)
         self._segments = Segments(self.router, cfg, self.metrics)
         # every worker's KV events into router.index (gateway/kv_events_client.py)
         self.kv_events = KvEventsClient(self.router.index, [self.prefill, self.decode], self.metrics)

@@ -10,8 +10,10 @@ following that worker's KvEvents stream (services/kv_events_rpc.py) into the mod
         heartbeat       -> nothing, or (its seq past the index's) a batch was lost: resync
                            as for a gap; each read has a deadline (read_timeout_s)
         stream error, EOF or a read past its deadline -> reconnect after a backoff (doubling
-                           from backoff_s up to max_backoff_s, reset by any message); the
-                           index keeps the worker's state meanwhile and resumes from its seq
+                           from backoff_s up to max_backoff_s, reset by any message; at
+                           most the pool's health interval while the worker is not healthy,
+                           so a starting worker is followed within one probe of its start);
+                           the index keeps the worker's state meanwhile, resumes from its seq
     discovery removes a worker -> cancel its subscriber, index.drop(worker)
     stop()                     -> cancel and await every subscriber (none outlives the gateway)
 
@@ -132,7 +134,9 @@ class KvEventsClient:
                 # from a newer worker: back off as from any failure, not every 0.1 s)
             if answered[0]:                 # it answered: the next failure starts afresh
                 delay, last_why = self.backoff_s, ""
-            await asyncio.sleep(delay)
+            # a worker not yet healthy (starting) is retried each probe interval, so it is
+            # followed within one once its probe passes, whatever the backoff had grown to
+            await asyncio.sleep(delay if w.healthy else min(delay, pool.health_interval_s))
             delay = min(delay * 2, self.max_backoff_s)
 
     async def _stream(self, pool: WorkerPool, address: str, stub, answered: list) -> None:

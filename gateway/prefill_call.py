@@ -34,7 +34,7 @@ async def prefill(router: Router, seg, prompt: list[int], params, kv: decode_pb2
     call = w.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=seg.rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
         destination=dest), timeout=remaining(req.deadline), metadata=seg.metadata)
-    seg.attach_prefill(w, call)
+    seg.attach_prefill(w, call, len(prompt) - router.cached_on(w, hashes), len(prompt))
     try:
         resp = await seg.prefill_call
     except asyncio.CancelledError:
@@ -43,5 +43,4 @@ async def prefill(router: Router, seg, prompt: list[int], params, kv: decode_pb2
         raise LostCall(grpc.StatusCode.UNAVAILABLE, seg.prefill_lost) from None
     req.clock.split(prefill_phases(resp), "prefill_queue")   # the transits: queueing
     seg.detach(w)
-    router.served(w, hashes)
     return resp

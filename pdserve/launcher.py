@@ -8,6 +8,14 @@
     a request sent at the ready line finds them) -> print one line
     "pdserve ready: grpc=HOST:PORT ... id=MODEL-ID" -> supervise
 
+The workers are forked by a zygote (pdserve/zygote.py) that the launcher starts first of all:
+it imports torch and the engine once while the launcher fetches the model and picks ports,
+so the workers begin at their model's load, not at torch's import (the gateway, which never
+imports torch, is a process of its own). `pdserve up: zygote: ready in X s` tells its import
+time. Each worker's model comes from the build cache when it was built here before
+(engine/build_cache.py), and a prefill worker's warm-up timings likewise
+(prefill_worker/warm_up.py).
+
 The start-up probes reconnect every 100-250 ms (PROBE_OPTIONS) and poll every 0.1 s: a
 process is seen SERVING within a fraction of a second, not after gRPC's exponential
 reconnect backoff (which had added seconds, tens of them on a loaded machine).
@@ -82,6 +90,7 @@ from services.cli_args import config_argv
 from services.security import write_token
 
 from .live_pools import LivePools
+from .zygote import Zygote
 from .processes import (Child, LaunchError, ModelPools, free_port, ports_in_use,  # noqa: F401
                         wait_serving)
 
@@ -131,6 +140,8 @@ class Launcher(LivePools):
                                        repr=False)   # a line a person follows start-up by
     discovery_files: bool = False           # live pools: workers named in files (see above)
     discovery_interval_s: float = 1.0       # the gateway's re-read of them (with the files)
+    zygote: bool = True                     # fork the workers from one process that has
+    #                                          imported torch and the engine (pdserve/zygote.py)
     children: list[Child] = field(default_factory=list)
     _models_file: str = field(default="", init=False, repr=False)   # the gateway's, if several
     token_file: str = field(default="", init=False, repr=False)     # with internal_token
@@ -138,6 +149,7 @@ class Launcher(LivePools):
     _files: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # kind -> path
     _spawned: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # role -> n
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _zygote: Zygote | None = field(default=None, init=False, repr=False)
 
     @property
     def grpc_address(self) -> str:
@@ -158,6 +170,8 @@ class Launcher(LivePools):
         if busy:
             raise LaunchError(f"{' and '.join(busy)} on {self.host} already in use (another "
                               f"pdserve?); nothing was started")
+        if self.zygote and self._zygote is None:   # first: its imports overlap all that follows
+            self._zygote = Zygote(drop=(API_KEY_ENV, *self.gateway_env))
         if not self.model_dir and not self.models:
             from .default_model import resolve_default_model
             self.model_dir = str(resolve_default_model())
@@ -215,7 +229,7 @@ class Launcher(LivePools):
                 "--metrics-port", str(free_port(self.host)), *engine_args,
                 *self._mtls_args(), *self._token_args(), *extra]
         metrics = flag_value(argv, "--metrics-port")
-        c = Child(role, f"{self.host}:{port}", argv, model=m.name,
+        c = Child(role, f"{self.host}:{port}", argv, model=m.name, zygote=self._zygote,
                   env={k: None for k in {API_KEY_ENV, *self.gateway_env}})   # no key
         c.metrics = f"{worker_id}=http://{self.host}:{metrics}/metrics"
         if not self._files:
@@ -276,6 +290,9 @@ class Launcher(LivePools):
 
     def _wait_serving(self, children: list[Child], deadline: float) -> None:
         wait_serving(children, deadline, self.probe_channel, self._cancel, self.say)
+        if self._zygote is not None and self._zygote.preload_s is not None:
+            self.say(f"zygote: ready in {self._zygote.preload_s:.1f} s (torch and the engine "
+                     "imported once, every worker forked from it)")
 
     def supervise(self, stop: threading.Event, interval_s: float = 0.2) -> int:
         """Restart crashed processes (the gateway too) until `stop` is set (returns 0) or
@@ -366,6 +383,9 @@ class Launcher(LivePools):
         for f in (self._models_file, self.token_file, *self._files.values()):
             if f:
                 Path(f).unlink(missing_ok=True)
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
 
 
 def _say(line: str) -> None:

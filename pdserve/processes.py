@@ -9,6 +9,8 @@ launcher.
                   SIGTERM when the launcher dies            its second start on: its
                                                             pdserve:process_restarts gauge
 
+A worker with a zygote (pdserve/zygote.py) is forked by it instead: the same arguments,
+`--parent-pid` the zygote's; its `popen` is then a zygote's `Forked`.
 Both are flags, not environment: `--parent-pid` is an option of the `pdserve` command itself
 (pdserve/cli.py), `--restarts` one of every worker's config (services/worker_config.py).
 `ModelPools`: one model of a several-model system, how many workers of each role it gets.
@@ -26,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -114,7 +116,7 @@ class Child:
     role: str
     address: str
     argv: list[str]                         # `pdserve` arguments: the role, then its options
-    popen: subprocess.Popen | None = None
+    popen: Any = None                       # a subprocess.Popen, or a zygote's Forked
     model: str = ""                         # its model's id, with several models
     log: IO | None = None
     restarts: int = 0                       # by the supervisor, in all
@@ -126,6 +128,7 @@ class Child:
     retired: bool = False                   # Launcher.retire (or still starting in
     #                                          add_worker): never restarted
     metrics: str = ""                       # a worker's "ID=URL" of its /metrics
+    zygote: Any = None                      # a worker's pdserve.zygote.Zygote (None: exec'd)
 
     @property
     def label(self) -> str:
@@ -139,21 +142,33 @@ class Child:
     def pid(self) -> int:
         return self.popen.pid
 
-    def command(self, parent_pid: int) -> list[str]:
-        """Its command line: `pdserve` told its launcher's pid, its own arguments, and once
-        the supervisor restarted it, how often (a worker's --restarts)."""
+    def arguments(self) -> list[str]:
+        """Its `pdserve` arguments: its own, and once the supervisor restarted it, how often
+        (a worker's --restarts)."""
         again = ["--restarts", str(self.restarts)] if self.restarts and self.role != "gateway" else []
+        return [*self.argv, *again]
+
+    def command(self, parent_pid: int) -> list[str]:
+        """Its command line: `pdserve` told its launcher's pid, then its arguments."""
         return [sys.executable, "-m", "pdserve.cli", "--parent-pid", str(parent_pid),
-                *self.argv, *again]
+                *self.arguments()]
 
     def start(self) -> None:
-        """Run it (again): its command line, one intra-op thread, output to its log (None:
-        the launcher's stdout/stderr)."""
+        """Run it (again): forked by the zygote (a worker, while the zygote is there:
+        pdserve/zygote.py), else its command line; one intra-op thread, output to its log
+        (None: the launcher's stdout/stderr)."""
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{
             k: v for k, v in self.env.items() if v is not None})
         for k in [k for k, v in self.env.items() if v is None]:
             env.pop(k, None)
         self.started_at = time.monotonic()
+        if self.zygote is not None and self.role != "gateway":
+            try:
+                self.popen = self.zygote.spawn(self.arguments(), env, self.log)
+                return
+            except OSError as e:
+                print(f"pdserve up: {self.label}: not forked ({e}); started as a process of "
+                      "its own", file=sys.stderr, flush=True)
         self.popen = subprocess.Popen(self.command(os.getpid()), env=env, stdout=self.log,
                                       stderr=subprocess.STDOUT if self.log else None,
                                       stdin=subprocess.DEVNULL)

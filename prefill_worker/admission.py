@@ -70,6 +70,11 @@ class PrefillAdmission:
         """The warm-up's (tokens, seconds): kept in every fit."""
         self._seed = [(n, s) for n, s in samples if n > 0 and s > 0]
 
+    @property
+    def num_samples(self) -> int:
+        """Completed calls in the fit (the warm-up's seed not counted)."""
+        return len(self._samples)
+
     def cost(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token) fitted; None: nothing measured yet."""
         pts = self._seed + list(self._samples)

@@ -59,11 +59,10 @@ from .config import PrefillWorkerConfig
 from .decoders import KnownDecoders
 from .handback import HANDED_BACK, HandBack
 from .kv_push import DestinationRefused, KVPush, PushFailed
+from .warm_up import remember, warm_up
 
 log = logging.getLogger(__name__)
 DEADLINE_POLL_S = 0.25           # how often a computing call re-reads its moving deadline
-WARM_UP_LONG_TOKENS = 256        # the warm-up's long prompt: the per-token cost's first measure
-WARM_UP_SHORT_TOKENS = 8         # and its short one: the fixed cost's
 
 
 class _DestinationFault(RpcStatus):
@@ -374,15 +373,10 @@ class PrefillRole(worker_server.WorkerRole):
         return connector                 # bound to the cache by the engine's construction
 
     async def warm_up(self, servicer: PrefillServicer, engine) -> None:
-        """A tiny prompt (cold: compiles, caches), then a long and a short one timed: the
-        admission's cost model starts from them (fixed and per-token cost, admission.py)."""
-        await worker_server.warm_up(engine, True)
-        fits = min(engine.max_model_len - 2, (engine.stats().num_total_blocks - 1) * engine.block_size)
-        lengths = (min(WARM_UP_LONG_TOKENS, fits), WARM_UP_SHORT_TOKENS)
-        servicer.admission.seed([(n, await worker_server.warm_up(engine, True, n)) for n in lengths])
-        fixed, per_token = servicer.admission.cost()
-        log.info("prefill cost from the warm-up: %.1f ms + %.3f ms a prompt token", fixed * 1e3,
-                 per_token * 1e3)
+        """A tiny prompt, then the admission's seed, measured or cached (warm_up.py); the
+        cached seed bettered from the calls served, at the drain."""
+        await warm_up(servicer.admission, engine)
+        servicer.srv.on_drain(lambda _deadline: remember(servicer.admission, engine))
 
     config_class, servicer_class = PrefillWorkerConfig, PrefillServicer
     add_to_server = staticmethod(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server)

@@ -13,7 +13,8 @@
                                    kv_events_rpc.py, ended on drain)
     WorkerServer.run:
       start  -> health NOT_SERVING -> warm-up (role.warm_up: one tiny request through the
-             engine; a prefill worker's also a long one, timed for its admission)
+             engine; a prefill worker's also a long and a short one, timed for its
+             admission, or their timings from the build cache: prefill_worker/warm_up.py)
              -> health SERVING, `ready` set; NOT_SERVING while the engine is unhealthy
              (consecutive failed steps, see AsyncEngine.healthy)
       SIGTERM (or `stop` set) -> draining: health NOT_SERVING, new work refused with

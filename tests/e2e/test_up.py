@@ -177,7 +177,8 @@ def test_the_api_key_is_on_no_childs_command_line(up):
     """`up --api-key` hands the key to the gateway in its environment (the 401 above shows
     the gateway took it from there), to no worker, and on no child's command line."""
     kids = children(up.proc.pid)
-    assert len(kids) == 3                      # gateway, prefill, decode
+    kids += [p for k in kids for p in children(k)]   # the workers, forked by the zygote
+    assert len(kids) == 4                      # gateway, the zygote, prefill, decode
     assert not [p for p in kids if any(KEY in a for a in cmdline(p))]
     environ = {p: (Path("/proc") / str(p) / "environ").read_bytes() for p in kids}
     assert [p for p, e in environ.items() if KEY.encode() in e] == [gateway_pid(up)]
@@ -202,12 +203,13 @@ def test_the_gateways_metrics_hold_every_workers_under_vllms_names(up):
     names = {n for n, _ in merged}
     assert all(n.startswith("vllm:") for n in names), sorted(names)
     assert all(any(n.startswith(want) for n in names) for want in VLLM_NAMES), sorted(names)
-    for pid in children(up.proc.pid):
-        argv = cmdline(pid)
-        if "gateway" in argv:
-            continue
-        worker = argv[argv.index("--worker-id") + 1]
-        own = scrape(f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}/metrics")
+    # each worker's own /metrics, as the gateway was told them (the workers are forked by
+    # the zygote: their command line is the zygote's)
+    argv = cmdline(gateway_pid(up))
+    workers = dict(x.split("=", 1) for x in argv[argv.index("--worker-metrics") + 1].split(","))
+    assert sorted(workers) == ["decode-0", "prefill-0"]
+    for worker, url in workers.items():
+        own = scrape(url)
         assert merged[("vllm:worker_metrics_up", frozenset({("worker", worker)}))] == 1.0
         counters = {k: v for k, v in own.items() if k[0].endswith("prefix_cache_queries_total")}
         assert counters and any(counters.values())          # the chat above was counted
