@@ -71,3 +71,31 @@ def test_streams_over_the_batch_size_are_queued_not_refused(system):
     together = asyncio.run(_texts(base, model, prompts))                      # all at once
     assert together == alone
     wait_until(lambda: (not (b := held_blocks(system)), b), 10.0, "every block free after the load")
+
+
+def test_clients_leaving_while_queued_free_every_block(system):
+    """STREAMS long streams, BATCH of them running and the rest queued; every client leaves
+    once the first tokens came: nothing stays reserved, queued or running."""
+    base = system.http_base
+    model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+    async def main():
+        first = asyncio.Event()
+        async with httpx.AsyncClient(timeout=TIMEOUT_S) as http:
+            async def one(i):
+                body = {"model": model, "prompt": _prompt(100 + i), "max_tokens": 400,
+                        "temperature": 0, "ignore_eos": True, "stream": True}
+                async with http.stream("POST", base + "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            first.set()
+            tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
+            await asyncio.wait_for(first.wait(), TIMEOUT_S)
+            await asyncio.sleep(0.2)
+            for t in tasks:
+                t.cancel()
+            return await asyncio.gather(*tasks, return_exceptions=True)
+    results = asyncio.run(main())
+    assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+    wait_until(lambda: (not (b := held_blocks(system)), b), 10.0, "every block free after leaving")
