@@ -143,9 +143,15 @@ def offline_engine(model: str, threads: int, prompt_ids: list[int], tokens: int,
             "--threads", str(threads), "--output-tokens", str(tokens), "--reps", str(reps),
             "--prompt-ids", ",".join(map(str, prompt_ids)), "--cpus", cpus]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    try:        # bound: the load + every token at 1 tok/s (a contended 2-thread run can crawl)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120 + reps * tokens,
+                             env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        print(f"offline engine ({threads} threads): no result in {120 + reps * tokens} s", flush=True)
+        return []
     if out.returncode != 0:
-        raise RuntimeError(f"offline engine failed: {out.stderr[-500:]}")
+        print(f"offline engine failed: {out.stderr[-500:]}", flush=True)
+        return []
     return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
 
 
@@ -180,7 +186,8 @@ class Bench:
     def __init__(self, a, model: str, log_dir: Path):
         self.a, self.model, self.t0 = a, model, time.monotonic()
         self.prompts = Prompts(model)
-        self.llama = LlamaServer(log_dir, a.llama_bin, model, a.llama_threads, free_port())
+        self.llama = LlamaServer(log_dir, a.llama_bin, model, a.llama_threads, free_port(),
+                                 a.llama_args.split())
         self.pds = [PdserveUp(log_dir, n, args, free_port()) for n, args in a.pdserve]
         self.report = Report([p.name for p in self.pds], self.llama.name, a)
         self.steps, self.total = 0, 0
@@ -283,6 +290,8 @@ def parse(argv=None):
       help="a pdserve up variant (repeatable): its name and extra `pdserve up` arguments, "
            "e.g. 'd2=--decode-threads 2' (default: one, 'pdserve', up's defaults)")
     a("--llama-threads", type=int, default=0, help="llama-server -t (0: len(--cpus))")
+    a("--llama-args", default="", help="more llama-server arguments, e.g. '--poll 0' (its "
+      "threads then sleep instead of spinning: on a machine shared with other work)")
     a("--llama-bin", default="", help="llama-server (default: bench/build_llama_server.sh's)")
     a("--model", default="", help="a GGUF file (default: pdserve's default model)")
     a("--quick", action="store_true", help="levels 1,4,16, few requests, one round")
@@ -322,8 +331,10 @@ def main(argv=None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="vs-llama-"))
     bench = Bench(a, a.model, log_dir)
     print(bench.report.header(bench.llama.version(), log_dir), flush=True)
-    bench.run()
-    print(bench.report.tables(), flush=True)
+    try:
+        bench.run()
+    finally:                     # what was measured is printed even when a step failed
+        print(bench.report.tables(), flush=True)
     return 0
 
 

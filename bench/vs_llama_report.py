@@ -82,7 +82,7 @@ class Report:
                 f"{os.cpu_count()} cores, load average {load}\n"
                 f"# model {a.model}; cores {a.cpus} for every process of every server\n"
                 f"# llama-server ({llama_version}): -t {a.llama_threads} -cb --parallel c "
-                f"-c max(4096, 1024 c) --jinja\n# pdserve: {variants}\n"
+                f"-c max(4096, 1024 c) --jinja {' '.join(a.llama_args.split())}\n# pdserve: {variants}\n"
                 f"# ~{a.prompt_tokens}-token prompts, {a.output_tokens} output tokens (ignore_eos), "
                 f"streaming chat, greedy; {a.rounds} round(s) alternating; logs {log_dir}")
 

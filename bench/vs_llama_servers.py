@@ -142,15 +142,17 @@ class PdserveUp(Server):
 class LlamaServer(Server):
     name = "llama-server"
 
-    def __init__(self, log_dir: Path, binary: str, gguf: str, threads: int, port: int):
+    def __init__(self, log_dir: Path, binary: str, gguf: str, threads: int, port: int,
+                 extra: list[str] = ()):
         super().__init__(log_dir)
         self.binary, self.gguf, self.threads, self.port = binary, gguf, threads, port
+        self.extra = list(extra)
         self.parallel = 0
 
     def argv(self, parallel: int, ctx: int) -> list[str]:
         return [self.binary, "-m", self.gguf, "-t", str(self.threads), "-cb", "--parallel",
                 str(parallel), "-c", str(ctx), "--jinja", "--host", "127.0.0.1",
-                "--port", str(self.port)]
+                "--port", str(self.port), *self.extra]
 
     def start(self, parallel: int, ctx: int, timeout_s: float = 120.0) -> float:
         """(Re)start with `parallel` slots sharing `ctx` tokens of context."""
