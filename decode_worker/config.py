@@ -28,6 +28,12 @@ class DecodeWorkerConfig(WorkerConfig):
                 "all; set it when several gateways share the decode workers, so that one cannot "
                 "hold every slot: with the internal credential nobody else can call)"})
 
+    max_waiting_reservations: int = field(default=512, metadata={
+        "help": "Decode calls that may wait at once for room for their KV reservation (a "
+                "running request to end: max_num_seqs or the blocks are taken), in arrival "
+                "order, each at most --kv-max-reservation-s; past it RESOURCE_EXHAUSTED (the "
+                "gateway tries another worker, then 429). 0: never wait"})
+
     drain_migrate_s: float = field(default=5.0, metadata={
         "help": "this long before the end of a drain (--drain-timeout-s; at most half of it) "
                 "the streams still running end with UNAVAILABLE \"worker draining\" and the "
@@ -42,6 +48,8 @@ class DecodeWorkerConfig(WorkerConfig):
         super().__post_init__()
         if self.drain_migrate_s < 0:
             raise ValueError(f"drain_migrate_s must be >= 0, got {self.drain_migrate_s}")
+        if self.max_waiting_reservations < 0:
+            raise ValueError("max_waiting_reservations must be >= 0")
         if self.max_reservations_per_caller < 0:
             raise ValueError("max_reservations_per_caller must be >= 0")
         if self.kv_max_reservation_s < self.kv_expiry_s:

@@ -7,8 +7,10 @@ state (shared with SubmitFirstToken and Abort), in five phases:
 
     reserve:      (a caller holding --max-reservations-per-caller already: RESOURCE_EXHAUSTED)
                   add_remote_request: blocks for the prompt minus this worker's prefix-cache
-                  hits (none free: RESOURCE_EXHAUSTED); receiver.reserve(transfer_id signed
-                  with its expiry, blocks to fill)
+                  hits; no room (max_num_seqs, blocks): wait for it in arrival order
+                  (reservations.py; its queue full, a prompt too big for the cache, or
+                  the wait past kv_max_reservation_s: RESOURCE_EXHAUSTED);
+                  receiver.reserve(transfer_id signed with its expiry, blocks to fill)
     announce:     stream KvReady{transfer_id, kv_endpoint, block_ids to fill,
                   num_cached_tokens, compat, deadlines}
     wait ready:   the transfer reaches DONE, while KV keeps arriving: the receiver expires
@@ -61,6 +63,7 @@ from .config import DecodeWorkerConfig
 from .handoff import DRAINING, Handoff
 from .local import local_decode
 from .pending import Counters, Aborted, error_chunk, Pending
+from .reservations import ReservationQueue, fits
 
 log = logging.getLogger(__name__)
 MAX_KV_TIMEOUT_MS = 600_000          # a reservation holds blocks: at most 10 minutes
@@ -78,6 +81,7 @@ class DecodeServicer(KvEventsRpc, decode_pb2_grpc.DecodeWorkerServicer):
         self.kv_events = parts.kv_events     # KvEvents: services/kv_events_rpc.py
         self._pending: dict[str, Pending] = {}
         self.counters = Counters()
+        self.reservations = ReservationQueue(self.cfg.max_waiting_reservations)
         self.handoff = Handoff(lambda: list(self._pending.values()), self._hand_off,
                                self.cfg.drain_timeout_s, self.cfg.drain_migrate_s)
         self.srv.on_drain(self.handoff.start)
@@ -130,6 +134,7 @@ class DecodeServicer(KvEventsRpc, decode_pb2_grpc.DecodeWorkerServicer):
         if not pend.first_token.done():
             pend.first_token.set_exception(Aborted())
         await worker_server.abort_quietly(self.ae, pend.request_id)
+        self.reservations.wake()             # waiting for room: it leaves the queue
 
     async def _hand_off(self, pend: Pending) -> None:
         """Draining: end `pend` with UNAVAILABLE "worker draining" (the gateway migrates it)."""
@@ -140,7 +145,8 @@ class DecodeServicer(KvEventsRpc, decode_pb2_grpc.DecodeWorkerServicer):
         st, r, c = self.ae.stats(), self.receiver, self.counters
         queued = sum(p.queued_tokens for p in self._pending.values() if p.transfer_id and not p.kv_done)
         return decode_pb2.DecodeStats(
-            worker_id=self.worker_id, num_waiting=st.num_waiting + st.num_waiting_for_remote_kv,
+            worker_id=self.worker_id,
+            num_waiting=st.num_waiting + st.num_waiting_for_remote_kv + len(self.reservations),
             num_waiting_for_kv=st.num_waiting_for_remote_kv, num_running=st.num_running,
             free_kv_blocks=st.num_free_blocks, total_kv_blocks=st.num_total_blocks,
             queued_prefill_tokens=queued,
@@ -203,16 +209,17 @@ class DecodeServicer(KvEventsRpc, decode_pb2_grpc.DecodeWorkerServicer):
         """Blocks for the prompt minus this worker's prefix-cache hits; the receiver expects
         the KV of the rest by the deadline."""
         try:
-            res = await self.ae.add_remote_request(pend.request_id, pend.prompt, pend.params)
+            res = await self.reservations.reserve(
+                lambda: self.ae.add_remote_request(pend.request_id, pend.prompt, pend.params),
+                fits(len(pend.prompt), self.block_size, self.ae.stats().num_total_blocks),
+                pend.max_s, lambda: pend.aborted)
         except ValueError as e:
             raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if res is None and pend.aborted:
+            return
         if res is None:
-            st = self.ae.stats()
-            raise RpcStatus(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"no room for a {len(pend.prompt)}-token prompt: {st.num_running} running "
-                          f"+ {st.num_waiting_for_remote_kv} reserved (max_num_seqs caps them), "
-                          f"{st.num_free_blocks} of {st.num_total_blocks} KV blocks free (a "
-                          "watermark stays free for the running requests)")
+            raise RpcStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, self.reservations.refusal(
+                len(pend.prompt), self.ae.stats()))
         block_ids, n_cached = res
         pend.usage.cached_tokens = n_cached
         pend.fill = block_ids[n_cached // self.block_size:]
@@ -332,13 +339,14 @@ class DecodeServicer(KvEventsRpc, decode_pb2_grpc.DecodeWorkerServicer):
 
     async def _end(self, pend: Pending) -> None:
         """Whatever happened: forget the call and its transfer; unless the stream finished,
-        abort the engine request (its blocks are freed)."""
+        abort the engine request (its blocks are freed); a call waiting for room tries."""
         self._pending.pop(pend.request_id, None)
         self.meter.pop(pend.request_id)
         if pend.transfer_id:
             self.receiver.abort(pend.transfer_id, "request ended")   # no-op once final
         if not pend.finished:
             await asyncio.shield(worker_server.abort_quietly(self.ae, pend.request_id))
+        self.reservations.wake()
 
     async def _recompute(self, pend: Pending, first, problem: str) -> int:
         """Policy recompute: drop the reservation, compute the prompt here. Returns how many

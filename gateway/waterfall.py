@@ -7,7 +7,8 @@ the request to the moment the consumer of `Gateway.generate()` took its first to
                         was called) -> routing starts: body parse, chat template, tokenize,
                         stop strings, grammar check, admission
     routing             the decode and the prefill picks (load, prefix affinity)
-    decode_reservation  Decode opened -> KvReady read
+    decode_reservation  Decode opened -> KvReady read (with the decode worker's batch or KV
+                        full, its wait for room: decode_worker/reservations.py)
     prefill_queue       Prefill sent -> compute starts on the prefill worker: the worker's own
                         queue (received -> first scheduled) plus both gRPC transits of the
                         call (the call's time on this clock less what the worker reports)

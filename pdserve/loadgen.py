@@ -16,6 +16,9 @@ Records are sim.stats's per-request dicts plus `sent_s` (from the run start), `h
 `retry_after`, `error` (a short reason), `prompt_tokens` (usage's) and `text` (the streamed
 output, joined: bench/prefix_tiers.py compares greedy outputs across systems), so
 sim.stats.summarize reads them as they are.
+With Target.keep_gaps a record also has `gaps_s` (the gaps between consecutive content chunks),
+`chunks` (content chunks) and `timings` (a server's own `timings` object on its chunks, as
+llama.cpp's llama-server sends; usage's `pdserve` phases when asked for), for bench/vs_llama.py.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ class Target:
     timeout_s: float = 300.0             # per request, connect to [DONE]
     ignore_eos: bool = True
     extra: dict = field(default_factory=dict)   # more body fields (e.g. a server's own options)
+    keep_gaps: bool = False              # records carry gaps_s, chunks, timings (docstring)
 
     @property
     def url(self) -> str:
@@ -90,8 +94,8 @@ def _record(t0: float, status: str, **kw) -> dict:
     return r
 
 
-async def _stream(resp: httpx.Response, t0: float) -> dict:
-    stamps, usage, text = [], None, []
+async def _stream(resp: httpx.Response, t0: float, keep_gaps: bool = False) -> dict:
+    stamps, usage, timings, text = [], None, None, []
     async for line in resp.aiter_lines():
         if not line.startswith("data:"):
             continue
@@ -103,6 +107,7 @@ async def _stream(resp: httpx.Response, t0: float) -> dict:
             return _record(t0, "error", http_status=200,
                            error=f"stream error: {chunk['error']}"[:ERROR_TEXT])
         usage = chunk.get("usage") or usage
+        timings = chunk.get("timings") or (usage or {}).get("pdserve") or timings
         if piece := _content(chunk):
             stamps.append(time.perf_counter())
             text.append(piece)
@@ -110,9 +115,12 @@ async def _stream(resp: httpx.Response, t0: float) -> dict:
     if not stamps:
         return _record(t0, "error", http_status=200, error="no content in the stream")
     itl = (stamps[-1] - stamps[0]) / (n - 1) if n > 1 and len(stamps) > 1 else None
+    more = {"gaps_s": [b - a for a, b in zip(stamps, stamps[1:])], "chunks": len(stamps),
+            "timings": timings} if keep_gaps else {}
     return _record(t0, "ok", http_status=200, ttft_s=stamps[0] - t0, itl_s=itl,
                    output_tokens=n, tokens_from_usage=usage is not None,
-                   prompt_tokens=usage.get("prompt_tokens") if usage else None, text="".join(text))
+                   prompt_tokens=usage.get("prompt_tokens") if usage else None,
+                   text="".join(text), **more)
 
 
 async def send(http: httpx.AsyncClient, target: Target, job: Job) -> dict:
@@ -125,7 +133,7 @@ async def send(http: httpx.AsyncClient, target: Target, job: Job) -> dict:
                 return _record(t0, "rejected" if r.status_code == 429 else "error",
                                http_status=r.status_code, retry_after=r.headers.get("retry-after"),
                                error=f"HTTP {r.status_code}: {text}"[:ERROR_TEXT])
-            return await _stream(r, t0)
+            return await _stream(r, t0, target.keep_gaps)
     except (httpx.HTTPError, json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
         return _record(t0, "error", error=f"{type(e).__name__}: {e}"[:ERROR_TEXT])
 

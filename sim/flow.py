@@ -7,7 +7,10 @@ One request (disaggregated, as gateway/segment.py runs it):
                 refused -> "rejected" (429)
     + gateway_s routed: decode first: the pick rule (gateway/affinity.py) over the decode
                 workers not yet tried; that worker's Scheduler.reserve_remote; a refusal
-                tries the next, none left -> "rejected". Then a prefill worker: the pick
+                tries the next, none left -> "rejected" (the real decode worker queues
+                such a call until room frees, decode_worker/reservations.py: not modelled
+                here yet, so past max_num_seqs or a full cache the simulator predicts 429s
+                where the system queues). Then a prefill worker: the pick
                 rule, its PrefillAdmission (prefill_worker/admission.py); refused -> the
                 next, none left -> the reservation is freed, "rejected"
     prefill     the prefill worker's Scheduler runs it (prefill_only: chunked, prefix hits)

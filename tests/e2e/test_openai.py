@@ -393,7 +393,10 @@ def test_disconnect_frees_blocks_on_both_workers(sys_a, model):
 
 def test_resource_exhausted_429_then_unavailable_503(start_system, model_dir):
     port = free_port()
-    sys_b = start_system(1, 1, http_port=port, decode_args=["--num-blocks", "8"],
+    # --max-waiting-reservations 0: the decode worker refuses a reservation it has no room
+    # for at once (by default it waits for room: decode_worker/reservations.py)
+    sys_b = start_system(1, 1, http_port=port,
+                         decode_args=["--num-blocks", "8", "--max-waiting-reservations", "0"],
                          gateway_args=["--health-interval-s", "0.3"])
     base = f"http://127.0.0.1:{port}"
     name = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
