@@ -2,8 +2,8 @@
 services/kv_events_rpc.py) + health + reflection, and a KVReceiver (UCX by default) that
 prefill workers push KV blocks into.
 
-One Decode call (see protos/pdserve/v1/decode.proto), one `Pending` object holding its
-state (shared with SubmitFirstToken and Abort), in five phases:
+One Decode call (protos/pdserve/v1/decode.proto), one `Pending` (shared with SubmitFirstToken
+and Abort), in five phases:
 
     reserve:      (a caller holding --max-reservations-per-caller already: RESOURCE_EXHAUSTED)
                   add_remote_request: blocks for the prompt minus this worker's prefix-cache
@@ -37,8 +37,8 @@ state (shared with SubmitFirstToken and Abort), in five phases:
     Drain (SIGTERM): the same abort near the drain's end for the calls still open, but the
     stream ends with UNAVAILABLE "worker draining": the gateway migrates it (handoff.py).
 
-Token accounting on the stream: the first token went to the client from PrefillResponse, so
-it is never repeated here, except when the decoder recomputed without knowing it.
+Token accounting: the first token went to the client from PrefillResponse, so it is never
+repeated here, except when the decoder recomputed without knowing it.
 """
 from __future__ import annotations
 
@@ -75,9 +75,7 @@ class DecodeServicer(KvEventsRpc, decode_pb2_grpc.DecodeWorkerServicer):
         self.cfg: DecodeWorkerConfig = parts.cfg
         self.ae, self.receiver, self.srv = parts.engine, parts.kv, parts.srv
         self.worker_id, self.metrics, self.meter = parts.worker_id, parts.metrics, parts.meter
-        self.compat = self.receiver.compat
-        self.block_size = self.ae.block_size
-        self.token = parts.token
+        self.compat, self.block_size, self.token = self.receiver.compat, self.ae.block_size, parts.token
         self.kv_events = parts.kv_events     # KvEvents: services/kv_events_rpc.py
         self._pending: dict[str, Pending] = {}
         self.counters = Counters()
@@ -389,8 +387,7 @@ class DecodeRole(worker_server.WorkerRole):
     async def open_kv(self, cfg: DecodeWorkerConfig, engine, transport, connector) -> KVReceiver:
         receiver = KVReceiver(engine.kv_cache, worker_server.model_compat(engine), transport,
                               expiry_s=cfg.kv_expiry_s, max_s=cfg.kv_max_reservation_s,
-                              staging=cfg.kv_staging,
-                              kv_scales=engine.kv_scales)
+                              staging=cfg.kv_staging, kv_scales=engine.kv_scales)
         log.info("decode KV endpoint %s", await receiver.start())
         return receiver
 
