@@ -119,7 +119,7 @@ def _dt(t: torch.Tensor) -> int:
 
 def _f32(t: torch.Tensor, name: str) -> int:
     """The pointer of a contiguous float32 CPU tensor."""
-    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+    if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
         raise ValueError(f"{name}: a contiguous float32 CPU tensor is required")
     return t.data_ptr()
 
@@ -127,7 +127,7 @@ def _f32(t: torch.Tensor, name: str) -> int:
 def _rows(t: torch.Tensor, name: str) -> int:
     """The row stride of t [T, ...] (views with strided rows, as into one qkv row, are fine);
     ValueError unless each row is contiguous (its trailing dims packed) on the CPU."""
-    if t.device.type != "cpu" or t.stride(-1) != 1 or (t.dim() == 3 and t.stride(1) != t.shape[2]):
+    if not t.is_cpu or t.stride(-1) != 1 or (t.dim() == 3 and t.stride(1) != t.shape[2]):
         raise ValueError(f"{name}: a CPU tensor with contiguous rows is required "
                          f"(shape {tuple(t.shape)}, strides {t.stride()})")
     return t.stride(0)

@@ -32,9 +32,12 @@ class QuantLinear(nn.Module):
         self.scheme, self.packed, self.head = scheme, packed, head
         self.out_features, self.in_features = packed.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        # the bfloat16 copy for matmuls of `dense_rows` rows or more (engine/quant/amx.py)
+        # the bfloat16 copy for matmuls of `dense_rows` rows or more (engine/quant/amx.py; 0:
+        # none). `forward` reads these plain attributes first: a parameter, buffer or
+        # submodule read goes through nn.Module.__getattr__ (~0.4 us), ~200 layers a step
         self.register_buffer("dense", None, persistent=False)
         self.dense_rows = 0
+        self.has_bias = bias is not None
 
     @classmethod
     def of(cls, qw: QuantWeight, bias: torch.Tensor | None = None, *, keep_scales: bool = True,
@@ -88,7 +91,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.dense is not None and x2.shape[0] >= self.dense_rows:
+        if self.dense_rows and x2.shape[0] >= self.dense_rows:
             y = nn.functional.linear(x2.to(torch.bfloat16), self.dense)    # oneDNN's bf16 brgemm
         else:
             y = self.packed.forward(x2)     # not __call__: no hooks here, ~200 such calls a step
@@ -96,7 +99,7 @@ class QuantLinear(nn.Module):
             y = self.packed.refine_top(x2, y)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
-        if self.bias is not None:
+        if self.has_bias:
             y = y + self.bias
         return y if x.dim() == 2 else y.view(*shape[:-1], self.out_features)
 
