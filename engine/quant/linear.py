@@ -29,7 +29,8 @@ class QuantLinear(nn.Module):
 
     def __init__(self, scheme, packed: Packed, bias: torch.Tensor | None = None, head: bool = False):
         super().__init__()
-        self.scheme, self.packed, self.head = scheme, packed, head
+        self.scheme, self.head = scheme, head
+        self._set_packed(packed)
         self.out_features, self.in_features = packed.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # the bfloat16 copy for matmuls of `dense_rows` rows or more (engine/quant/amx.py; 0:
@@ -69,14 +70,16 @@ class QuantLinear(nn.Module):
         """The [N, K] weight this layer multiplies by."""
         return self.quantized().dequantize().to(dtype)
 
-    @property
-    def input_dtype(self) -> torch.dtype | None:
-        """The dtype this layer multiplies in, when it is not the activations' (see
-        Packed.input_dtype); None for a head, which may recompute logits from x itself."""
-        return None if self.head else self.packed.input_dtype
+    def _set_packed(self, packed: Packed) -> None:
+        """The layout, and `input_dtype`: the dtype this layer multiplies in, when it is not
+        the activations' (see Packed.input_dtype); None for a head, which may recompute
+        logits from x itself. A plain attribute, set with the layout (read ~90 times a
+        step; a property through nn.Module.__getattr__ cost ~2% of a one-row step)."""
+        self.packed = packed
+        self.input_dtype = None if self.head else packed.input_dtype
 
     def set_backend(self, backend: str, moved: dict) -> None:
-        self.packed = _repacked(self.scheme, self.packed, backend, moved)
+        self._set_packed(_repacked(self.scheme, self.packed, backend, moved))
 
     def keep_dense(self, min_rows: int) -> None:
         """Keep the weight dequantized and rounded once to bfloat16 beside the codes; inputs
