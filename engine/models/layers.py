@@ -103,16 +103,17 @@ class Attention(nn.Module):
         T = x.shape[0]
         q, k, v = self.project(x)
         scales = dict(k_scales=self.k_scales, v_scales=self.v_scales, backend=self.backend)
-        q = K.rotary_embedding_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
-                                        meta.slot_mapping, rows=rope_rows, k_shift=self.k_shift,
-                                        **scales)
         sinks = None if self.sinks is None else self.sinks.float()
-        if meta.decode_only:
-            o = K.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                         meta.context_lens, self.scale,
-                                         max_context_len=meta.max_context_len, window=self.window,
-                                         sinks=sinks, out_dtype=input_dtype(self.o_proj), **scales)
+        if meta.decode_only:           # rotary, the cache write and attention: one C call on CPU
+            o = K.rope_decode_attention(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
+                                        meta.slot_mapping, meta.block_tables, meta.context_lens,
+                                        self.scale, max_context_len=meta.max_context_len,
+                                        k_shift=self.k_shift, rows=rope_rows, window=self.window,
+                                        sinks=sinks, out_dtype=input_dtype(self.o_proj), **scales)
         else:
+            q = K.rotary_embedding_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
+                                            meta.slot_mapping, rows=rope_rows, k_shift=self.k_shift,
+                                            **scales)
             o = K.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                           meta.cu_seqlens_q, meta.context_lens, self.scale,
                                           max_q_len=meta.max_q_len, window=self.window,
