@@ -220,10 +220,11 @@ def sample(x: torch.Tensor, rows: Sequence) -> list[int]:
     """Token per row from processed logits: argmax for greedy rows, else a random draw."""
     params = [r.sampling_params for r in rows]
     dev = x.device
-    greedy = torch.tensor([p.temperature == 0.0 for p in params], device=dev)
     tokens = x.argmax(dim=-1)
-    if bool(greedy.all()):
+    flags = [p.temperature == 0.0 for p in params]
+    if all(flags):                   # decided in Python: no tensor built for an all-greedy step
         return tokens.tolist()
+    greedy = torch.tensor(flags, device=dev)
     probs = processed_probs(x, params)
     sampled = (probs / _exponential_noise(x.shape, rows).to(dev)).argmax(dim=-1)
     return torch.where(greedy, tokens, sampled).tolist()

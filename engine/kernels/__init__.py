@@ -30,6 +30,7 @@ from . import cpu, packing, reference
 from .rope import build_cos_sin_cache
 
 __all__ = ["use_triton", "write_kv_cache", "paged_prefill_attention", "paged_decode_attention",
+           "rope_decode_attention",
            "rms_norm", "rope_rows", "rotary_embedding", "rotary_embedding_write_kv", "silu_and_mul",
            "build_cos_sin_cache"]
 
@@ -114,6 +115,26 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     return _into(out, reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                        context_lens, scale, k_scales, v_scales,
                                                        window, sinks))
+
+
+def rope_decode_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                          block_tables, context_lens, scale, *, max_context_len: int | None = None,
+                          k_scales=None, v_scales=None, k_shift=None, rows=None,
+                          window: int | None = None, sinks=None, out_dtype=None,
+                          backend: str = "auto"):
+    """A decode step's attention (one query per sequence): rotary_embedding_write_kv, then
+    paged_decode_attention of the rotated q. One C call on the cpu backend (cpu.c's two
+    kernels in one: the same results); the two ops elsewhere."""
+    if k_scales is None and use_cpu(backend):
+        return cpu.rope_decode_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                         slot_mapping, block_tables, context_lens, scale,
+                                         out_dtype, window=window, sinks=sinks)
+    scales = dict(k_scales=k_scales, v_scales=v_scales, backend=backend)
+    q = rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                  rows=rows, k_shift=k_shift, **scales)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                  max_context_len=max_context_len, window=window, sinks=sinks,
+                                  out_dtype=out_dtype, **scales)
 
 
 def write_latent_cache(latent, cache, slot_mapping, *, backend: str = "auto") -> None:
@@ -292,9 +313,17 @@ def int4_linear(x, packed, scale, mn, group: int, *, backend: str = "auto"):
     return reference.dequantized_linear(x, reference.dequantize_int4(packed, scale, mn, group))
 
 
+# torch's generated binding of the op: torch.ops.aten.X goes through the JIT's boxed call
+# (OpOverloadPacket, invokeOperatorFromPython), ~4% of a one-row decode step at 120 calls
+_INT4PACK_MM = getattr(torch, "_weight_int4pack_mm_for_cpu", None) or \
+    torch.ops.aten._weight_int4pack_mm_for_cpu
+
+
 def int4pack_linear(x, packed, group: int, scales_and_zeros):
     """torch's CPU int4 kernel on its own layout (packing.to_int4pack): bfloat16 x and out."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, group, scales_and_zeros)
+    if x.dtype != torch.bfloat16:
+        x = x.bfloat16()
+    return _INT4PACK_MM(x, packed, group, scales_and_zeros)
 
 
 def int8g32_linear(x, q, scale, *, backend: str = "auto"):

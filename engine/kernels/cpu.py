@@ -38,13 +38,15 @@ _lock = threading.Lock()
 _lib: ctypes.PyDLL | None | bool = False      # False: not tried yet
 
 _SCRATCH = ("pd_rms_norm", "pd_decode_attention", "pd_mla_decode_attention", "pd_int8_matmul",
-            "pd_int8g32_matmul")                  # return 1: no memory
+            "pd_int8g32_matmul", "pd_rope_decode_attention")      # return 1: no memory
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "pd_rms_norm": [_P, _I, _L, _P, _L, _P, _L, _P, _P, _I, _L, _I, _I, _F],
     "pd_rope_write_kv": [_P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "pd_decode_attention": [_P, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _F, _I, _P, _P, _I],
     "pd_mla_decode_attention": [_P, _P, _L, _I, _I, _I, _I, _P, _I, _P, _I, _F, _P, _I],
+    "pd_rope_decode_attention": [_P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _I, _P, _P,
+                                 _P, _P, _P, _I, _P, _I, _P, _F, _I, _P, _P, _I],
     "pd_silu_and_mul": [_P, _I, _L, _P, _I, _L, _I, _I],
     "pd_int8_matmul": [_P, _I, _I, _I, _P, _P, _I, _P, _I],
     "pd_int8g32_matmul": [_P, _I, _I, _I, _P, _P, _I, _P],
@@ -119,7 +121,7 @@ def _dt(t: torch.Tensor) -> int:
 
 def _f32(t: torch.Tensor, name: str) -> int:
     """The pointer of a contiguous float32 CPU tensor."""
-    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+    if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
         raise ValueError(f"{name}: a contiguous float32 CPU tensor is required")
     return t.data_ptr()
 
@@ -127,7 +129,7 @@ def _f32(t: torch.Tensor, name: str) -> int:
 def _rows(t: torch.Tensor, name: str) -> int:
     """The row stride of t [T, ...] (views with strided rows, as into one qkv row, are fine);
     ValueError unless each row is contiguous (its trailing dims packed) on the CPU."""
-    if t.device.type != "cpu" or t.stride(-1) != 1 or (t.dim() == 3 and t.stride(1) != t.shape[2]):
+    if not t.is_cpu or t.stride(-1) != 1 or (t.dim() == 3 and t.stride(1) != t.shape[2]):
         raise ValueError(f"{name}: a CPU tensor with contiguous rows is required "
                          f"(shape {tuple(t.shape)}, strides {t.stride()})")
     return t.stride(0)
@@ -141,7 +143,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     residual stream is its own (CausalLM.forward), so no copy is made."""
     H = x.shape[-1]
     x2 = x.reshape(-1, H)
-    out = torch.empty(x.shape, dtype=out_dtype or torch.float32)
+    out = torch.empty(*x.shape, dtype=out_dtype or torch.float32)   # ints: a Size parses 2x slower
     res = 0 if residual is None else _f32(residual, "residual")
     _ok(library().pd_rms_norm(x2.data_ptr(), _dt(x2), _rows(x2, "x"), res, H, res, H,
                               _f32(weight, "weight"), out.data_ptr(), _dt(out), H, x2.shape[0], H, eps),
@@ -194,6 +196,43 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         tables.data_ptr(), tables.shape[1], context_lens.contiguous().data_ptr(), B, scale,
         window or 0, None if sinks is None else _f32(sinks, "sinks"), out.data_ptr(), _dt(out)),
         "decode_attention")
+    return out
+
+
+def rope_decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                          out_dtype: torch.dtype | None = None, *, window: int | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """rope_write_kv, then decode_attention of the rotated q, in one call (a decode step: one
+    query per sequence, q [B, Hq, D]); the arguments and results are those two's."""
+    B, Hq, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    R = cos_sin_cache.shape[1]
+    if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
+        raise ValueError("positions and slots are int64")
+    if R % 2 or not 0 < R <= D:
+        raise ValueError(f"cos_sin_cache rows have {R} values: the rotary dimension must be even "
+                         f"and at most head_dim {D}")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise ValueError("block_tables and context_lens are int32")
+    if {block_tables.shape[0], context_lens.shape[0], positions.shape[0], slot_mapping.shape[0]} != {B}:
+        raise ValueError(f"one query per sequence: {B} queries, {block_tables.shape[0]} table rows, "
+                         f"{context_lens.shape[0]} lengths, {positions.shape[0]} positions, "
+                         f"{slot_mapping.shape[0]} slots")
+    if sinks is not None and tuple(sinks.shape) != (Hq,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}, expected ({Hq},)")
+    tables = block_tables.contiguous()
+    out = torch.empty(B, Hq, D, dtype=out_dtype or torch.float32)
+    _ok(library().pd_rope_decode_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _dt(q), _dt(k), _dt(v),
+        _rows(q, "q"), _rows(k, "k"), _rows(v, "v"), B, Hq, Hkv, D, R,
+        positions.contiguous().data_ptr(), _f32(cos_sin_cache, "cos_sin_cache"),
+        _f32(k_cache, "k_cache"), _f32(v_cache, "v_cache"), slot_mapping.contiguous().data_ptr(),
+        bs, tables.data_ptr(), tables.shape[1], context_lens.contiguous().data_ptr(), scale,
+        window or 0, None if sinks is None else _f32(sinks, "sinks"), out.data_ptr(), _dt(out)),
+        "rope_decode_attention")
     return out
 
 

@@ -163,11 +163,12 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """[T] ids -> [T, hidden] final hidden states. `layer_hook(i)` runs once layer i's KV
-        is in the cache (the prefill worker ships it while later layers compute)."""
+        is in the cache (the prefill worker ships it while later layers compute). The layers
+        run through their `forward` (layers.py: no hooks inside the model)."""
         h, residual = self.embed_tokens(input_ids), None
         rows = K.rope_rows(positions, self.cos_sin, backend=self.backend)     # once, every layer
         for i, layer in enumerate(self.layers):
-            h, residual = layer(positions, h, residual, meta, self.cos_sin, rows)
+            h, residual = layer.forward(positions, h, residual, meta, self.cos_sin, rows)
             if layer_hook is not None:
                 layer_hook(i)
         h, _ = self.norm(h, residual)

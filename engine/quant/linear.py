@@ -29,12 +29,16 @@ class QuantLinear(nn.Module):
 
     def __init__(self, scheme, packed: Packed, bias: torch.Tensor | None = None, head: bool = False):
         super().__init__()
-        self.scheme, self.packed, self.head = scheme, packed, head
+        self.scheme, self.head = scheme, head
+        self._set_packed(packed)
         self.out_features, self.in_features = packed.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        # the bfloat16 copy for matmuls of `dense_rows` rows or more (engine/quant/amx.py)
+        # the bfloat16 copy for matmuls of `dense_rows` rows or more (engine/quant/amx.py; 0:
+        # none). `forward` reads these plain attributes first: a parameter, buffer or
+        # submodule read goes through nn.Module.__getattr__ (~0.4 us), ~200 layers a step
         self.register_buffer("dense", None, persistent=False)
         self.dense_rows = 0
+        self.has_bias = bias is not None
 
     @classmethod
     def of(cls, qw: QuantWeight, bias: torch.Tensor | None = None, *, keep_scales: bool = True,
@@ -66,14 +70,16 @@ class QuantLinear(nn.Module):
         """The [N, K] weight this layer multiplies by."""
         return self.quantized().dequantize().to(dtype)
 
-    @property
-    def input_dtype(self) -> torch.dtype | None:
-        """The dtype this layer multiplies in, when it is not the activations' (see
-        Packed.input_dtype); None for a head, which may recompute logits from x itself."""
-        return None if self.head else self.packed.input_dtype
+    def _set_packed(self, packed: Packed) -> None:
+        """The layout, and `input_dtype`: the dtype this layer multiplies in, when it is not
+        the activations' (see Packed.input_dtype); None for a head, which may recompute
+        logits from x itself. A plain attribute, set with the layout (read ~90 times a
+        step; a property through nn.Module.__getattr__ cost ~2% of a one-row step)."""
+        self.packed = packed
+        self.input_dtype = None if self.head else packed.input_dtype
 
     def set_backend(self, backend: str, moved: dict) -> None:
-        self.packed = _repacked(self.scheme, self.packed, backend, moved)
+        self._set_packed(_repacked(self.scheme, self.packed, backend, moved))
 
     def keep_dense(self, min_rows: int) -> None:
         """Keep the weight dequantized and rounded once to bfloat16 beside the codes; inputs
@@ -88,7 +94,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.dense is not None and x2.shape[0] >= self.dense_rows:
+        if self.dense_rows and x2.shape[0] >= self.dense_rows:
             y = nn.functional.linear(x2.to(torch.bfloat16), self.dense)    # oneDNN's bf16 brgemm
         else:
             y = self.packed.forward(x2)     # not __call__: no hooks here, ~200 such calls a step
@@ -96,7 +102,7 @@ class QuantLinear(nn.Module):
             y = self.packed.refine_top(x2, y)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
-        if self.bias is not None:
+        if self.has_bias:
             y = y + self.bias
         return y if x.dim() == 2 else y.view(*shape[:-1], self.out_features)
 

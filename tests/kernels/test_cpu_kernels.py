@@ -79,6 +79,42 @@ def test_decode_attention(gqa, out_dtype):
     assert_close(got, want.to(out_dtype), out_dtype, seed, f"decode attention gqa={gqa}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window_sinks", [False, True])
+def test_rope_decode_attention_is_the_two_kernels_bitwise(dtype, window_sinks):
+    """The fused decode call equals rope_write_kv then decode_attention bit for bit (q, k,
+    v strided views of one qkv row, GQA 3, ragged contexts), caches included; and the op
+    (engine.kernels, backend cpu) is the torch reference's within float32 tolerance."""
+    import engine.kernels as K
+    gen, seed = fresh_generator()
+    lens, hk, hq, d, bs = [33, 1, 16, 70], 2, 6, 64, 16
+    kc, vc, table = paged_cache(gen, lens, bs, hk, d, F32)
+    b = len(lens)
+    qkv = randn(gen, b, (hq + 2 * hk) * d, dtype=dtype)
+    q = qkv[:, :hq * d].view(b, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(b, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(b, hk, d)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    pos = (ctx - 1).long()                                  # each query's own position
+    slots = torch.stack([table[i, p // bs].long() * bs + p % bs for i, p in enumerate(pos.tolist())])
+    cache = build_cos_sin_cache(d, 300, 10000.0)
+    extra = dict(window=20, sinks=randn(gen, hq)) if window_sinks else {}
+    kc2, vc2, kc3, vc3 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    qr = C.rope_write_kv(pos, q, k, v, cache, kc, vc, slots)
+    want = C.decode_attention(qr, kc, vc, table, ctx, 0.125, torch.bfloat16, **extra)
+    got = C.rope_decode_attention(pos, q, k, v, cache, kc2, vc2, slots, table, ctx, 0.125,
+                                  torch.bfloat16, **extra)
+    assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc), seed
+    # the reference in float32 (the C kernels read bfloat16 values as float32)
+    op = K.rope_decode_attention(pos, q.float(), k.float(), v.float(), cache, kc3, vc3, slots,
+                                 table, ctx, 0.125, backend="torch", **extra)
+    assert torch.equal(kc3, kc) and torch.equal(vc3, vc), seed
+    assert_close(C.rope_decode_attention(pos, q, k, v, cache, kc2, vc2, slots, table, ctx, 0.125,
+                                         **extra), op, F32, seed, "fused decode attention")
+    with pytest.raises(ValueError, match="one query per sequence"):
+        C.rope_decode_attention(pos[:2], q, k, v, cache, kc2, vc2, slots, table, ctx, 0.125)
+
+
 def test_decode_attention_padding_rows_are_zero():
     gen, seed = fresh_generator()
     kc, vc, table = paged_cache(gen, [20, 0, 3], 8, 1, 32, F32)

@@ -46,7 +46,7 @@ def test_cpu_kernels_engine_matches_torch_engine(tmp_path, monkeypatch, kind, qu
                 quantization=quantization)                       # 24: chunked prefill
     want = _run(LLMEngine.from_model_dir(d, kernel_backend="torch", **opts), prompts, 6)
     calls = []
-    for name in ("rms_norm", "rope_write_kv", "decode_attention", "silu_and_mul", "int8_matmul"):
+    for name in ("rms_norm", "rope_write_kv", "rope_decode_attention", "silu_and_mul", "int8_matmul"):
         fn = getattr(C, name)
         monkeypatch.setattr(C, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
     engine = LLMEngine.from_model_dir(d, **opts)
@@ -59,7 +59,8 @@ def test_cpu_kernels_engine_matches_torch_engine(tmp_path, monkeypatch, kind, qu
     for i in range(len(prompts)):
         assert got[i].token_ids == want[i].token_ids, f"prompt {i}"
         assert max(abs(a - b) for a, b in zip(got[i].logprobs, want[i].logprobs)) < tol
-    assert {"rms_norm", "rope_write_kv", "decode_attention", "silu_and_mul"} <= set(calls)
+    # prefill: rotary + cache write; decode: the fused rotary, cache write and attention
+    assert {"rms_norm", "rope_write_kv", "rope_decode_attention", "silu_and_mul"} <= set(calls)
     assert ("int8_matmul" in calls) == (quantization == "int8")
     assert got[4].num_cached_tokens >= 16       # two full blocks of the shared prefix were hit
     assert engine.kv.num_held_blocks() == 0
