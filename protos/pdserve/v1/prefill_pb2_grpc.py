@@ -50,6 +50,11 @@ class PrefillWorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.PrefillStats.FromString,
                 _registered_method=True)
+        self.ExportPrefix = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/ExportPrefix',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -73,6 +78,14 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportPrefix(self, request, context):
+        """Internal, worker to worker (issue 31, peer fetch): push this worker's cached KV blocks
+        of a prompt prefix into a reservation on the calling prefill worker's KV receiver.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +103,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.PrefillStats.SerializeToString,
+            ),
+            'ExportPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportPrefix,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +191,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Stats',
             protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_prefill__pb2.PrefillStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/ExportPrefix',
+            protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
