@@ -110,9 +110,10 @@ class Gateway:
             (WorkerSet(_prefill_resolver(cfg), name="prefill"), self.prefill),
             (WorkerSet(resolver_from_args(cfg.decode, cfg.decode_dns, cfg.discovery_interval_s,
                                           cfg.decode_file), name="decode"), self.decode)]
-        self._segments = Segments(Router(self.prefill, self.decode, cfg.affinity_slack,
-                                         cfg.affinity_slack_ratio, cfg.decode_affinity_slack),
-                                  cfg, self.metrics)
+        router = Router(self.prefill, self.decode, cfg.affinity_slack, cfg.affinity_slack_ratio,
+                        cfg.decode_affinity_slack)
+        router.peer_fetch_min_blocks = cfg.peer_fetch_min_blocks if cfg.peer_fetch == "on" else 0
+        self._segments = Segments(router, cfg, self.metrics)
         self.drain_rate = DrainRate()
         self.admission = Admission(cfg.max_in_flight, cfg.slo_ttft_ms / 1e3, cfg.slo_itl_ms / 1e3)
         self.in_flight = 0

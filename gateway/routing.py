@@ -25,17 +25,21 @@ from google.protobuf.json_format import MessageToDict
 from protos.pdserve.v1 import decode_pb2
 
 from .affinity import PrefixAffinity, decode_bounds
+from .prefix_index import PrefixIndex
 from .registry import Worker, WorkerPool
 from .request import GatewayError
 
 
 class Router:
+    peer_fetch_min_blocks = 0    # --peer-fetch-min-blocks, 0: --peer-fetch off (peer_prefix.py)
+
     def __init__(self, prefill: WorkerPool, decode: WorkerPool, slack: int, slack_ratio: float,
                  decode_slack: int = 2):
         self.prefill, self.decode = prefill, decode
         self.slack, self.slack_ratio = slack, slack_ratio
         self.decode_slack = decode_slack
         self._affinity = {"prefill": PrefixAffinity(), "decode": PrefixAffinity()}
+        self.index = PrefixIndex()   # the workers' KV events, by worker address (prefix_index.py)
 
     def hashes(self, pool: WorkerPool, prompt: list[int], block_size: int = 0) -> list[bytes]:
         """The prompt's block hashes for `pool`'s affinity (its workers' block size)."""
