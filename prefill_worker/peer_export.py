@@ -115,6 +115,9 @@ class PeerExport:
         finally:
             if handle is not None:
                 sender.cancel(handle)
+                stream = getattr(sender, "_stream", None)    # CUDA: queued gathers read the
+                if stream is not None:                       # blocks; done before the unpin
+                    await asyncio.to_thread(stream.synchronize)
 
     # ------------------------------------------------------------ engine thread
     def _pin(self, hashes: list[bytes]) -> list[int] | None:

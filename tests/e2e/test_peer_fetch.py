@@ -6,6 +6,8 @@ compute; no block is leaked on any worker.
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 import urllib.request
 import uuid
@@ -128,4 +130,26 @@ def test_peer_without_the_blocks_or_dead_falls_back(cluster, model_dir):
         assert resp.peer_fetched_tokens == 0 and resp.num_cached_tokens == 0
         assert time.monotonic() - t0 < 10           # the fetch's deadline (2 s + bytes), then computed
         assert _metric(b, FALLBACK) == before + 1
+    _no_blocks_held((a, b), dec)
+
+
+def test_a_stalled_peer_falls_back_within_the_deadline(cluster, model_dir):
+    """A holds the prefix but is stopped (SIGSTOP: connects, never answers): B waits out
+    the fetch's deadline (2 s + the bytes at 100 MB/s), computes, and answers the same."""
+    a, b, dec = cluster
+    prompt = _prompt(40, 35)
+    ref = _reference(model_dir, [prompt + [4]])[0]
+    _run(a, dec, prompt)                           # A caches its 4 full blocks
+    before = _metric(b, FALLBACK)
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        tokens, resp = _run(b, dec, prompt + [4], prefill_pb2.PeerPrefix(
+            worker_address=f"127.0.0.1:{a.port}", num_blocks=5))
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    assert tokens == ref and resp.peer_fetched_tokens == 0
+    assert 2.0 <= elapsed < 10
+    assert _metric(b, FALLBACK) == before + 1
     _no_blocks_held((a, b), dec)
