@@ -13,12 +13,13 @@ user turn, greedy, --output-len tokens. Conversations run at once (or one every
 workload runs against a fresh system (`pdserve` processes, one torch thread each, the same
 flags but the gateway's affinity ones):
 
-    none         no affinity: the least-loaded worker (requests in flight, then the worker's
+    none         --prefix-routing none: the least-loaded worker (requests in flight, then the worker's
                  queue, then most free KV blocks; fewest requests sent breaks exact ties).
                  Not a strict round robin, but as blind to the prefix cache as one.
-    default      the gateway's defaults (--affinity-slack, --affinity-slack-ratio; decode
+    default      the gateway's defaults (its KV-event index scored against load,
+                 gateway/affinity.py, within --affinity-slack, --affinity-slack-ratio; decode
                  workers: --decode-affinity-slack)
-    SLACK[:R]    the affine prefill worker wins while it has at most SLACK more requests in
+    SLACK[:R]    the cached prefill worker may win while it has at most SLACK more requests in
                  flight than the least-loaded one, or at most R times as many (R unset: SLACK
                  alone); decode workers: the smaller of SLACK and --decode-affinity-slack
     always       affinity that load never overrides
@@ -74,8 +75,7 @@ def routing(spec: str) -> tuple[str, list[str]]:
     """A --routing spec (see the module docstring) -> (table label, gateway flags)."""
     from gateway.config import GatewayConfig
     if spec == "none":
-        return "no affinity (least loaded)", ["--affinity-slack", "-1000000",
-                                              "--affinity-slack-ratio", "0"]
+        return "no affinity (least loaded)", ["--prefix-routing", "none"]
     if spec == "always":
         return "affinity, never overridden", ["--affinity-slack", "1000000",
                                               "--decode-affinity-slack", "1000000"]

@@ -1,5 +1,6 @@
-"""The decode worker: gRPC `DecodeWorker` (Decode, SubmitFirstToken, Abort, Stats) + health
-+ reflection, and a KVReceiver (UCX by default) that prefill workers push KV blocks into.
+"""The decode worker: gRPC `DecodeWorker` (Decode, SubmitFirstToken, Abort, Stats, KvEvents:
+services/kv_events_rpc.py) + health + reflection, and a KVReceiver (UCX by default) that
+prefill workers push KV blocks into.
 
 One Decode call (see protos/pdserve/v1/decode.proto), one `Pending` object holding its
 state (shared with SubmitFirstToken and Abort), in five phases:
@@ -52,6 +53,7 @@ from engine.outputs import RequestOutput
 from kvtransfer.receiver import KVReceiver, TransferState
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services import protoconv, service_names, tracing, worker_server
+from services.kv_events_rpc import KvEventsRpc
 from services.security import caller_of, new_transfer_id
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
@@ -65,7 +67,7 @@ MAX_KV_TIMEOUT_MS = 600_000          # a reservation holds blocks: at most 10 mi
 _POLICIES = {decode_pb2.KV_FAILURE_POLICY_FAIL: "fail", decode_pb2.KV_FAILURE_POLICY_RECOMPUTE: "recompute"}
 
 
-class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
+class DecodeServicer(KvEventsRpc, decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, parts: WorkerParts):
         self.cfg: DecodeWorkerConfig = parts.cfg
         self.ae, self.receiver, self.srv = parts.engine, parts.kv, parts.srv
@@ -73,6 +75,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self.compat = self.receiver.compat
         self.block_size = self.ae.block_size
         self.token = parts.token
+        self.kv_events = parts.kv_events     # KvEvents: services/kv_events_rpc.py
         self._pending: dict[str, Pending] = {}
         self.counters = Counters()
         self.handoff = Handoff(lambda: list(self._pending.values()), self._hand_off,

@@ -28,7 +28,8 @@ Rules:
     (LLMEngine.step), so an abort of a long prompt lands within a layer, not a chunk.
   * `stats()` never waits for a step: it returns the snapshot taken after the last one.
   * What never changes after construction (block size, vocabulary size, context length) is
-    read once, before the thread starts, into plain attributes. Services use those and the
+    read once, before the thread starts, into plain attributes; so is the engine's KV event
+    log (`kv_events`), which is thread-safe itself (the engine thread appends to it). Services use those and the
     methods below; `self.engine` is for commands (`call`) only.
 """
 from __future__ import annotations
@@ -86,6 +87,8 @@ class AsyncEngine:
         self.block_size: int = engine.kv.block_size
         self.vocab_size: int = engine.config.model.vocab_size
         self.max_model_len: int = engine.config.model.max_model_len
+        # thread-safe itself (engine/kv_events.py): the KvEvents RPC reads it from the loop
+        self.kv_events = getattr(engine, "kv_events", None)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

@@ -1,36 +1,125 @@
-"""The gateway's pure routing choice: prefix affinity against load, with no gRPC in sight,
-so the simulator (sim/) runs the very rule the gateway runs (gateway/registry.py's
-WorkerPool.pick and gateway/routing.py's Router call these).
+"""The gateway's pure routing rule: the work a worker's cached prefix saves against its load,
+with no gRPC in sight, so the simulator (sim/) runs the very rule the gateway runs
+(gateway/routing.py's Router calls it with the workers of one pool; sim/flow.py with its
+simulated ones).
 
-    choose(cands, affinity, hashes, slack, slack_ratio)
-        cands: workers with .address, .in_flight, .load_key(), .requests_total
-        best = min by (load_key(), requests_total)
-        the prefix-affine worker (PrefixAffinity.lookup) wins while its in_flight is at
-        most best's + slack, or (slack_ratio > 0) at most slack_ratio x best's
+What a worker holds of a prompt comes from the gateway's index of the workers' own KV events
+(gateway/prefix_index.py): `hits[w] = index.match(hashes, w)` = TierHits(device, host, disk),
+the prompt's leading blocks w holds, each in its fastest tier. The rule, per candidate w of a
+pool, for one prompt:
+
+    saved(w) = block_size x (device + W_HOST x host + W_DISK x disk)          [tokens]
+    cost(w)  = load(w) + (prompt tokens - saved(w))                           [tokens]
+    least    = min over cands of (load_key(), requests_total)   (the least-loaded worker)
+    eligible = least, and every w with  in_flight(w) <= in_flight(least) + slack
+                                    or  in_flight(w) <= slack_ratio x in_flight(least)
+    pick     = min over eligible of (cost, load_key(), requests_total)
+
+  load(w) (`w.load_tokens()`), in the same unit as saved:
+    prefill  prompt tokens queued on w and not yet computed: the uncached tokens of this
+             gateway's Prefill calls open on it (exact and immediate), plus what its Stats'
+             queued_prefill_tokens had beyond them (other gateways'; Stats lag a probe, and
+             a call ended since is not counted twice). cost is then the tokens w computes
+             before this prompt's first token: a TTFT in token units.
+    decode   KV tokens in use on w: the prompt tokens of this gateway's Decode streams open
+             on it, plus what its Stats' (total - free) blocks x block size had beyond them
+             (the same way). Each
+             decode step reads all of them (memory-bound), and the prompt's uncached part is
+             what must be transferred to it (or computed there, local): Dynamo's KV router
+             weighs the same two (blocks to prefill + active decode blocks) one to one.
+  W_HOST = 0.75, W_DISK = 0.5 (--prefix-weight-host, --prefix-weight-disk): a block revived
+    from host memory or disk saves its compute but costs its copy back into the device
+    pool (the engine loads it only when that is cheaper than computing it), so it is worth
+    a fraction of a device hit; disk reads cost more than host copies.
+  slack, slack_ratio (--affinity-slack 16, --affinity-slack-ratio 1.5; decode picks
+    `decode_bounds`: --decode-affinity-slack 2, no ratio): a prefix is a preference, not a
+    pin. Token costs come partly from Stats a probe old; request counts in flight are exact,
+    so a burst of one shared prefix cannot pile past these bounds onto one worker.
+
+So a cached worker wins exactly while its extra load is less than the tokens its prefix saves
+(load(w) - load(other) < saved(w) - saved(other)), within the slack. With no hits anywhere the
+pick is the least load in tokens. `hits=None` (--prefix-routing none) is the least-loaded
+worker alone.
+
+    leading_hashes(index, prompt, block_size, max_blocks)
+        the prompt's chained block hashes (engine/block_hash.py, the engine's own keys), only
+        as far as some worker holds them: the index matches leading chains only, so hashing
+        stops at the first block no worker holds (a long uncached prompt costs one hash)
     decode_bounds(slack, decode_slack) -> the (slack, slack_ratio) decode picks use
-    PrefixAffinity.held(hashes, address) -> blocks of the prompt last sent to that worker
-        (gateway/placement.py's estimate of what a decode worker holds of a prompt)
 """
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from engine.block_hash import hash_block_tokens
+
+from .prefix_index import TierHits
+
+MAX_HASHED_BLOCKS = 1024     # the most blocks of a prompt matched: 16k tokens at block size
+                             # 16 (hashing stops sooner, at the first block no worker holds)
+NO_HITS = TierHits()
+REASONS = ("prefix", "load", "slack", "cold", "off")
+# prefix: the pick holds blocks of the prompt; load: others hold some, but their load costs
+# more than they save; slack: the cheapest was past the slack bounds; cold: nobody holds any;
+# off: --prefix-routing none (the least loaded)
 
 
-def choose(cands: Sequence, affinity: "PrefixAffinity | None" = None,
-           hashes: Sequence[bytes] = (), slack: int = 16, slack_ratio: float = 1.5):
-    """The least-loaded of `cands` (None if empty), or the prefix-affine one within the
-    slack (load overrides affinity only when both bounds are broken)."""
+@dataclass(frozen=True)
+class Weights:
+    """What a hit in each tier is worth, in device hits (--prefix-weight-host/-disk)."""
+    host: float = 0.75
+    disk: float = 0.5
+
+    def __post_init__(self):
+        if not (0 <= self.host <= 1 and 0 <= self.disk <= 1):
+            raise ValueError(f"prefix weights must be in [0, 1], got host {self.host}, "
+                             f"disk {self.disk}")
+
+
+@dataclass(frozen=True)
+class Pick:
+    worker: object
+    reason: str
+    hits: TierHits = NO_HITS
+
+
+def saved_tokens(hits: TierHits, block_size: int, weights: Weights) -> float:
+    return block_size * (hits.device + weights.host * hits.host + weights.disk * hits.disk)
+
+
+def _rank(w):
+    return w.load_key(), w.requests_total
+
+
+def choose(cands: Sequence, hits: Mapping[str, TierHits] | None = None, block_size: int = 16,
+           weights: Weights = Weights(), slack: int = 16, slack_ratio: float = 1.5) -> Pick | None:
+    """The rule above over `cands` (workers with .address, .in_flight, .load_key(),
+    .requests_total, .load_tokens()); None if empty. `hits`: address -> TierHits (absent:
+    none); None: least loaded only."""
     if not cands:
         return None
-    best = min(cands, key=lambda w: (w.load_key(), w.requests_total))
-    if affinity is not None and hashes:
-        preferred = affinity.lookup(hashes, {w.address: w for w in cands})
-        if preferred is not None and (preferred.in_flight <= best.in_flight + slack or (
-                slack_ratio > 0 and preferred.in_flight <= slack_ratio * best.in_flight)):
-            return preferred
-    return best
+    least = min(cands, key=_rank)
+    if hits is None:
+        return Pick(least, "off")
+
+    def cost(w):
+        return w.load_tokens() - saved_tokens(hits.get(w.address, NO_HITS), block_size, weights)
+
+    def within(w):
+        return w is least or w.in_flight <= least.in_flight + slack or (
+            slack_ratio > 0 and w.in_flight <= slack_ratio * least.in_flight)
+
+    keys = {id(w): (cost(w), _rank(w)) for w in cands}
+    best = min((w for w in cands if within(w)), key=lambda w: keys[id(w)])
+    got = hits.get(best.address, NO_HITS)
+    if min(keys.values()) < keys[id(best)]:
+        reason = "slack"
+    elif got.total:
+        reason = "prefix"
+    else:
+        reason = "load" if any(hits.get(w.address, NO_HITS).total for w in cands) else "cold"
+    return Pick(best, reason, got)
 
 
 def decode_bounds(slack: int, decode_slack: int) -> tuple[int, float]:
@@ -40,48 +129,14 @@ def decode_bounds(slack: int, decode_slack: int) -> tuple[int, float]:
     return min(slack, decode_slack), 0.0
 
 
-class PrefixAffinity:
-    """Bounded LRU: hash of a prompt's first k full blocks -> the worker the gateway last sent
-    it to (a guess at whose prefix cache holds it; the workers' caches are never queried)."""
-
-    def __init__(self, capacity: int = 100_000, max_blocks: int = 64):
-        self.capacity = capacity
-        self.max_blocks = max_blocks
-        self._map: OrderedDict[bytes, str] = OrderedDict()
-
-    def block_hashes(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
-        """Chained hashes of the first (at most max_blocks) full blocks. The gateway's own
-        keys for this map: not the engine's prefix-cache hashes (engine/kv_cache_manager.py
-        hashes the ids' bytes, this their text), and nothing compares the two."""
-        out, h = [], b""
-        n = min(len(token_ids) // block_size, self.max_blocks)
-        for i in range(n):
-            block = token_ids[i * block_size:(i + 1) * block_size]
-            h = hashlib.blake2b(h + b"|" + ",".join(map(str, block)).encode(),
-                                digest_size=16).digest()
-            out.append(h)
-        return out
-
-    def lookup(self, hashes: Sequence[bytes], workers: dict):
-        """The worker holding the longest matching prefix among `workers`."""
-        for h in reversed(hashes):
-            addr = self._map.get(h)
-            if addr is not None and addr in workers:
-                self._map.move_to_end(h)
-                return workers[addr]
-        return None
-
-    def held(self, hashes: Sequence[bytes], address: str) -> int:
-        """How many of the prompt's leading blocks were last sent to `address` (the longest
-        such prefix; its estimate of that worker's prefix-cache hit, in blocks)."""
-        for i in range(len(hashes), 0, -1):
-            if self._map.get(hashes[i - 1]) == address:
-                return i
-        return 0
-
-    def record(self, hashes: Sequence[bytes], address: str) -> None:
-        for h in hashes:
-            self._map[h] = address
-            self._map.move_to_end(h)
-        while len(self._map) > self.capacity:
-            self._map.popitem(last=False)
+def leading_hashes(index, token_ids: Sequence[int], block_size: int,
+                   max_blocks: int) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks (at most max_blocks), up to the first
+    block no worker in `index` (a PrefixIndex) holds."""
+    out, parent = [], b""
+    for i in range(min(len(token_ids) // block_size, max_blocks)):
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+        if not index.holders([parent]):
+            break
+        out.append(parent)
+    return out

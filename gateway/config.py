@@ -148,6 +148,14 @@ class GatewayConfig:
         "help": "a decode worker: prefix affinity wins only while its worker has at most this "
                 "many more requests in flight than the least loaded one (decode load sets "
                 "every stream's token rate; a decode-side prefix hit saves only KV transfer)"})
+    prefix_routing: str = field(default="events", metadata={
+        "help": "events: pick workers by the prompt tokens their KV cache holds (the workers' "
+                "KV events) against their load (gateway/affinity.py); none: least loaded only"})
+    prefix_weight_host: float = field(default=0.75, metadata={
+        "help": "a prompt block a worker holds in host memory counts this much of one it holds "
+                "on the device (it must be copied back)"})
+    prefix_weight_disk: float = field(default=0.5, metadata={
+        "help": "a prompt block a worker holds on local disk counts this much of a device one"})
     disaggregation: str = field(default="auto", metadata={
         "help": "who computes a prompt: always a prefill worker (its KV handed to the decode "
                 "worker), never (the decode worker itself: colocated; no prefill workers "
@@ -157,7 +165,7 @@ class GatewayConfig:
                 "prefill and handover costs (empty: defaults; both are learnt online)"})
     disagg_max_local_tokens: int = field(default=64, metadata={
         "help": "auto: the decode worker computes a prompt itself when the part of it that "
-                "worker does not hold (its prefix cache, as the gateway's affinity sees it) is "
+                "worker does not hold (its prefix cache, as its KV events say) is "
                 "at most this many tokens, unless it is too loaded"})
     disagg_max_stall_ms: float = field(default=50.0, metadata={
         "help": "auto: a decode worker with streams running computes no prompt whose "
@@ -181,6 +189,11 @@ class GatewayConfig:
             raise ValueError(f"--peer-fetch-min-blocks must be >= 1, got {self.peer_fetch_min_blocks}")
         if self.affinity_slack_ratio < 0:
             raise ValueError(f"affinity_slack_ratio must be >= 0, got {self.affinity_slack_ratio}")
+        if self.prefix_routing not in ("events", "none"):
+            raise ValueError(f"--prefix-routing must be events or none, got {self.prefix_routing!r}")
+        for name in ("prefix_weight_host", "prefix_weight_disk"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.request_timeout_per_token_s < 0 or self.max_request_timeout_s < self.request_timeout_s:

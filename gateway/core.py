@@ -40,8 +40,10 @@ from services.metrics import Metrics
 from services.security import MTLS, read_token
 
 from .admission import Admission
+from .affinity import Weights
 from .config import GatewayConfig
 from .discovery import StaticResolver, WorkerSet, resolver_from_args
+from .kv_events_client import KvEventsClient
 from .prompt import check_prompt
 from .validate import GrammarCheck
 from .waterfall import PhaseClock, Waterfall
@@ -110,10 +112,14 @@ class Gateway:
             (WorkerSet(_prefill_resolver(cfg), name="prefill"), self.prefill),
             (WorkerSet(resolver_from_args(cfg.decode, cfg.decode_dns, cfg.discovery_interval_s,
                                           cfg.decode_file), name="decode"), self.decode)]
-        router = Router(self.prefill, self.decode, cfg.affinity_slack, cfg.affinity_slack_ratio,
-                        cfg.decode_affinity_slack)
-        router.peer_fetch_min_blocks = cfg.peer_fetch_min_blocks if cfg.peer_fetch == "on" else 0
-        self._segments = Segments(router, cfg, self.metrics)
+        self.router = Router(self.prefill, self.decode, cfg.affinity_slack,
+                             cfg.affinity_slack_ratio, cfg.decode_affinity_slack,
+                             cfg.prefix_routing, Weights(cfg.prefix_weight_host,
+                                                         cfg.prefix_weight_disk), self.metrics)
+        self.router.peer_fetch_min_blocks = cfg.peer_fetch_min_blocks if cfg.peer_fetch == "on" else 0
+        self._segments = Segments(self.router, cfg, self.metrics)
+        # every worker's KV events into router.index (gateway/kv_events_client.py)
+        self.kv_events = KvEventsClient(self.router.index, [self.prefill, self.decode], self.metrics)
         self.drain_rate = DrainRate()
         self.admission = Admission(cfg.max_in_flight, cfg.slo_ttft_ms / 1e3, cfg.slo_itl_ms / 1e3)
         self.in_flight = 0
@@ -134,9 +140,11 @@ class Gateway:
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        """Discover the workers and probe each once (so routing works on return)."""
+        """Discover the workers and probe each once (so routing works on return); follow
+        each worker's KV events into router.index (gateway/kv_events_client.py)."""
         for wset, pool in self._sets:
             wset.on_change(pool.on_change)
+            wset.on_change(self.kv_events.watch(pool))    # after the pool's: its Worker exists
             await wset.start()
             await pool.start()
 
@@ -144,6 +152,7 @@ class Gateway:
         for wset, _ in self._sets:
             await wset.stop()
         await self._segments.drain()
+        await self.kv_events.stop()
         for _, pool in self._sets:
             await pool.stop()
 

@@ -16,8 +16,8 @@ Pure: no gRPC, no clock; the gateway (gateway/segment.py) and the simulator run 
       4. local_s <= remote_s: the handover does not pay   -> local
       5. otherwise                                        -> disaggregated
 
-    uncached  = prompt tokens - what the chosen decode worker holds of it (the gateway's
-                decode prefix affinity, gateway/affinity.py: full blocks it last sent there)
+    uncached  = prompt tokens - what the chosen decode worker holds of it (its leading
+                blocks in any tier, from its KV events: gateway/routing.py Router.cached_on)
     local_s   = local.cost(uncached)          the decode worker computing the uncached part
     remote_s  = remote.cost(prompt + queued)  a prefill worker's queue (tokens queued per
                 healthy worker: Stats' queued_prefill_tokens, or the gateway's own count of

@@ -2,8 +2,8 @@
 knows now, and its bookkeeping.
 
     choose(decode worker, prompt, cached)
-        cached   = the decode prefix affinity's blocks held by that worker x its block size
-                   (Router.cached_on)
+        cached   = the prompt's leading blocks that worker holds (any tier, from its KV
+                   events: Router.cached_on) x its block size
         prefill  = PrefillView(healthy prefill workers, queued tokens: the larger of their
                    Stats' queued_prefill_tokens and the tokens of this gateway's Prefill
                    calls still open)
@@ -69,7 +69,7 @@ class Placement:
 
     def choose(self, w: Worker, prompt: list[int], cached: int,
                prompt_logprobs: bool = False, local_reason: str = "") -> Ticket:
-        """`cached`: prompt tokens the decode affinity says `w` holds (Router.cached_on).
+        """`cached`: prompt tokens the index says `w` holds (Router.cached_on).
         `prompt_logprobs`: asked for, which only a prefill worker returns: disaggregated
         (--disaggregation never: INVALID_ARGUMENT). `local_reason`: local, for it (a
         fallback: local_instead)."""

@@ -1,8 +1,8 @@
 """A segment's Prefill call (gateway/segment.py runs it, and retries it): pick a prefill
 worker for the decode worker's KvReady, send the prompt with that destination, wait for the
 first token; with --peer-fetch on, the request names a peer prefill worker holding more of
-the prompt's leading blocks (gateway/peer_prefix.py). The call's time is lapped on the request's PhaseClock: the pick as routing, the
-call split into the worker's own phases (PrefillResponse.timings) and the rest, the two
+the prompt's leading blocks (gateway/peer_prefix.py). The call's time is lapped on the
+request's PhaseClock: the pick as routing, the call split into the worker's own phases (PrefillResponse.timings) and the rest, the two
 transits, as prefill_queue (gateway/waterfall.py)."""
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ async def prefill(router: Router, seg, prompt: list[int], params, kv: decode_pb2
         request_id=seg.rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
         destination=dest, peer_prefix=peer_prefix(router, w, prompt, kv.compat)),
         timeout=remaining(req.deadline), metadata=seg.metadata)
-    seg.attach_prefill(w, call)
+    seg.attach_prefill(w, call, len(prompt) - router.cached_on(w, hashes))
     try:
         resp = await seg.prefill_call
     except asyncio.CancelledError:
@@ -46,5 +46,4 @@ async def prefill(router: Router, seg, prompt: list[int], params, kv: decode_pb2
         raise LostCall(grpc.StatusCode.UNAVAILABLE, seg.prefill_lost) from None
     req.clock.split(prefill_phases(resp), "prefill_queue")   # the transits: queueing
     seg.detach(w)
-    router.served(w, hashes)
     return resp

@@ -15,15 +15,18 @@
     probes unanswered (an RPC error, not NOT_SERVING) for stall_timeout_s -> mark_lost():
         the streams open on it are cut (Worker.streams; the gateway migrates them). A
         draining worker answers NOT_SERVING: it is only skipped and keeps its streams.
-    a segment's call on it: attach(segment) when it opens, detach(segment) when it ends;
-        in_flight is the number attached, requests_total the number ever attached
+    a segment's call on it: attach(segment, tokens) when it opens, detach(segment) when it
+        ends; in_flight is the number attached, requests_total the number ever attached,
+        open_tokens the sum of their tokens (a Prefill: the prompt tokens it computes; a
+        Decode: the prompt tokens whose KV it holds)
 
-Picking (`pick`): only healthy workers; the key is (gateway-side requests in flight, the
-worker's own running + waiting, -free KV blocks). In-flight counts are exact and immediate;
-Stats lag by one probe interval, so they break ties. Prefix affinity (`PrefixAffinity`)
-overrides the choice when the worker that recently served the prompt's first blocks is no
-more than `slack` requests (or `slack_ratio` times) busier than the best one (SGLang's
-cache-aware router and Dynamo's KV router weigh the same two signals: cache overlap vs load).
+Load: `load_key()` = (gateway-side requests in flight, the worker's own running + waiting,
+-free KV blocks): in-flight counts are exact and immediate; Stats lag by one probe interval,
+so they break ties. `load_tokens()`: the load in tokens the routing rule weighs against the
+tokens a cached prefix saves (gateway/affinity.py): `open_tokens` (this gateway's calls,
+exact) plus what its Stats report (prefill: queued prompt tokens; decode: KV tokens in use)
+beyond the open_tokens it had when those Stats arrived (other gateways' calls, a probe old).
+`candidates(exclude, compat)` are the workers a pick may choose; `pick` the least loaded.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from protos.pdserve.v1 import common_pb2
 from services import service_names
 from services.security import MTLS, channel
 
-from .affinity import PrefixAffinity, choose  # noqa: F401  (PrefixAffinity: routing's import)
+from .affinity import choose
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,9 @@ class Worker:
         self.last_error = ""
         self.streams: set = set()    # who holds an open call on it (attach/detach): each is
                                      # cut if it is lost (.cut(worker, reason))
+        self.tokens_of: dict = {}    # holder -> its tokens (attach), summed in open_tokens
+        self.open_tokens = 0
+        self.stats_open_tokens = 0   # open_tokens when `stats` arrived (load_tokens)
         self.failing_since: float | None = None   # loop time of the first unanswered probe
         self.slow_probes = 0         # probe timeouts in a row
         self.held_until = 0.0        # loop time before which probes may not bring it back
@@ -79,24 +85,39 @@ class Worker:
         """Calls this gateway has open on it now (one per attached holder)."""
         return len(self.streams)
 
-    def attach(self, holder) -> None:
+    def attach(self, holder, tokens: int = 0) -> None:
         """`holder` (a segment, with .cut(worker, reason)) opened a call on this worker: it
-        counts in `in_flight` and `requests_total` until detach(holder), and is cut if the
-        worker is lost. The only place these counts go up."""
+        counts in `in_flight`, `requests_total` and (its `tokens`) `open_tokens` until
+        detach(holder), and is cut if the worker is lost. The only place these go up."""
         if holder in self.streams:
             raise RuntimeError(f"{self.kind} worker {self.address}: {holder!r} attached twice")
         self.streams.add(holder)
         self.requests_total += 1
+        self.tokens_of[holder] = tokens
+        self.open_tokens += tokens
 
     def detach(self, holder) -> None:
         """`holder`'s call ended (or was cancelled); a holder not attached is ignored."""
         self.streams.discard(holder)
+        self.open_tokens -= self.tokens_of.pop(holder, 0)
 
     def load_key(self):
         s = self.stats
         queued = (s.num_running + s.num_waiting) if s is not None else 0
         free = s.free_kv_blocks if s is not None else 0
         return self.in_flight, queued, -free
+
+    def load_tokens(self) -> int:
+        """Its load in tokens (the module docstring): prefill, prompt tokens queued; decode,
+        KV tokens in use. This gateway's own calls exactly (open_tokens), plus what its last
+        Stats report beyond the calls it had open then (other gateways' load, a probe old):
+        a call that ended since is not counted again from Stats that still show it."""
+        s, reported = self.stats, 0
+        if s is not None and self.kind == "prefill":
+            reported = s.queued_prefill_tokens
+        elif s is not None:
+            reported = (s.total_kv_blocks - s.free_kv_blocks) * (s.compat.block_size or 16)
+        return self.open_tokens + max(0, reported - self.stats_open_tokens)
 
     def mark_failed(self, error: str) -> None:
         if self.healthy:
@@ -217,7 +238,7 @@ class WorkerPool:
                                            timeout=self.probe_timeout_s)
                 healthy = self._check_model(w, stats)
                 if healthy:
-                    w.stats = stats
+                    w.stats, w.stats_open_tokens = stats, w.open_tokens
         except grpc.aio.AioRpcError as e:
             healthy = False
             slow = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -281,19 +302,20 @@ class WorkerPool:
     def healthy(self, exclude: Sequence[str] = ()) -> list[Worker]:
         return [w for w in self.workers.values() if w.healthy and w.address not in exclude]
 
-    def pick(self, exclude: Sequence[str] = (), affinity: "PrefixAffinity | None" = None,
-             hashes: Sequence[bytes] = (), slack: int = 16, slack_ratio: float = 1.5,
-             compat=None) -> Worker | None:
-        """The least-loaded healthy worker, or the prefix-affine one while its requests in
-        flight are at most `slack` more, or at most `slack_ratio` (> 0) times, the least-loaded
-        one's (load overrides affinity only when both bounds are broken). With `compat` (a
-        KvCompat), only workers whose KV layout matches it, or whose Stats have not arrived
-        yet (they would refuse a mismatch themselves)."""
+    def candidates(self, exclude: Sequence[str] = (), compat=None) -> list[Worker]:
+        """The healthy workers not excluded; with `compat` (a KvCompat), only those whose KV
+        layout matches it, or whose Stats have not arrived yet (they would refuse a mismatch
+        themselves)."""
         cands = self.healthy(exclude)
         if compat is not None:
             cands = [w for w in cands if w.stats is None or not w.stats.HasField("compat")
                      or w.stats.compat == compat]
-        return choose(cands, affinity, hashes, slack, slack_ratio)
+        return cands
+
+    def pick(self, exclude: Sequence[str] = (), compat=None) -> Worker | None:
+        """The least-loaded of `candidates` (None: none)."""
+        got = choose(self.candidates(exclude, compat))
+        return got.worker if got is not None else None
 
     def block_size(self, default: int = 16) -> int:
         for w in self.workers.values():

@@ -1,59 +1,100 @@
 """Which workers serve a segment: a decode worker, then a prefill worker that can fill it.
 
-    decode:   least loaded healthy worker, or the prefix-affine one (the worker that
-              recently served the prompt's first blocks) while it has at most
-              `decode_slack` (--decode-affinity-slack, 2; --affinity-slack if smaller) more
-              requests in flight than the least loaded one: affinity is a preference, not
-              a pin. A decode worker's load
-              sets the token rate of every stream on it and its share of a fault, while a
-              prefix it holds saves only the KV transfer of those blocks; so moderate load
-              with one shared prefix (a chat template's system prompt) spreads evenly
-    prefill:  least loaded, or the prefix-affine one while it is at most `slack` requests,
-              or at most `slack_ratio` times, busier than the least loaded one (a prefix
-              hit there saves its compute), among workers whose KV layout (KvCompat) matches
-              the decode worker's reservation; none matching while some are healthy ->
-              FAILED_PRECONDITION
+Both picks run gateway/affinity.py's rule (its docstring has the formula and its constants):
+the work a worker's cached prefix saves against its load, in tokens, within slack bounds.
 
-Affinity is the gateway's own bookkeeping (affinity.PrefixAffinity): prompt block hashes ->
-the worker it sent them to; a worker's actual prefix cache is not consulted.
+    index     `Router.index`: the gateway's one PrefixIndex for this model, keyed by worker
+              address, fed by every prefill and decode worker's own KV events (the KvEvents
+              subscriber, gateway/kv_events_client.py): what the workers really hold
+    hashes    `Router.hashes(pool, prompt)`: the engine's chained block hashes of the prompt
+              at the pool's block size, as far as some worker holds them (at most
+              MAX_HASHED_BLOCKS)
+    decode    the rule over the healthy decode workers not yet tried, saved = the KV transfer
+              (or local compute) its prefix cache spares, load = its KV tokens in use; slack
+              `decode_bounds` (--decode-affinity-slack 2, no ratio): a decode worker's load
+              sets the token rate of every stream on it, so a prefix there is a mild
+              preference
+    prefill   the rule over the healthy prefill workers whose KV layout (KvCompat) matches
+              the decode worker's reservation, saved = the compute its prefix cache spares,
+              load = its queued prompt tokens; slack --affinity-slack 16 / --affinity-slack-
+              ratio 1.5; none matching while some are healthy -> FAILED_PRECONDITION
+    cached_on `Router.cached_on(w, hashes)`: prompt tokens the index says w holds (device +
+              host + disk blocks x block size): gateway/placement.py's input for the
+              disaggregation rule
+    --prefix-routing none: both picks take the least-loaded worker (the index still feeds
+              cached_on)
+
+Each pick counts `pdserve:route_decisions_total{pool,reason}` (affinity.REASONS) and the
+chosen worker's matched blocks in `pdserve:route_prefix_hit_blocks_total{pool}`.
 """
 from __future__ import annotations
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from prometheus_client import Counter
 
 from protos.pdserve.v1 import decode_pb2
+from services.metrics import PREFIX
 
-from .affinity import PrefixAffinity, decode_bounds
+from .affinity import MAX_HASHED_BLOCKS, REASONS, Weights, choose, decode_bounds, leading_hashes
 from .prefix_index import PrefixIndex
 from .registry import Worker, WorkerPool
 from .request import GatewayError
+
+PREFIX_ROUTING = ("events", "none")
+
+
+class RouteMetrics:
+    """pdserve:route_decisions_total{pool,reason}, pdserve:route_prefix_hit_blocks_total{pool}."""
+
+    def __init__(self, registry):
+        self.decisions = Counter(PREFIX + "route_decisions", "Worker picks, by pool and why "
+                                 "(gateway/affinity.py)", ("role", "pool", "reason"),
+                                 registry=registry)
+        self.hit_blocks = Counter(PREFIX + "route_prefix_hit_blocks", "Prompt blocks the "
+                                  "picked worker held (any tier), by pool", ("role", "pool"),
+                                  registry=registry)
+        for pool in ("prefill", "decode"):
+            self.hit_blocks.labels("gateway", pool)
+            for reason in REASONS:
+                self.decisions.labels("gateway", pool, reason)
+
+    def observe(self, pool: str, reason: str, blocks: int) -> None:
+        self.decisions.labels("gateway", pool, reason).inc()
+        if blocks:
+            self.hit_blocks.labels("gateway", pool).inc(blocks)
 
 
 class Router:
     peer_fetch_min_blocks = 0    # --peer-fetch-min-blocks, 0: --peer-fetch off (peer_prefix.py)
 
     def __init__(self, prefill: WorkerPool, decode: WorkerPool, slack: int, slack_ratio: float,
-                 decode_slack: int = 2):
+                 decode_slack: int = 2, prefix_routing: str = "events",
+                 weights: Weights = Weights(), metrics=None):
+        """`metrics`: the gateway's Metrics (its registry gets RouteMetrics), or None."""
+        if prefix_routing not in PREFIX_ROUTING:
+            raise ValueError(f"prefix_routing must be one of {PREFIX_ROUTING}, got {prefix_routing!r}")
         self.prefill, self.decode = prefill, decode
         self.slack, self.slack_ratio = slack, slack_ratio
         self.decode_slack = decode_slack
-        self._affinity = {"prefill": PrefixAffinity(), "decode": PrefixAffinity()}
+        self.prefix_routing, self.weights = prefix_routing, weights
         self.index = PrefixIndex()   # the workers' KV events, by worker address (prefix_index.py)
+        self.metrics = RouteMetrics(metrics.registry) if metrics is not None else None
 
     def hashes(self, pool: WorkerPool, prompt: list[int], block_size: int = 0) -> list[bytes]:
-        """The prompt's block hashes for `pool`'s affinity (its workers' block size)."""
-        return self._affinity[pool.kind].block_hashes(prompt, block_size or pool.block_size())
+        """The prompt's leading block hashes some worker holds (`pool`'s block size)."""
+        return leading_hashes(self.index, prompt, block_size or pool.block_size(),
+                              MAX_HASHED_BLOCKS)
 
     def pick_decode(self, tried: set[str], hashes: list[bytes]) -> Worker | None:
-        return self.decode.pick(tried, self._affinity["decode"], hashes,
-                                *decode_bounds(self.slack, self.decode_slack))
+        return self._pick(self.decode, self.decode.candidates(tried), hashes,
+                          *decode_bounds(self.slack, self.decode_slack))
 
     def pick_prefill(self, kv: decode_pb2.KvReady, exclude: list[str],
                      hashes: list[bytes]) -> Worker:
         """A prefill worker for the reservation `kv`; raises GatewayError when none fits."""
-        w = self.prefill.pick(exclude, self._affinity["prefill"], hashes, self.slack,
-                              self.slack_ratio, compat=kv.compat)
+        w = self._pick(self.prefill, self.prefill.candidates(exclude, kv.compat), hashes,
+                       self.slack, self.slack_ratio, kv.compat.block_size)
         if w is not None:
             return w
         if self.prefill.pick(exclude) is not None:       # healthy, but none can fill this KV
@@ -63,15 +104,24 @@ class Router:
                                f"{MessageToDict(kv.compat)}")
         raise no_worker(self.prefill)
 
-    def cached_on(self, w: Worker, hashes: list[bytes]) -> int:
-        """Prompt tokens the gateway last sent to `w` (full blocks of `hashes`): its guess
-        at w's prefix-cache hit for the prompt."""
-        pool = self.decode if w.kind == "decode" else self.prefill
-        return self._affinity[w.kind].held(hashes, w.address) * pool.block_size()
+    def _pick(self, pool: WorkerPool, cands: list[Worker], hashes: list[bytes], slack: int,
+              slack_ratio: float, block_size: int = 0) -> Worker | None:
+        hits = None
+        if self.prefix_routing == "events":
+            hits = {w.address: self.index.match(hashes, w.address) for w in cands}
+        got = choose(cands, hits, block_size or pool.block_size(), self.weights, slack,
+                     slack_ratio)
+        if got is None:
+            return None
+        if self.metrics is not None:
+            self.metrics.observe(pool.kind, got.reason, got.hits.total)
+        return got.worker
 
-    def served(self, w: Worker, hashes: list[bytes]) -> None:
-        """`w` took a prompt with these block hashes: prefer it for the same prefix."""
-        self._affinity[w.kind].record(hashes, w.address)
+    def cached_on(self, w: Worker, hashes: list[bytes]) -> int:
+        """Prompt tokens `w` holds, as the index knows from its KV events (its leading blocks
+        in any tier x its pool's block size)."""
+        pool = self.decode if w.kind == "decode" else self.prefill
+        return self.index.match(hashes, w.address).total * pool.block_size()
 
 
 def no_worker(pool: WorkerPool) -> GatewayError:

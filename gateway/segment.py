@@ -218,7 +218,6 @@ class Segments:
             if isinstance(kv, GatewayError):
                 last_error = kv
                 continue
-            self.router.served(w, hashes)
             return kv
 
     async def _reserve(self, seg: Segment, w: Worker, prompt: list[int], params,
@@ -231,7 +230,8 @@ class Segments:
                                        kv_timeout_ms=self.cfg.kv_timeout_ms, local_prefill=local)
         if seg.ticket is not None:
             seg.ticket.t_open = asyncio.get_running_loop().time()
-        seg.attach_decode(w, w.stub.Decode(req, timeout=_remaining(deadline), metadata=seg.metadata))
+        seg.attach_decode(w, w.stub.Decode(req, timeout=_remaining(deadline), metadata=seg.metadata),
+                          len(prompt))
         try:
             msg = await seg.decode_call.read()
         except grpc.aio.AioRpcError as e:

@@ -26,15 +26,17 @@ class Segment:
     first_chunk: object = None         # local: the stream's first TokenChunk, read at open
     local_reason: str = ""             # set: local whatever the policy says (a fallback)
 
-    def attach_decode(self, w: Worker, call) -> None:
-        """`call` (w's Decode stream) is this segment's; `w` counts it until detach(w)."""
+    def attach_decode(self, w: Worker, call, tokens: int = 0) -> None:
+        """`call` (w's Decode stream, holding `tokens` prompt tokens of KV) is this
+        segment's; `w` counts it until detach(w)."""
         self.decode, self.decode_call = w, call
-        w.attach(self)
+        w.attach(self, tokens)
 
-    def attach_prefill(self, w: Worker, call) -> None:
-        """`call` (w's Prefill) is this segment's; `w` counts it until detach(w)."""
+    def attach_prefill(self, w: Worker, call, tokens: int = 0) -> None:
+        """`call` (w's Prefill, `tokens` prompt tokens to compute) is this segment's; `w`
+        counts it until detach(w)."""
         self.prefill, self.prefill_call = w, call
-        w.attach(self)
+        w.attach(self, tokens)
 
     def detach(self, w: Worker | None) -> None:
         """`w`'s call ended or was cancelled: the segment no longer holds it (None: nothing)."""

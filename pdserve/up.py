@@ -106,6 +106,10 @@ class UpConfig:
         "help": "the gateway's --disaggregation: always (every prompt on a prefill worker), "
                 "never (on the decode worker that streams it), auto (per request, whichever "
                 "pays; gateway/disagg.py)"})
+    # routing on the workers' KV (issue 31): the gateway's flags, passed through
+    prefix_routing: str = field(default="events", metadata={"help": "the gateway's --prefix-routing"})
+    prefix_weight_host: float = field(default=0.75, metadata={"help": "the gateway's --prefix-weight-host"})
+    prefix_weight_disk: float = field(default=0.5, metadata={"help": "the gateway's --prefix-weight-disk"})
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self):
@@ -114,6 +118,8 @@ class UpConfig:
         if self.disaggregation not in DISAGGREGATION_MODES:
             raise ValueError(f"--disaggregation must be one of {', '.join(DISAGGREGATION_MODES)}, "
                              f"got {self.disaggregation!r}")
+        if self.prefix_routing not in ("events", "none"):
+            raise ValueError(f"--prefix-routing must be events or none, got {self.prefix_routing!r}")
         if self.prefill == 0 and self.disaggregation == "always" and not self.models_file:
             raise ValueError("--prefill 0 --disaggregation always: no prefill worker would "
                              "compute any prompt (use --disaggregation never or auto)")
@@ -195,8 +201,17 @@ def gateway_argv(cfg: UpConfig) -> list[str]:
               "--disaggregation": cfg.disaggregation,
               "--metrics-prefix": "" if cfg.metrics_prefix == "pdserve" else cfg.metrics_prefix,
               "--peer-fetch": "" if cfg.peer_fetch == "on" else cfg.peer_fetch,
-              "--peer-fetch-min-blocks": "" if cfg.peer_fetch_min_blocks == 4 else str(cfg.peer_fetch_min_blocks)}
+              "--peer-fetch-min-blocks": "" if cfg.peer_fetch_min_blocks == 4 else str(cfg.peer_fetch_min_blocks),
+              **route_args(cfg)}
     return [x for flag, value in values.items() if value for x in (flag, value)]
+
+
+def route_args(cfg: UpConfig) -> dict[str, str]:
+    """The gateway's prefix-routing flags, where they are not its defaults."""
+    given = {"--prefix-routing": (cfg.prefix_routing, "events"),
+             "--prefix-weight-host": (cfg.prefix_weight_host, 0.75),
+             "--prefix-weight-disk": (cfg.prefix_weight_disk, 0.5)}
+    return {flag: str(v) for flag, (v, default) in given.items() if v != default}
 
 
 def main(cfg: UpConfig, autoscaler=None) -> int:

@@ -1,5 +1,7 @@
-"""The prefill worker: gRPC `PrefillWorker` (Prefill, Abort, Stats, ExportPrefix) + health +
-reflection; its KV goes out through `KVPush` (kv_push.py), the engine's KV connector.
+"""The prefill worker: gRPC `PrefillWorker` (Prefill, Abort, Stats, KvEvents: its prefix
+cache's blocks for the gateway's index, services/kv_events_rpc.py; ExportPrefix: its cached
+prefix pushed to a peer, peer_export.py) + health + reflection;
+its KV goes out through `KVPush` (kv_push.py), the engine's KV connector.
 
 One Prefill call (see protos/pdserve/v1/prefill.proto for the whole lifecycle), one `Call`
 object holding its state (call.py), in four phases:
@@ -46,12 +48,13 @@ import grpc
 
 from engine.async_engine import EngineError
 from engine.kv_cache_manager import cdiv
+from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVTransferTimeout
 from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services import protoconv, service_names, tracing, worker_server
-from kvtransfer.receiver import KVReceiver
+from services.kv_events_rpc import KvEventsRpc
 from services.security import MTLS, read_token, transfer_id_signed
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
@@ -75,12 +78,13 @@ class _DestinationFault(RpcStatus):
     by trailing metadata (protoconv.KV_DESTINATION_FAULT)."""
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
+class PrefillServicer(KvEventsRpc, prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, parts: WorkerParts):
         self.cfg: PrefillWorkerConfig = parts.cfg
         self.ae, self.kv, self.srv = parts.engine, parts.kv, parts.srv
         self.worker_id, self.metrics, self.meter = parts.worker_id, parts.metrics, parts.meter
         self.token = parts.token
+        self.kv_events = parts.kv_events     # KvEvents: services/kv_events_rpc.py
         self.compat = self.kv.compat
         self.block_size = self.ae.block_size
         self._tasks: dict[str, asyncio.Task] = {}

@@ -8,7 +8,9 @@
                                    with the connector and the step observers
     gRPC server bound              (worker id: "<role>-<host>:<port>" unless configured)
     role.open_kv()                 its KV endpoint (prefill: the connector; decode: a receiver)
-    AsyncEngine thread started; role.servicer_class(parts) added to the server
+    AsyncEngine thread started; role.servicer_class(parts) added to the server (its
+                                   KvEvents RPC streams the engine's KV event log:
+                                   kv_events_rpc.py, ended on drain)
     WorkerServer.run:
       start  -> health NOT_SERVING -> warm-up (role.warm_up: one tiny request through the
              engine; a prefill worker's also a long one, timed for its admission)
@@ -49,6 +51,7 @@ from kvtransfer.wire import CompatKey
 from . import protoconv, telemetry
 from .cli_args import config_from_argv
 from .energy import EnergyMeter
+from .kv_events_rpc import KvEventStreams
 from .grpc_options import SERVER_OPTIONS
 from .metrics import Metrics
 from .security import MTLS, RequestGuard, add_port, read_token
@@ -254,6 +257,7 @@ class WorkerParts:
     metrics: Metrics
     meter: EnergyMeter
     token: str = ""              # the internal credential ("": none; services/security.py)
+    kv_events: Any = None        # KvEventStreams of the engine's KV event log (kv_events_rpc.py)
 
 
 class WorkerRole(abc.ABC):
@@ -323,7 +327,9 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
         ae = AsyncEngine(engine, name=f"{role.name}-engine", on_health=srv.engine_health)
         ae.start()
         tel.metrics.watch_engine(ae.stats)
-        parts = WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter, token)
+        streams = KvEventStreams(ae.kv_events)       # the KvEvents RPC; ends on drain
+        srv.on_drain(streams.close)
+        parts = WorkerParts(cfg, ae, kv, srv, worker_id, tel.metrics, tel.meter, token, streams)
         servicer = role.servicer_class(parts)
         role.add_to_server(servicer, srv.server)
         clock.mark("engine other + server")

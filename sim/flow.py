@@ -22,9 +22,13 @@ Scheduler as a local request: its prompt is chunked into the decode steps.
 
 Conditional disaggregation (system.disaggregation never | auto, with prefill workers): the
 decode pick first, then gateway/disagg.py's DisaggPolicy.decide with what the gateway would
-see (that worker's affinity-held prefix, streams, engine queue and KV; the prefill workers'
+see (the prefix that worker holds, streams, engine queue and KV; the prefill workers'
 queued tokens); local: colocated on that worker, as above. Its costs are seeded by the
 profile's fits and learnt from the simulated first tokens, as the gateway learns them.
+
+What each worker holds comes, as in the gateway, from a PrefixIndex (gateway/prefix_index.py)
+fed by every simulated worker's own KV event log (its BlockPool's stores and evictions),
+replayed before each pick (`_sync`: events arrive at once, where the real ones take a hop).
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from gateway.admission import Admission
-from gateway.affinity import PrefixAffinity, choose, decode_bounds
+from gateway.affinity import MAX_HASHED_BLOCKS, Weights, choose, decode_bounds, leading_hashes
+from gateway.prefix_index import PrefixIndex
 from gateway.disagg import LOCAL, DecodeView, DisaggPolicy, PrefillView, costs_from_fits
 
 from .cores import Cores
@@ -78,7 +83,8 @@ class Flow:
         self.decode = [SimWorker("decode", i, profile, system) for i in range(system.decode)]
         self.admission = Admission(system.max_in_flight, system.slo_ttft_s, system.slo_itl_s,
                                    clock=lambda: self.now)
-        self.affinity = {"prefill": PrefixAffinity(), "decode": PrefixAffinity()}
+        self.index = PrefixIndex()         # the simulated gateway's, fed by _sync
+        self.weights = Weights(system.prefix_weight_host, system.prefix_weight_disk)
         self.block_size = int(profile.kv["block_size"])
         self.max_len = int((getattr(profile, "model", None) or {}).get("max_model_len") or 0)
         self.rng = random.Random(seed)
@@ -187,19 +193,35 @@ class Flow:
         return (need <= int(self.profile.kv["num_blocks"]) and not too_long
                 and f.input_length > 0 and f.output_length > 0)
 
+    def _sync(self) -> None:
+        """Replay every worker's new KV events into the index (a snapshot when it lags)."""
+        for w in (*self.prefill, *self.decode):
+            log, pos = w.kv.events, self.index.position(w.address)
+            events = log.since(pos[1]) if pos is not None else None
+            if events is None or not self.index.apply(w.address, log.epoch, events):
+                seq, snap = log.snapshot()
+                self.index.reset(w.address, log.epoch, seq, snap)
+
+    def _hashes(self, prompt: list[int]) -> list[bytes]:
+        self._sync()
+        return leading_hashes(self.index, prompt, self.block_size, MAX_HASHED_BLOCKS)
+
     def _pick(self, pool: list[SimWorker], kind: str, exclude, hashes) -> SimWorker | None:
         g = self.system
         slack, ratio = ((g.affinity_slack, g.affinity_slack_ratio) if kind == "prefill"
                         else decode_bounds(g.affinity_slack, g.decode_affinity_slack))
         cands = [w for w in pool if w.address not in exclude]
-        return choose(cands, self.affinity[kind], hashes, slack, ratio)
+        hits = ({w.address: self.index.match(hashes, w.address) for w in cands}
+                if g.prefix_routing == "events" else None)
+        got = choose(cands, hits, self.block_size, self.weights, slack, ratio)
+        return got.worker if got is not None else None
 
     def _local(self, f: Flight, prompt: list[int]) -> bool:
         """The gateway's choice (gateway/placement.py) on the decode pick: True when local
         (then colocated on that worker)."""
-        hashes = self.affinity["decode"].block_hashes(prompt, self.block_size)
+        hashes = self._hashes(prompt)
         w = self._pick(self.decode, "decode", (), hashes)
-        held = self.affinity["decode"].held(hashes, w.address) * self.block_size
+        held = self.index.match(hashes, w.address).total * self.block_size
         waiting = sum(1 for r in w.scheduler.waiting if r.status == RequestStatus.WAITING
                       and not r.output_token_ids)
         view = DecodeView(w.in_flight, waiting, w.kv.num_free_blocks, int(self.profile.kv["num_blocks"]))
@@ -214,9 +236,8 @@ class Flow:
 
     def _colocate(self, f: Flight, w: SimWorker | None = None, hashes=None) -> None:
         if hashes is None:
-            hashes = self.affinity["decode"].block_hashes(f.dreq.prompt_token_ids, self.block_size)
+            hashes = self._hashes(f.dreq.prompt_token_ids)
         w = w or self._pick(self.decode, "decode", (), hashes)
-        self.affinity["decode"].record(hashes, w.address)
         f.decode = w
         w.attach()
         w.scheduler.add(f.dreq)
@@ -225,12 +246,11 @@ class Flow:
 
     def _reserve(self, f: Flight) -> bool:
         """Decode first (gateway/segment.py _open_decode): each refusing worker is skipped."""
-        hashes = self.affinity["decode"].block_hashes(f.dreq.prompt_token_ids, self.block_size)
+        hashes = self._hashes(f.dreq.prompt_token_ids)
         tried: set[str] = set()
         while (w := self._pick(self.decode, "decode", tried, hashes)) is not None:
             tried.add(w.address)
             if w.scheduler.reserve_remote(f.dreq):
-                self.affinity["decode"].record(hashes, w.address)
                 f.decode = w
                 w.attach()
                 return True
@@ -241,14 +261,13 @@ class Flow:
         reservation's hard bound, decode_worker/config.py's default; a queued call's
         KEEPALIVEs hold the idle window; and its slowdown bound)."""
         tokens = len(prompt) - f.dreq.num_cached_tokens
-        hashes = self.affinity["prefill"].block_hashes(prompt, self.block_size)
+        hashes = self._hashes(prompt)
         tried: set[str] = set()
         while (w := self._pick(self.prefill, "prefill", tried, hashes)) is not None:
             tried.add(w.address)
             if w.admission.refusal(tokens, self.system.kv_max_reservation_s, self.now):
                 continue                   # counted in its `refused`
             w.admission.started(tokens, self.now)
-            self.affinity["prefill"].record(hashes, w.address)
             f.prefill, f.queued = w, tokens
             f.preq = Request(f.dreq.request_id, prompt, SamplingParams(max_tokens=1), 1,
                              prefill_only=True)

@@ -2,7 +2,7 @@
 
 What runs is pdserve's own policy code, in simulated time (sim/flow.py's event loop):
 the gateway's Admission (gateway/admission.py) and pick rule (gateway/affinity.py: load
-against prefix affinity), decode-first reservation (engine Scheduler.reserve_remote), the
+against the prefix each worker holds, from the workers' own KV events), decode-first reservation (engine Scheduler.reserve_remote), the
 prefill worker's PrefillAdmission (prefill_worker/admission.py), and in every worker the
 engine's Scheduler + KVCacheManager + BlockPool (chunked prefill, prefix-cache hits on
 block hashes of real token ids, KV capacity, preemption). What is replaced by the profile
@@ -58,6 +58,9 @@ class SystemConfig:
     affinity_slack: int = _default(GatewayConfig, "affinity_slack")
     affinity_slack_ratio: float = _default(GatewayConfig, "affinity_slack_ratio")
     decode_affinity_slack: int = _default(GatewayConfig, "decode_affinity_slack")
+    prefix_routing: str = _default(GatewayConfig, "prefix_routing")
+    prefix_weight_host: float = _default(GatewayConfig, "prefix_weight_host")
+    prefix_weight_disk: float = _default(GatewayConfig, "prefix_weight_disk")
     max_queued_prefill_tokens: int = _default(PrefillWorkerConfig, "max_queued_prefill_tokens")
     max_queue_delay_factor: float = _default(PrefillWorkerConfig, "max_queue_delay_factor")
     # conditional disaggregation (gateway/disagg.py); always: as before it existed

@@ -5,7 +5,9 @@ forward pass replaced by the profile's cost of the batch the scheduler gave (`st
 A worker is busy while a step is in progress (the step's wall time is set by sim/cores.py's
 processor sharing); between steps it asks its scheduler for the next one, and is idle when
 the scheduler has nothing to run. It has what the gateway's pick rule reads
-(gateway/affinity.py: address, in_flight, load_key(), requests_total).
+(gateway/affinity.py: address, in_flight, load_key(), requests_total, load_tokens()), and
+its KVCacheManager's KV event log (`kv.events`), which feeds the simulated gateway's prefix
+index as the real worker's feeds the real one's.
 """
 from __future__ import annotations
 
@@ -90,6 +92,13 @@ class SimWorker:
     def load_key(self):
         s = self.scheduler
         return self.streams, len(s.running) + len(s.waiting), -self.kv.num_free_blocks
+
+    def load_tokens(self) -> int:
+        """What the gateway's rule weighs (gateway/registry.py Worker.load_tokens), exact
+        here: prefill, prompt tokens queued in its admission; decode, KV tokens in use."""
+        if self.role == "prefill":
+            return self.admission.queued
+        return (self.kv.pool.num_blocks - self.kv.num_free_blocks) * self.kv.block_size
 
     def attach(self) -> None:
         self.streams += 1

@@ -1,8 +1,9 @@
 """The per-deployment internal credential with real processes (Launcher(internal_token=True),
 what `pdserve up` runs): 1 prefill + 1 decode worker and a gateway, plain text on loopback.
 
-- no worker RPC is served without the token (UNAUTHENTICATED, none or a wrong one); health
-  stays open; with the token Stats answers; the public API works (the gateway sends it)
+- no worker RPC (KvEvents too) is served without the token (UNAUTHENTICATED, none or a
+  wrong one); health stays open; with the token Stats answers; the public API works (the
+  gateway sends it)
 - the token is on no process's command line (`ps`), only its file's path, mode 0600
 - a Prefill sent straight to the worker with the token, a real destination and a made-up
   transfer id is refused and computes nothing: the prefill engine's prefix-cache lookups
@@ -81,6 +82,10 @@ def test_worker_rpcs_need_the_token(system, token):
             request_id="hog", prompt_token_ids=PROMPT * 8), metadata=md, timeout=10)),
         "SubmitFirstToken": lambda: dec.SubmitFirstToken(decode_pb2.SubmitFirstTokenRequest(
             request_id="hog"), metadata=md, timeout=10),
+        "prefill KvEvents": lambda: next(pre.KvEvents(common_pb2.KvEventsRequest(), metadata=md,
+                                                      timeout=10)),
+        "decode KvEvents": lambda: next(dec.KvEvents(common_pb2.KvEventsRequest(), metadata=md,
+                                                     timeout=10)),
     }
     try:
         for name, call in calls.items():

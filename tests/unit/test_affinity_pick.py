@@ -1,104 +1,238 @@
-"""WorkerPool.pick with prefix affinity: the worker that served the prompt's first blocks
-wins until load overrides it, which needs both bounds broken: more than `slack` requests
-in flight over the least-loaded worker, and (when slack_ratio > 0) more than slack_ratio
-times its count (SGLang's cache-aware router: abs and rel balance thresholds)."""
+"""The routing rule (gateway/affinity.py): saved(w) = block_size x (device + 0.75 host + 0.5
+disk) against load(w) in tokens, pick = min load - saved within the slack bounds. Table-driven
+on the pure rule (a cached worker wins until its load costs more than the tokens it saves, and
+the decision flips exactly there), then the Router on real registry Workers with the index
+filled by hand (reset(), as the KvEvents subscriber fills it): its hashes are the engine's,
+cached_on, the metrics, --prefix-routing none, KvCompat matching."""
 import asyncio
+from dataclasses import dataclass
 
+import grpc
 import pytest
 
+from engine.block_hash import prefix_block_hashes
+from engine.kv_events import DEVICE, DISK, HOST
 from gateway import registry
+from gateway.affinity import Weights, choose, decode_bounds, leading_hashes
 from gateway.config import GatewayConfig
-from protos.pdserve.v1 import prefill_pb2_grpc
+from gateway.prefix_index import PrefixIndex, TierHits
+from gateway.request import GatewayError
+from gateway.routing import Router
+from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
+from services.metrics import Metrics
 
 
-def picks(loads: dict[str, int], slack: int, slack_ratio: float = 0.0, affine: str = "a") -> str:
-    """Which worker the pool picks, with these requests in flight, for a prompt `affine`
-    served last."""
-    async def main():
-        pool = registry.WorkerPool("prefill", prefill_pb2_grpc.PrefillWorkerStub, 3600, 1)
-        for name, n in loads.items():
-            w = registry.Worker("prefill", name, prefill_pb2_grpc.PrefillWorkerStub)
-            w.healthy = True
-            for _ in range(n):                 # n calls open on it
-                w.attach(object())
-            pool.workers[name] = w
-        affinity = registry.PrefixAffinity()
-        hashes = affinity.block_hashes(list(range(64)), 16)
-        affinity.record(hashes, affine)
-        try:
-            return pool.pick((), affinity, hashes, slack, slack_ratio).address
-        finally:
+@dataclass(eq=False)
+class W:
+    address: str
+    tokens: int = 0            # load_tokens()
+    in_flight: int = 0
+    requests_total: int = 0
+
+    def load_key(self):
+        return self.in_flight, 0, 0
+
+    def load_tokens(self):
+        return self.tokens
+
+
+def _pick(a_tokens, a_hits, b_tokens=0, b_hits=TierHits(), a_flight=0, b_flight=0,
+          slack=16, ratio=1.5, weights=Weights()):
+    a, b = W("a", a_tokens, a_flight), W("b", b_tokens, b_flight)
+    got = choose([a, b], {"a": a_hits, "b": b_hits}, 16, weights, slack, ratio)
+    return got.worker.address, got.reason
+
+
+DEV8, HOST8, DISK8 = TierHits(device=8), TierHits(host=8), TierHits(disk=8)
+
+
+@pytest.mark.parametrize("a_tokens,a_hits,b_tokens,b_hits,want", [
+    (0, DEV8, 0, TierHits(), ("a", "prefix")),
+    (127, DEV8, 0, TierHits(), ("a", "prefix")),       # 8 x 16 = 128 saved > 127 queued
+    (129, DEV8, 0, TierHits(), ("b", "load")),         # the queue costs more than it saves
+    (95, HOST8, 0, TierHits(), ("a", "prefix")),       # host: 0.75 x 128 = 96
+    (97, HOST8, 0, TierHits(), ("b", "load")),
+    (63, DISK8, 0, TierHits(), ("a", "prefix")),       # disk: 0.5 x 128 = 64
+    (65, DISK8, 0, TierHits(), ("b", "load")),
+    (111, TierHits(4, 4), 0, TierHits(), ("a", "prefix")),   # 64 + 48 = 112
+    (113, TierHits(4, 4), 0, TierHits(), ("b", "load")),
+    (100, DEV8, 0, TierHits(device=2), ("b", "prefix")),  # 100 more load, only 96 more saved
+    (90, DEV8, 0, TierHits(device=2), ("a", "prefix")),
+    (500, TierHits(), 400, TierHits(), ("b", "cold")),    # nobody holds it: the least load
+])
+def test_a_cached_worker_wins_until_its_load_costs_more_than_it_saves(
+        a_tokens, a_hits, b_tokens, b_hits, want):
+    assert _pick(a_tokens, a_hits, b_tokens, b_hits) == want
+
+
+def test_tier_weights_are_the_flags():
+    assert _pick(127, HOST8) == ("b", "load")
+    assert _pick(127, HOST8, weights=Weights(host=1.0)) == ("a", "prefix")
+    assert _pick(1, DISK8, weights=Weights(disk=0.0)) == ("b", "load")
+    with pytest.raises(ValueError, match="prefix weights"):
+        Weights(host=1.5)
+    with pytest.raises(ValueError, match="prefix_weight_disk"):
+        GatewayConfig(model="m", prefix_weight_disk=-0.1)
+    with pytest.raises(ValueError, match="prefix-routing"):
+        GatewayConfig(model="m", prefix_routing="guess")
+
+
+def test_slack_bounds_keep_a_prefix_a_preference_not_a_pin():
+    # the cheapest in tokens, but 17 requests in flight over an idle worker: both bounds broken
+    assert _pick(0, DEV8, a_flight=16) == ("a", "prefix")
+    assert _pick(0, DEV8, a_flight=17) == ("b", "slack")
+    # 30 vs 20 breaks slack 2 but not 1.5x; 31 breaks both
+    assert _pick(0, DEV8, a_flight=30, b_flight=20, slack=2) == ("a", "prefix")
+    assert _pick(0, DEV8, a_flight=31, b_flight=20, slack=2) == ("b", "slack")
+    # decode picks: the smaller slack, no ratio
+    assert decode_bounds(16, 2) == (2, 0.0)
+    assert _pick(0, DEV8, a_flight=3, slack=2, ratio=0.0) == ("b", "slack")
+    # bench/routing.py's blind baseline: a negative slack leaves only the least loaded
+    assert _pick(0, DEV8, a_flight=1, slack=-1_000_000, ratio=0.0) == ("b", "slack")
+
+
+def test_no_hits_map_means_least_loaded_and_ties_go_to_fewer_requests():
+    a, b = W("a", 0, 1), W("b", 900, 0)
+    assert choose([a, b], None).worker is b and choose([a, b], None).reason == "off"
+    a, b = W("a", 0, 0, requests_total=3), W("b", 0, 0, requests_total=2)
+    assert choose([a, b], {}).worker is b
+    assert choose([], {}) is None
+
+
+def test_leading_hashes_are_the_engines_and_stop_at_the_first_block_nobody_holds():
+    prompt = list(range(16 * 64))
+    full = prefix_block_hashes(prompt, 16)
+    index = PrefixIndex()
+    assert leading_hashes(index, prompt, 16, 1024) == []
+    index.reset("w", b"e", 0, {DEVICE: full[:3]})
+    assert leading_hashes(index, prompt, 16, 1024) == full[:3]
+    index.reset("v", b"e", 0, {DISK: full[:10]})
+    assert leading_hashes(index, prompt, 16, 1024) == full[:10]
+    assert leading_hashes(index, prompt, 16, 4) == full[:4]
+
+
+class _Pools:
+    """Real registry pools of healthy Workers (no server: nothing is called)."""
+
+    def __init__(self, prefill=(), decode=()):
+        self.metrics = Metrics("gateway")
+        self.pools = {k: registry.WorkerPool(k, prefill_pb2_grpc.PrefillWorkerStub, 3600, 1)
+                      for k in ("prefill", "decode")}
+        for kind, names in (("prefill", prefill), ("decode", decode)):
+            for name in names:
+                w = registry.Worker(kind, name, prefill_pb2_grpc.PrefillWorkerStub)
+                w.healthy = True
+                self.pools[kind].workers[name] = w
+
+    def router(self, *args, **kw) -> Router:
+        return Router(self.pools["prefill"], self.pools["decode"], *(args or (16, 1.5, 2)),
+                      metrics=self.metrics, **kw)
+
+    def count(self, name, **labels):
+        return self.metrics.registry.get_sample_value(
+            f"pdserve:{name}_total", {"role": "gateway", **labels}) or 0
+
+    async def close(self):
+        for pool in self.pools.values():
             for w in pool.workers.values():
                 await w.channel.close()
 
-    return asyncio.run(main())
+
+def _kv(block_size=16, layout="gqa"):
+    return decode_pb2.KvReady(compat=common_pb2.KvCompat(block_size=block_size, layout=layout))
 
 
-def test_affine_worker_wins_within_the_absolute_slack_and_loses_beyond_it():
-    assert picks({"a": 2, "b": 0}, slack=2) == "a"
-    assert picks({"a": 3, "b": 0}, slack=2) == "b"
-    assert picks({"a": 12, "b": 10}, slack=2) == "a"
-    assert picks({"a": 13, "b": 10}, slack=2) == "b"
-
-
-def test_ratio_keeps_affinity_on_a_busy_pool_but_not_over_an_idle_worker():
-    # 15 vs 10 breaks slack 2 but not 1.5x; 16 breaks both
-    assert picks({"a": 15, "b": 10}, slack=2, slack_ratio=1.5) == "a"
-    assert picks({"a": 16, "b": 10}, slack=2, slack_ratio=1.5) == "b"
-    # an idle worker: any count is more than 1.5 x 0, so the absolute slack decides
-    assert picks({"a": 2, "b": 0}, slack=2, slack_ratio=1.5) == "a"
-    assert picks({"a": 3, "b": 0}, slack=2, slack_ratio=1.5) == "b"
-
-
-def test_negative_slack_without_ratio_ignores_affinity():
-    """bench/routing.py's blind baseline: the least-loaded worker, even on a tie (where the
-    first one listed wins)."""
-    assert picks({"a": 0, "b": 0}, slack=0, affine="b") == "b"
-    assert picks({"a": 0, "b": 0}, slack=-1_000_000, affine="b") == "a"
-    assert picks({"a": 1, "b": 0}, slack=-1_000_000) == "b"
-
-
-def test_negative_ratio_is_refused():
-    with pytest.raises(ValueError, match="affinity_slack_ratio"):
-        GatewayConfig(model="m", affinity_slack_ratio=-1)
-
-
-def _spread(router_args: tuple, n: int) -> dict[str, int]:
-    """Requests in flight per decode worker after `n` requests sharing one prefix (a chat
-    template's system prompt) arrived one after another and stayed open (moderate load),
-    routed by a Router built with `router_args` (slack, slack_ratio[, decode_slack])."""
-    from gateway.routing import Router
-
+def test_router_picks_the_worker_whose_events_hold_the_prompt():
     async def main():
-        pools = {k: registry.WorkerPool(k, prefill_pb2_grpc.PrefillWorkerStub, 3600, 1)
-                 for k in ("prefill", "decode")}
-        for name in ("a", "b"):
-            w = registry.Worker("decode", name, prefill_pb2_grpc.PrefillWorkerStub)
-            w.healthy = True
-            pools["decode"].workers[name] = w
-        router = Router(pools["prefill"], pools["decode"], *router_args)
-        prefix = list(range(100, 164))                          # 4 blocks of 16
-        for i in range(n):
-            hashes = router.hashes(pools["decode"], prefix + [i] * 20)
-            w = router.pick_decode(set(), hashes)
-            w.attach(object())                                  # its stream stays open
-            router.served(w, hashes)
-        try:
-            return {a: w.in_flight for a, w in pools["decode"].workers.items()}
-        finally:
-            for w in pools["decode"].workers.values():
-                await w.channel.close()
+        p = _Pools(prefill=("a", "b"))
+        r = p.router()
+        prompt = list(range(16 * 8 + 5))
+        assert r.pick_prefill(_kv(), [], r.hashes(r.prefill, prompt)).address == "a"  # cold: first
+        r.index.reset("b", b"e", 1, {DEVICE: prefix_block_hashes(prompt, 16)[:6],
+                                     HOST: prefix_block_hashes(prompt, 16)[6:]})
+        h = r.hashes(r.prefill, prompt, 16)
+        assert len(h) == 8
+        assert r.pick_prefill(_kv(), [], h).address == "b"
+        assert r.cached_on(p.pools["prefill"].workers["b"], h) == 8 * 16
+        assert r.cached_on(p.pools["prefill"].workers["a"], h) == 0
+        assert p.count("route_decisions", pool="prefill", reason="prefix") == 1
+        assert p.count("route_decisions", pool="prefill", reason="cold") == 1
+        assert p.count("route_prefix_hit_blocks", pool="prefill") == 8
+        # b's queue (its Stats) passes what 6 device + 2 host blocks save (96 + 24 = 120)
+        p.pools["prefill"].workers["b"].stats = prefill_pb2.PrefillStats(queued_prefill_tokens=121)
+        assert r.pick_prefill(_kv(), [], h).address == "a"
+        assert p.count("route_decisions", pool="prefill", reason="load") == 1
+        off = Router(p.pools["prefill"], p.pools["decode"], 16, 1.5, prefix_routing="none")
+        off.index = r.index
+        p.pools["prefill"].workers["b"].stats = None
+        assert off.pick_prefill(_kv(), [], h).address == "a"        # least loaded only
+        assert off.cached_on(p.pools["prefill"].workers["b"], h) == 128   # still known
+        await p.close()
+    asyncio.run(main())
 
+
+def test_router_keeps_kv_compat_matching():
+    async def main():
+        p = _Pools(prefill=("a", "b"))
+        r = p.router()
+        prompt = list(range(64))
+        r.index.reset("b", b"e", 1, {DEVICE: prefix_block_hashes(prompt, 16)})
+        p.pools["prefill"].workers["b"].stats = prefill_pb2.PrefillStats(
+            compat=common_pb2.KvCompat(block_size=16, layout="mla"))
+        h = r.hashes(r.prefill, prompt, 16)
+        assert r.pick_prefill(_kv(), [], h).address == "a"          # b holds it, wrong layout
+        with pytest.raises(GatewayError) as e:
+            r.pick_prefill(_kv(), ["a"], h)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        await p.close()
+    asyncio.run(main())
+
+
+def test_load_tokens_are_the_open_calls_and_what_stats_add_beyond_them():
+    async def main():
+        p = _Pools(prefill=("a",), decode=("d",))
+        a, d = p.pools["prefill"].workers["a"], p.pools["decode"].workers["d"]
+        holder = object()
+        a.attach(holder, 300)
+        assert a.load_tokens() == 300
+        # Stats taken while the call was open: 200 queued by someone else
+        a.stats, a.stats_open_tokens = prefill_pb2.PrefillStats(queued_prefill_tokens=500), 300
+        assert a.load_tokens() == 500
+        a.detach(holder)               # ended: not counted again from Stats that show it
+        assert a.load_tokens() == 200 and a.open_tokens == 0
+        a.stats = None
+        assert a.load_tokens() == 0
+        d.stats = decode_pb2.DecodeStats(total_kv_blocks=100, free_kv_blocks=60,
+                                         compat=common_pb2.KvCompat(block_size=16))
+        assert d.load_tokens() == 40 * 16
+        await p.close()
+    asyncio.run(main())
+
+
+def _spread(n: int, decode_slack: int = 2) -> dict[str, int]:
+    """Streams per decode worker after `n` requests sharing one 4-block prefix (a chat
+    template's system prompt) that worker a holds arrived one after another and stayed open."""
+    async def main():
+        p = _Pools(decode=("a", "b"))
+        r = p.router(16, 1.5, decode_slack)
+        prefix = list(range(100, 164))                          # 4 blocks of 16
+        r.index.reset("a", b"e", 1, {DEVICE: prefix_block_hashes(prefix, 16)})
+        for i in range(n):
+            prompt = prefix + [i] * 20
+            w = r.pick_decode(set(), r.hashes(r.decode, prompt))
+            w.attach(object(), len(prompt))                     # its stream stays open
+        try:
+            return {a: w.in_flight for a, w in p.pools["decode"].workers.items()}
+        finally:
+            await p.close()
     return asyncio.run(main())
 
 
-def test_decode_affinity_is_a_preference_moderate_load_spreads():
-    """The gateway's defaults (slack 16, ratio 1.5, decode slack 2): ten open streams with
-    one shared prefix split evenly over two decode workers (within the decode slack), not
-    all ten on the affine one, which is what the prefill rule alone would do."""
-    cfg = GatewayConfig(model="m")
-    default = (cfg.affinity_slack, cfg.affinity_slack_ratio, cfg.decode_affinity_slack)
-    loads = _spread(default, 10)
-    assert sum(loads.values()) == 10 and abs(loads["a"] - loads["b"]) <= cfg.decode_affinity_slack + 1
-    assert _spread(default[:2] + (16,), 10) == {"a": 10, "b": 0}     # a pin, as before
-    assert _spread(default, 2) == {"a": 2, "b": 0}     # light load: the affine one still wins
+def test_decode_prefix_is_a_preference_load_spreads():
+    """One shared prefix saves 64 tokens; each open stream holds 84 tokens of KV: the first
+    goes to the holder, then the load in tokens spreads them (a within one), whatever the
+    slack."""
+    assert _spread(1) == {"a": 1, "b": 0}
+    loads = _spread(10)
+    assert sum(loads.values()) == 10 and 0 <= loads["a"] - loads["b"] <= 1
+    assert _spread(10, decode_slack=16) == loads

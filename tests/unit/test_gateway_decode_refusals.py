@@ -28,6 +28,7 @@ class _Worker:
 
     def __init__(self, code):
         self.kind, self.address, self.streams, self.requests_total = "decode", "w:1", set(), 0
+        self.tokens_of, self.open_tokens = {}, 0
         self.healthy, self.errors = True, []
         self.stub = type("Stub", (), {"Decode": lambda _, req, **kw: _Call(code)})()
 

@@ -2,9 +2,9 @@
 process: a prefill and a decode worker and a gateway (test_pd_inprocess.System, real gRPC on
 127.0.0.1) sharing a token file.
 
-- every worker RPC without the token, or with another one, is UNAUTHENTICATED; health
-  stays open (probes); with the token (the gateway's channels) a request is served and
-  its greedy tokens equal the offline engine's
+- every worker RPC (KvEvents too) without the token, or with another one, is
+  UNAUTHENTICATED; health stays open (probes); with the token (the gateway's channels) a
+  request is served and its greedy tokens equal the offline engine's
 - a Prefill naming a transfer id no decode worker made, or a real one with its expiry
   moved, is PERMISSION_DENIED and nothing is held afterwards
 - one caller holds at most --max-reservations-per-caller reservations (RESOURCE_EXHAUSTED
@@ -51,6 +51,8 @@ def _calls(pre, dec):
             request_id="x", first_token=common_pb2.TokenLogprob(token_id=1)), timeout=RPC_S),
         "decode Abort": lambda: dec.Abort(common_pb2.AbortRequest(request_id="x"), timeout=RPC_S),
         "decode Stats": lambda: dec.Stats(common_pb2.StatsRequest(), timeout=RPC_S),
+        "prefill KvEvents": lambda: pre.KvEvents(common_pb2.KvEventsRequest(), timeout=RPC_S).read(),
+        "decode KvEvents": lambda: dec.KvEvents(common_pb2.KvEventsRequest(), timeout=RPC_S).read(),
     }
 
 

@@ -1,6 +1,7 @@
 """sim.system runs pdserve's own policies: the engine Scheduler's KV capacity and
 preemption, the decode worker's reservation refusal (429), the gateway's SLO admission,
-the prefill worker's queue bound, and the gateway's pick (load, prefix affinity)."""
+the prefill worker's queue bound, and the gateway's pick (load against the prefix
+the workers' KV events say they hold)."""
 from __future__ import annotations
 
 import random
@@ -113,14 +114,32 @@ def test_the_prefill_queue_bound_refuses():
 
 def test_prefix_affinity_sends_a_shared_prefix_back_to_the_same_prefill_worker():
     """Requests of two conversations (each its own 1024-token prefix) spaced out: the
-    gateway's affinity sends each conversation to the prefill worker that served it, so
-    every later request is a prefix hit there."""
+    gateway's rule on what the workers hold sends each conversation to the prefill worker
+    that cached it, so every later request is a prefix hit there."""
     trace = [TraceRecord(i * 30_000.0, 1100, 2, (i % 2 * 100, i % 2 * 100 + 1, 500 + i))
              for i in range(8)]
     res = simulate(P, SystemConfig(2, 1, 3), trace)
     hits = sum(w["prefix_hit_tokens"] for w in res.workers if w["role"] == "prefill")
     assert hits == 6 * 1024
     assert all(r.status == "ok" for r in res.requests)
+
+
+def test_routing_on_the_workers_kv_events_finds_each_conversation_where_it_is_cached():
+    """Three conversations (a 1024-token prefix each) over two prefill workers, spaced out:
+    the simulated gateway's index, fed by the workers' own KV event logs, sends each later
+    request where its prefix is cached (9 of 12 full hits); blind least-loaded routing
+    alternates workers and misses some. After the run the index holds what the caches do."""
+    from sim.flow import Flow
+    trace = [TraceRecord(i * 30_000.0, 1100, 2, (i % 3 * 100, i % 3 * 100 + 1, 500 + i))
+             for i in range(12)]
+    flow = Flow(P, SystemConfig(2, 1, 3), trace)
+    flow.run()
+    assert sum(w.kv.prefix_hits for w in flow.prefill) == 9 * 1024
+    flow._sync()
+    for w in (*flow.prefill, *flow.decode):
+        assert flow.index.contents(w.address)["device"] == w.kv.events.held() != set()
+    blind = simulate(P, SystemConfig(2, 1, 3, prefix_routing="none"), trace)
+    assert sum(w["prefix_hit_tokens"] for w in blind.workers if w["role"] == "prefill") < 9 * 1024
 
 
 def test_the_least_loaded_decode_worker_takes_the_next_stream():

@@ -14,11 +14,33 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KvTier]
+    KV_TIER_DEVICE: _ClassVar[KvTier]
+    KV_TIER_HOST: _ClassVar[KvTier]
+    KV_TIER_DISK: _ClassVar[KvTier]
+
+class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KvEventKind]
+    KV_EVENT_STORED: _ClassVar[KvEventKind]
+    KV_EVENT_REMOVED: _ClassVar[KvEventKind]
+    KV_EVENT_CLEARED: _ClassVar[KvEventKind]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
+KV_TIER_UNSPECIFIED: KvTier
+KV_TIER_DEVICE: KvTier
+KV_TIER_HOST: KvTier
+KV_TIER_DISK: KvTier
+KV_EVENT_KIND_UNSPECIFIED: KvEventKind
+KV_EVENT_STORED: KvEventKind
+KV_EVENT_REMOVED: KvEventKind
+KV_EVENT_CLEARED: KvEventKind
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "max_tokens_unlimited", "structured", "speculative")
@@ -190,3 +212,47 @@ class TransferCounters(_message.Message):
     failures: int
     expirations: int
     def __init__(self, transfers_done: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., failures: _Optional[int] = ..., expirations: _Optional[int] = ...) -> None: ...
+
+class KvEventsRequest(_message.Message):
+    __slots__ = ("epoch", "since_seq")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SINCE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    epoch: bytes
+    since_seq: int
+    def __init__(self, epoch: _Optional[bytes] = ..., since_seq: _Optional[int] = ...) -> None: ...
+
+class KvEventMsg(_message.Message):
+    __slots__ = ("seq", "kind", "tier", "hashes")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    kind: KvEventKind
+    tier: KvTier
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., tier: _Optional[_Union[KvTier, str]] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class TierHashes(_message.Message):
+    __slots__ = ("tier", "hashes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    tier: KvTier
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tier: _Optional[_Union[KvTier, str]] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("epoch", "snapshot", "seq", "events", "snapshot_tiers", "snapshot_continues")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_TIERS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_CONTINUES_FIELD_NUMBER: _ClassVar[int]
+    epoch: bytes
+    snapshot: bool
+    seq: int
+    events: _containers.RepeatedCompositeFieldContainer[KvEventMsg]
+    snapshot_tiers: _containers.RepeatedCompositeFieldContainer[TierHashes]
+    snapshot_continues: bool
+    def __init__(self, epoch: _Optional[bytes] = ..., snapshot: _Optional[bool] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEventMsg, _Mapping]]] = ..., snapshot_tiers: _Optional[_Iterable[_Union[TierHashes, _Mapping]]] = ..., snapshot_continues: _Optional[bool] = ...) -> None: ...

@@ -55,6 +55,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.DecodeStats.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_stream(
+                '/pdserve.v1.DecodeWorker/KvEvents',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -84,6 +89,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """The blocks this worker holds, as events (common.proto, KvEventBatch); internal.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +118,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.DecodeStats.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventsRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +233,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Stats',
             protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_decode__pb2.DecodeStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/KvEvents',
+            protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventsRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,11 @@ class PrefillWorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.PrefillStats.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_stream(
+                '/pdserve.v1.PrefillWorker/KvEvents',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventBatch.FromString,
+                _registered_method=True)
         self.ExportPrefix = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/ExportPrefix',
                 request_serializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixRequest.SerializeToString,
@@ -74,6 +79,13 @@ class PrefillWorkerServicer:
 
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KvEvents(self, request, context):
+        """The blocks this worker holds, as events (common.proto, KvEventBatch); internal.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -103,6 +115,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.PrefillStats.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventsRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventBatch.SerializeToString,
             ),
             'ExportPrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.ExportPrefix,
@@ -191,6 +208,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Stats',
             protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_prefill__pb2.PrefillStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/KvEvents',
+            protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventsRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
