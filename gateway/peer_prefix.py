@@ -41,7 +41,7 @@ def peer_prefix(router, chosen: Worker, prompt: list[int],
         if w.stats is not None and w.stats.HasField("compat") and w.stats.compat != compat:
             continue
         if hits.device - mine >= least:
-            key = (hits.device, -w.in_flight(), address)
+            key = (hits.device, -w.in_flight, address)
             best = key if best is None or key > best else best
     if best is None:
         return None

@@ -18,11 +18,8 @@ PROMPT = list(range(3, 3 + 10 * BS + 3))       # 10 full blocks + 3 tokens
 
 class FakeWorker:
     def __init__(self, address, healthy=True, compat=COMPAT, load=0):
-        self.address, self.healthy, self.load = address, healthy, load
+        self.address, self.healthy, self.in_flight = address, healthy, load
         self.stats = prefill_pb2.PrefillStats(compat=compat)
-
-    def in_flight(self):
-        return self.load
 
 
 def _router(*workers, min_blocks=4):
