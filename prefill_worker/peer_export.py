@@ -35,6 +35,8 @@ from services import protoconv
 from services.security import transfer_id_signed
 from services.worker_server import RpcStatus
 
+from .peer_fetch import call_undoable
+
 BAD = grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -83,7 +85,7 @@ class PeerExport:
                      rpc_left: float | None) -> prefill_pb2.ExportPrefixResponse:
         n = self._validate(r, caller)
         hashes = prefix_block_hashes(list(r.token_ids), self.block_size, n)[r.first_block:]
-        blocks = await self.ae.call(self._pin, hashes)
+        blocks = await call_undoable(self.ae, self._pin, lambda b: b and self._unpin(b), hashes)
         if blocks is None:
             self.refused += 1
             raise RpcStatus(grpc.StatusCode.NOT_FOUND, "the prefix's blocks are no longer cached here")

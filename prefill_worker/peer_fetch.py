@@ -22,7 +22,9 @@ with), A the sender (peer_export.py).
     Any failure (no blocks, A unreachable or refusing, a REJECT, the deadline, abort):
     receiver.abort(transfer id) (after it returns nothing is written into the blocks), the
     blocks freed unhashed, `pdserve:peer_fetch_total{result="fallback"}` counted and a
-    WARNING logged; the request computes the prompt itself. Never a failed request.
+    WARNING logged; the request computes the prompt itself. Never a failed request. A
+    caller cancelled while an engine-thread step runs gets its blocks (or A's pins) given
+    back once that step is done (call_undoable).
 
 Deadline, sized from the work: PEER_FETCH_BASE_S (the RPC, connect + HELLO) + the bytes
 fetched at PEER_FETCH_MIN_BYTES_PER_S, never past the decode reservation's own deadline
@@ -50,6 +52,17 @@ PEER_FETCH_BASE_S = 2.0                 # fixed allowance: the RPC, connect + HE
 PEER_FETCH_MIN_BYTES_PER_S = 100e6      # the slowest transfer still worth waiting for
 PEER_FETCH_MARGIN_S = 1.0               # left of the decode reservation for the compute
 MAX_CHANNELS = 64                       # peers remembered (their gRPC channels)
+
+
+async def call_undoable(ae, fn, undo, *args):
+    """`fn(*args)` on the engine thread; if the caller is cancelled meanwhile, `undo(result)`
+    runs there once fn is done (what it took is given back, never leaked)."""
+    fut = ae.submit(fn, *args)
+    try:
+        return await asyncio.shield(asyncio.wrap_future(fut))
+    except asyncio.CancelledError:
+        fut.add_done_callback(lambda f: f.exception() is None and ae.submit(undo, f.result()))
+        raise
 
 
 @dataclass
@@ -82,7 +95,7 @@ class PeerFetch:
         if n <= 0 or not peer.worker_address:
             return None
         hashes = prefix_block_hashes(prompt, bs, n)
-        first, blocks = await self.ae.call(self._plan, hashes)
+        first, blocks = await call_undoable(self.ae, self._plan, lambda r: self._free(r[1]), hashes)
         if first >= n:
             return None                   # B holds them already
         if not blocks:
@@ -92,7 +105,10 @@ class PeerFetch:
         try:
             if budget <= 0:
                 return self._fallback(rid, peer, "the decode reservation has no time left for it")
-            why = await self._transfer(rid, prompt[:n * bs], first, blocks, peer, budget)
+            try:
+                why = await self._transfer(rid, prompt[:n * bs], first, blocks, peer, budget)
+            except Exception as e:        # never a failed request: it computes
+                why = f"{type(e).__name__}: {e}"
             if why:
                 return self._fallback(rid, peer, why)
             await self.ae.call(self._cache, blocks, hashes[first:])

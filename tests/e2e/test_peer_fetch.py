@@ -12,6 +12,7 @@ import time
 import urllib.request
 import uuid
 
+import grpc
 import pytest
 
 from engine.offline import LLM
@@ -168,9 +169,25 @@ def test_a_stalled_peer_falls_back_within_the_deadline(cluster, model_dir):
         tokens, resp = _run(b, dec, prompt + [4], prefill_pb2.PeerPrefix(
             worker_address=f"127.0.0.1:{a.port}", num_blocks=5))
         elapsed = time.monotonic() - t0
+        _cancelled_mid_fetch(b, dec, _prompt(40, 36), f"127.0.0.1:{a.port}")   # B lacks it: it asks A
     finally:
         os.kill(a.proc.pid, signal.SIGCONT)
     assert tokens == ref and resp.peer_fetched_tokens == 0
     assert 2.0 <= elapsed < 10
     assert _metric(b, FALLBACK) == before + 1
     _no_blocks_held((a, b), dec)
+
+
+def _cancelled_mid_fetch(b, dec, prompt, peer):
+    """A Prefill whose caller gives up (1 s) while B waits for the stalled peer; the decode
+    stream cancelled too: every block comes back (checked by the caller)."""
+    rid = uuid.uuid4().hex
+    stream = decode_pb2_grpc.DecodeWorkerStub(dec.channel).Decode(decode_pb2.DecodeRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling=_greedy(6)), timeout=30)
+    kv = next(stream).kv_ready
+    with pytest.raises(grpc.RpcError) as e:
+        prefill_pb2_grpc.PrefillWorkerStub(b.channel).Prefill(prefill_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=_greedy(6), destination=_dest(kv),
+            peer_prefix=prefill_pb2.PeerPrefix(worker_address=peer, num_blocks=5)), timeout=1.0)
+    assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    stream.cancel()
