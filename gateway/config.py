@@ -132,6 +132,12 @@ class GatewayConfig:
                 "would break it (an adaptive limit on requests in flight; 0: off)"})
     slo_itl_ms: float = field(default=0.0, metadata={
         "help": "inter-token latency SLO (mean time per output token), as --slo-ttft-ms"})
+    peer_fetch: str = field(default="on", metadata={
+        "help": "on: a Prefill names a peer prefill worker holding more of the prompt's leading "
+                "blocks (KV events) for the chosen one to fetch over the KV transport instead "
+                "of computing them (gateway/peer_prefix.py); off: never"})
+    peer_fetch_min_blocks: int = field(default=4, metadata={
+        "help": "fetch from a peer only when it holds at least this many more leading blocks"})
     affinity_slack: int = field(default=16, metadata={
         "help": "prefix affinity wins while its worker has at most this many more requests "
                 "in flight than the least loaded one"})
@@ -177,6 +183,10 @@ class GatewayConfig:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.peer_fetch not in ("on", "off"):
+            raise ValueError(f"--peer-fetch must be on or off, got {self.peer_fetch!r}")
+        if self.peer_fetch_min_blocks < 1:
+            raise ValueError(f"--peer-fetch-min-blocks must be >= 1, got {self.peer_fetch_min_blocks}")
         if self.affinity_slack_ratio < 0:
             raise ValueError(f"affinity_slack_ratio must be >= 0, got {self.affinity_slack_ratio}")
         if self.prefix_routing not in ("events", "none"):

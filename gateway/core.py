@@ -116,6 +116,7 @@ class Gateway:
                              cfg.affinity_slack_ratio, cfg.decode_affinity_slack,
                              cfg.prefix_routing, Weights(cfg.prefix_weight_host,
                                                          cfg.prefix_weight_disk), self.metrics)
+        self.router.peer_fetch_min_blocks = cfg.peer_fetch_min_blocks if cfg.peer_fetch == "on" else 0
         self._segments = Segments(self.router, cfg, self.metrics)
         # every worker's KV events into router.index (gateway/kv_events_client.py)
         self.kv_events = KvEventsClient(self.router.index, [self.prefill, self.decode], self.metrics)

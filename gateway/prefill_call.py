@@ -1,7 +1,8 @@
 """A segment's Prefill call (gateway/segment.py runs it, and retries it): pick a prefill
 worker for the decode worker's KvReady, send the prompt with that destination, wait for the
-first token. The call's time is lapped on the request's PhaseClock: the pick as routing, the
-call split into the worker's own phases (PrefillResponse.timings) and the rest, the two
+first token; with --peer-fetch on, the request names a peer prefill worker holding more of
+the prompt's leading blocks (gateway/peer_prefix.py). The call's time is lapped on the
+request's PhaseClock: the pick as routing, the call split into the worker's own phases (PrefillResponse.timings) and the rest, the two
 transits, as prefill_queue (gateway/waterfall.py)."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from protos.pdserve.v1 import decode_pb2, prefill_pb2
 from services.protoconv import sampling_to_proto
 
 from .decode_calls import remaining
+from .peer_prefix import peer_prefix
 from .request import RequestState
 from .routing import Router
 from .waterfall import prefill_phases
@@ -33,7 +35,8 @@ async def prefill(router: Router, seg, prompt: list[int], params, kv: decode_pb2
                                      dst_block_ids=kv.block_ids)
     call = w.stub.Prefill(prefill_pb2.PrefillRequest(
         request_id=seg.rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
-        destination=dest), timeout=remaining(req.deadline), metadata=seg.metadata)
+        destination=dest, peer_prefix=peer_prefix(router, w, prompt, kv.compat)),
+        timeout=remaining(req.deadline), metadata=seg.metadata)
     seg.attach_prefill(w, call, len(prompt) - router.cached_on(w, hashes), len(prompt))
     try:
         resp = await seg.prefill_call

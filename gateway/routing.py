@@ -66,6 +66,8 @@ class RouteMetrics:
 
 
 class Router:
+    peer_fetch_min_blocks = 0    # --peer-fetch-min-blocks, 0: --peer-fetch off (peer_prefix.py)
+
     def __init__(self, prefill: WorkerPool, decode: WorkerPool, slack: int, slack_ratio: float,
                  decode_slack: int = 2, prefix_routing: str = "events",
                  weights: Weights = Weights(), metrics=None):
@@ -76,7 +78,7 @@ class Router:
         self.slack, self.slack_ratio = slack, slack_ratio
         self.decode_slack = decode_slack
         self.prefix_routing, self.weights = prefix_routing, weights
-        self.index = PrefixIndex()
+        self.index = PrefixIndex()   # the workers' KV events, by worker address (prefix_index.py)
         self.metrics = RouteMetrics(metrics.registry) if metrics is not None else None
 
     def hashes(self, pool: WorkerPool, prompt: list[int], block_size: int = 0) -> list[bytes]:

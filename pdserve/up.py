@@ -60,6 +60,10 @@ class UpConfig:
     mtls_key: str = field(default="", metadata={"help": "PEM private key of --mtls-cert"})
     metrics_prefix: str = field(default="pdserve", metadata={
         "help": "the gateway's --metrics-prefix: pdserve or vllm (vllm:..., vLLM's names)"})
+    # issue 31, peer fetch: the gateway's --peer-fetch and --peer-fetch-min-blocks
+    peer_fetch: str = field(default="on", metadata={"help": "the gateway's --peer-fetch: on or off"})
+    peer_fetch_min_blocks: int = field(default=4, metadata={
+        "help": "the gateway's --peer-fetch-min-blocks"})
     restart_backoff: float = field(default=1.0, metadata={
         "help": "seconds before a crashed worker is restarted (doubles per recent crash)"})
     max_restarts: int = field(default=5, metadata={
@@ -203,6 +207,8 @@ def gateway_argv(cfg: UpConfig) -> list[str]:
     values = {"--api-key-file": cfg.api_key_file, "--served-model-name": cfg.served_model_name,
               "--disaggregation": cfg.disaggregation,
               "--metrics-prefix": "" if cfg.metrics_prefix == "pdserve" else cfg.metrics_prefix,
+              "--peer-fetch": "" if cfg.peer_fetch == "on" else cfg.peer_fetch,
+              "--peer-fetch-min-blocks": "" if cfg.peer_fetch_min_blocks == 4 else str(cfg.peer_fetch_min_blocks),
               **route_args(cfg)}
     return [x for flag, value in values.items() if value for x in (flag, value)]
 

@@ -21,6 +21,7 @@ from kvtransfer.sender import TransferStats
 from protos.pdserve.v1 import common_pb2, prefill_pb2
 
 from .kv_push import Push
+from .peer_fetch import Fetched
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Call:
     bound: float | None = None        # ... up to this hard bound (time.monotonic())
     released: bool = False            # answered: the engine frees its blocks (release)
     keeper: asyncio.Task | None = None    # its KEEPALIVEs until its first layer (server.py)
+    fetched: Fetched | None = None    # its prefix fetched from a peer (peer_fetch.py), pinned
     # time.monotonic(), the engine's clock too (its first-scheduled time splits queue/compute)
     t0: float = field(default_factory=time.monotonic)     # the call received
     t_started: float | None = None    # the engine first scheduled it (None: not known)
@@ -71,3 +73,24 @@ class Call:
         if self.idle_s:
             return f"expired (no progress for {self.idle_s:.3g}s)"
         return "expired"
+
+
+async def first_token_in_time(ae, call: Call, poll_s: float) -> None:
+    """The call's prefill-only output (call.final) from the engine `ae`, or TimeoutError once
+    the reservation's deadline (Call.deadline) passed; re-read every `poll_s`, since each
+    pushed layer moves it."""
+    async def first_token() -> None:
+        async for out in ae.stream(call.request_id):
+            call.final = out
+
+    task = asyncio.ensure_future(first_token())
+    try:
+        while not task.done():
+            deadline = call.deadline()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise asyncio.TimeoutError
+            await asyncio.wait({task}, timeout=None if left is None else min(left, poll_s))
+        task.result()
+    finally:
+        task.cancel()

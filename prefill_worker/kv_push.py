@@ -111,6 +111,7 @@ class KVPush(KVConnector):
         self.sender: KVSender | None = None      # made in register_kv_caches
         self._pushes: dict[str, Push] = {}       # loop writes, engine thread reads (GIL-atomic)
         self.layers_run = 0                      # save_kv_layer calls: the engine computes
+        self.receiver = None                     # KVReceiver of peer fetches (server.open_kv)
 
     @property
     def compat(self) -> CompatKey:
@@ -216,6 +217,8 @@ class KVPush(KVConnector):
 
     async def close(self) -> None:
         await self.decoders.close()
+        if self.receiver is not None:            # closes the shared transport too
+            await self.receiver.close()
         if self.sender is not None:
             await self.sender.close()
         else:

@@ -1,5 +1,6 @@
 """The prefill worker: gRPC `PrefillWorker` (Prefill, Abort, Stats, KvEvents: its prefix
-cache's blocks for the gateway's index, services/kv_events_rpc.py) + health + reflection;
+cache's blocks for the gateway's index, services/kv_events_rpc.py; ExportPrefix: its cached
+prefix pushed to a peer, peer_export.py) + health + reflection;
 its KV goes out through `KVPush` (kv_push.py), the engine's KV connector.
 
 One Prefill call (see protos/pdserve/v1/prefill.proto for the whole lifecycle), one `Call`
@@ -10,6 +11,8 @@ object holding its state (call.py), in four phases:
     credential, a transfer id no decode worker signed (services/security.py) is
     PERMISSION_DENIED; a reservation already expired (destination.expires_at_unix_ms) is
     DEADLINE_EXCEEDED
+    peer fetch:      with peer_prefix, the prompt's leading blocks fetched from that prefill
+                     worker over the KV transport (peer_fetch.py), compute on any failure
     open transfer:   KVPush.open(transfer to destination.kv_endpoint): connect + HELLO
                      handshake (UNAVAILABLE if unreachable, FAILED_PRECONDITION if the
                      decoder rejects us)
@@ -32,6 +35,7 @@ object holding its state (call.py), in four phases:
     back at once, the same way, ending UNAVAILABLE (handback.py): retried elsewhere.
 
 Chunked prefill and the late binding of source blocks: see kv_push.py.
+ExportPrefix (a peer's fetch of our cached prefix): peer_export.py.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ import grpc
 
 from engine.async_engine import EngineError
 from engine.kv_cache_manager import cdiv
+from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVTransferTimeout
 from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
@@ -54,11 +59,13 @@ from services.security import MTLS, read_token, transfer_id_signed
 from services.worker_server import Draining, RpcStatus, WorkerParts
 
 from .admission import PrefillAdmission
-from .call import Call
+from .call import Call, first_token_in_time
 from .config import PrefillWorkerConfig
 from .decoders import KnownDecoders
 from .handback import HANDED_BACK, HandBack
 from .kv_push import DestinationRefused, KVPush, PushFailed
+from .peer_export import PeerExport
+from .peer_fetch import PeerFetch
 from .warm_up import remember, warm_up
 
 log = logging.getLogger(__name__)
@@ -87,6 +94,8 @@ class PrefillServicer(KvEventsRpc, prefill_pb2_grpc.PrefillWorkerServicer):
         self.expired = 0                  # calls dropped: their reservation expired first
         self.admission = PrefillAdmission(self.cfg.max_queued_prefill_tokens,
                                           max_queue_delay_factor=self.cfg.max_queue_delay_factor)
+        self.fetch = PeerFetch(self.ae, self.kv.receiver, MTLS.from_config(self.cfg), self.token, self.metrics)
+        self.export = PeerExport(self.ae, self.kv, self.token)     # peer fetch (issue 31)
 
     # -------------------------------------------------------------- RPCs
     async def Prefill(self, request, context):
@@ -123,6 +132,12 @@ class PrefillServicer(KvEventsRpc, prefill_pb2_grpc.PrefillWorkerServicer):
         self._aborted.add(request.request_id)
         task.cancel()
         return common_pb2.AbortResponse(found=True)
+
+    async def ExportPrefix(self, request, context):
+        try:
+            return await self.export.export(request, context.peer(), context.time_remaining())
+        except RpcStatus as e:
+            await context.abort(e.code, e.message)
 
     async def Stats(self, request, context):
         st = self.ae.stats()
@@ -186,6 +201,9 @@ class PrefillServicer(KvEventsRpc, prefill_pb2_grpc.PrefillWorkerServicer):
         self._admit(call, rpc_left)
         self._tasks[call.request_id] = asyncio.current_task()
         try:
+            if request.peer_prefix.num_blocks:       # the decoder's reservation bounds it
+                left = None if call.expires is None else call.expires - time.monotonic()
+                call.fetched = await self.fetch.fetch(call.request_id, call.prompt, request.peer_prefix, left)
             await self._open_transfer(call)
             call.keeper = asyncio.ensure_future(self._keep_alive(call))
             await self._compute(call)
@@ -243,7 +261,7 @@ class PrefillServicer(KvEventsRpc, prefill_pb2_grpc.PrefillWorkerServicer):
         except ValueError as e:
             raise RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
-            await self._first_token_in_time(call)
+            await first_token_in_time(self.ae, call, DEADLINE_POLL_S)
         except asyncio.TimeoutError:
             self.expired += 1
             raise RpcStatus(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -266,25 +284,6 @@ class PrefillServicer(KvEventsRpc, prefill_pb2_grpc.PrefillWorkerServicer):
         while call.push is not None and not call.push.progress_at:
             self.kv.keep_alive(call.push, call.idle_s)
             await asyncio.sleep(DEADLINE_POLL_S)
-
-    async def _first_token(self, call: Call) -> None:
-        async for out in self.ae.stream(call.request_id):
-            call.final = out
-
-    async def _first_token_in_time(self, call: Call) -> None:
-        """_first_token, or TimeoutError once the reservation's deadline (Call.deadline) passed;
-        re-read every DEADLINE_POLL_S, since each pushed layer moves it."""
-        task = asyncio.ensure_future(self._first_token(call))
-        try:
-            while not task.done():
-                deadline = call.deadline()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise asyncio.TimeoutError
-                await asyncio.wait({task}, timeout=None if left is None else min(left, DEADLINE_POLL_S))
-            task.result()
-        finally:
-            task.cancel()
 
     async def _finish_transfer(self, call: Call) -> None:
         """Wait until every pushed layer was sent (kv_send_timeout_s)."""
@@ -326,7 +325,7 @@ class PrefillServicer(KvEventsRpc, prefill_pb2_grpc.PrefillWorkerServicer):
             blocks_transferred=st.blocks_sent if st else 0, bytes_transferred=st.bytes_sent if st else 0,
             compute_ms=(call.t_compute - call.t0) * 1e3,
             transfer_wait_ms=(call.t_done - call.t_compute) * 1e3, energy_joules=joules,
-            timings=call.timings())
+            timings=call.timings(), peer_fetched_tokens=call.fetched.tokens if call.fetched else 0)
 
     async def _end(self, call: Call) -> None:
         """Whatever happened: forget the call; unless it succeeded, cancel the transfer and
@@ -340,6 +339,7 @@ class PrefillServicer(KvEventsRpc, prefill_pb2_grpc.PrefillWorkerServicer):
             self.kv.end(call.push, cancel=not call.released)
         if not call.released:
             await asyncio.shield(worker_server.abort_quietly(self.ae, call.request_id))
+        await self.fetch.release(call.fetched)
 
     async def _release(self, rid: str) -> None:
         """Record the queue and compute time of a finished prefill-only request (it stays in
@@ -370,7 +370,12 @@ class PrefillRole(worker_server.WorkerRole):
         return KVPush(transport, decoders, cfg.kv_connect_timeout_s, cfg.kv_staging)
 
     async def open_kv(self, cfg, engine, transport, connector: KVPush) -> KVPush:
-        return connector                 # bound to the cache by the engine's construction
+        """The connector (bound to the cache by the engine's construction), with a KV
+        receiver on the same transport for the prefixes it fetches from peers (peer_fetch.py)."""
+        connector.receiver = KVReceiver(engine.kv_cache, connector.compat, transport,
+                                        staging=cfg.kv_staging, kv_scales=engine.kv_scales)
+        await connector.receiver.start()
+        return connector
 
     async def warm_up(self, servicer: PrefillServicer, engine) -> None:
         """A tiny prompt, then the admission's seed, measured or cached (warm_up.py); the

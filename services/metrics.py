@@ -21,6 +21,8 @@ dashboard sums over pods:
         request_decode_time_seconds (decode)  -> `observe_phases(...)`
         kv_transfer_bytes_total, kv_transfer_seconds (the sender), kv_transfer_failures_total
         (the side that saw it), kv_transfer_fallbacks_total{kind} (the side that fell back)
+        peer_fetch_total{result=ok|fallback}, peer_fetch_blocks_total (prefill: prefixes
+          fetched from a peer prefill worker, prefill_worker/peer_fetch.py)
         energy_joules_total  -> fed by an `EnergyMeter`; absent where NVML reports no power
         kv_tier_{blocks,hits_total,bytes_total,seconds_total,dropped_total}{tier}: the KV
         offload tiers, read from the engine at each scrape (services/kv_tier_metrics.py)
@@ -162,6 +164,10 @@ class Metrics:
                                           TRANSFER_BUCKETS)
         self.kv_transfer_failures = counter("kv_transfer_failures", "KV transfers that failed").labels(role)
         gauge("process_restarts", "Times this worker was restarted by its supervisor").set(restarts)
+        self.peer_fetch = counter("peer_fetch", "Prompt prefixes fetched from a peer prefill worker "
+                                  "(ok) or computed after the fetch failed (fallback)", "result")
+        self.peer_fetch_blocks = counter("peer_fetch_blocks",
+                                         "KV blocks fetched from peer prefill workers").labels(role)
         self._last_totals: dict[str, int] = {}
 
     # ---------------------------------------------------------------- gateway

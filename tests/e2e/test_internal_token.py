@@ -75,6 +75,8 @@ def test_worker_rpcs_need_the_token(system, token):
         "prefill Abort": lambda: pre.Abort(common_pb2.AbortRequest(request_id="x"), metadata=md, timeout=10),
         "Prefill": lambda: pre.Prefill(prefill_pb2.PrefillRequest(request_id="x", prompt_token_ids=PROMPT),
                                        metadata=md, timeout=10),
+        "ExportPrefix": lambda: pre.ExportPrefix(prefill_pb2.ExportPrefixRequest(
+            token_ids=PROMPT, kv_endpoint="ucx://127.0.0.1:1", transfer_id="x"), metadata=md, timeout=10),
         "decode Stats": lambda: dec.Stats(common_pb2.StatsRequest(), metadata=md, timeout=10),
         "Decode": lambda: list(dec.Decode(decode_pb2.DecodeRequest(
             request_id="hog", prompt_token_ids=PROMPT * 8), metadata=md, timeout=10)),

@@ -30,19 +30,57 @@ class KvDestination(_message.Message):
     def __init__(self, decode_worker_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., expires_at_unix_ms: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ..., max_expires_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "peer_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    PEER_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     destination: KvDestination
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ...) -> None: ...
+    peer_prefix: PeerPrefix
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., peer_prefix: _Optional[_Union[PeerPrefix, _Mapping]] = ...) -> None: ...
+
+class PeerPrefix(_message.Message):
+    __slots__ = ("worker_address", "num_blocks")
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_address: str
+    num_blocks: int
+    def __init__(self, worker_address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ExportPrefixRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "first_block", "kv_endpoint", "transfer_id", "dst_block_ids", "compat", "expires_at_unix_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_block: int
+    kv_endpoint: str
+    transfer_id: str
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    compat: _common_pb2.KvCompat
+    expires_at_unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ExportPrefixResponse(_message.Message):
+    __slots__ = ("blocks_sent", "bytes_sent")
+    BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    blocks_sent: int
+    bytes_sent: int
+    def __init__(self, blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "finish_reason", "prompt_logprobs", "num_prompt_tokens", "num_cached_tokens", "blocks_transferred", "bytes_transferred", "compute_ms", "transfer_wait_ms", "energy_joules", "timings")
+    __slots__ = ("request_id", "first_token", "finish_reason", "prompt_logprobs", "num_prompt_tokens", "num_cached_tokens", "blocks_transferred", "bytes_transferred", "compute_ms", "transfer_wait_ms", "energy_joules", "timings", "peer_fetched_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +93,7 @@ class PrefillResponse(_message.Message):
     TRANSFER_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     ENERGY_JOULES_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: _common_pb2.TokenLogprob
     finish_reason: _common_pb2.FinishReason
@@ -67,7 +106,8 @@ class PrefillResponse(_message.Message):
     transfer_wait_ms: float
     energy_joules: float
     timings: _common_pb2.PhaseTimings
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., blocks_transferred: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., compute_ms: _Optional[float] = ..., transfer_wait_ms: _Optional[float] = ..., energy_joules: _Optional[float] = ..., timings: _Optional[_Union[_common_pb2.PhaseTimings, _Mapping]] = ...) -> None: ...
+    peer_fetched_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., blocks_transferred: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., compute_ms: _Optional[float] = ..., transfer_wait_ms: _Optional[float] = ..., energy_joules: _Optional[float] = ..., timings: _Optional[_Union[_common_pb2.PhaseTimings, _Mapping]] = ..., peer_fetched_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillStats(_message.Message):
     __slots__ = ("worker_id", "num_waiting", "num_running", "queued_prefill_tokens", "free_kv_blocks", "total_kv_blocks", "transfers", "compat", "max_model_len")

@@ -55,6 +55,11 @@ class PrefillWorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventBatch.FromString,
                 _registered_method=True)
+        self.ExportPrefix = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/ExportPrefix',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -85,6 +90,14 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportPrefix(self, request, context):
+        """Internal, worker to worker (issue 31, peer fetch): push this worker's cached KV blocks
+        of a prompt prefix into a reservation on the calling prefill worker's KV receiver.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +120,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.KvEvents,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventsRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventBatch.SerializeToString,
+            ),
+            'ExportPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportPrefix,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +235,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/KvEvents',
             protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventsRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_common__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/ExportPrefix',
+            protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_prefill__pb2.ExportPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
