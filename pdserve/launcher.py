@@ -8,11 +8,13 @@
     a request sent at the ready line finds them) -> print one line
     "pdserve ready: grpc=HOST:PORT ... id=MODEL-ID" -> supervise
 
-The workers are forked by a zygote (pdserve/zygote.py) that the launcher starts first of all:
-it imports torch and the engine once while the launcher fetches the model and picks ports,
-so the workers begin at their model's load, not at torch's import (the gateway, which never
-imports torch, is a process of its own). `pdserve up: zygote: ready in X s` tells its import
-time. Each worker's model comes from the build cache when it was built here before
+With `zygote=True` (`pdserve up --zygote`; off by default) the workers are forked by a zygote
+(pdserve/zygote.py) that the launcher starts first of all: it imports torch and the engine
+once while the launcher fetches the model and picks ports, so the workers begin at their
+model's load, not at torch's import (the gateway, which never imports torch, is a process of
+its own). `pdserve up: zygote: ready in X s` tells its import time. Off by default: its
+forked prefill workers ran a 450-token prompt in 3-4 s against 1.6-2 s for plain processes
+on the same machine (a third busy thread in the forked worker; cause not found). Each worker's model comes from the build cache when it was built here before
 (engine/build_cache.py), and a prefill worker's warm-up timings likewise
 (prefill_worker/warm_up.py).
 
@@ -140,7 +142,7 @@ class Launcher(LivePools):
                                        repr=False)   # a line a person follows start-up by
     discovery_files: bool = False           # live pools: workers named in files (see above)
     discovery_interval_s: float = 1.0       # the gateway's re-read of them (with the files)
-    zygote: bool = True                     # fork the workers from one process that has
+    zygote: bool = False                    # fork the workers from one process that has
     #                                          imported torch and the engine (pdserve/zygote.py)
     children: list[Child] = field(default_factory=list)
     _models_file: str = field(default="", init=False, repr=False)   # the gateway's, if several

@@ -87,6 +87,10 @@ class UpConfig:
         "help": "the prefill workers' --max-queue-delay-factor: a prompt that would wait in a "
                 "prefill queue longer than this many times its own compute is refused up front "
                 "(429 with Retry-After; keeps latency under overload; 0: off)"})
+    zygote: bool = field(default=False, metadata={
+        "help": "fork the workers from one process that imported torch and the engine once "
+                "(pdserve/zygote.py): a faster start, but its forked prefill workers ran "
+                "prompts 1.5-2.5x slower here (cause not found, bench/RESULTS.md), so off"})
     autoscale: bool = field(default=False, metadata={
         "help": "change the pools live to meet --slo-ttft-ms / --slo-itl-ms within "
                 "--max-workers (pdserve/autoscale.py; its plan at the printed /plan URL)"})
@@ -244,7 +248,7 @@ def main(cfg: UpConfig, autoscaler=None) -> int:
                         mtls=(cfg.mtls_ca, cfg.mtls_cert, cfg.mtls_key) if cfg.mtls_ca else None,
                         tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, internal_token=True,
                         restart_backoff_s=cfg.restart_backoff, max_restarts=cfg.max_restarts,
-                        models=models, discovery_files=cfg.autoscale)
+                        models=models, discovery_files=cfg.autoscale, zygote=cfg.zygote)
     launcher.gateway_args += planner.gateway_args() if planner is not None else []
     try:
         try:

@@ -177,8 +177,8 @@ def test_the_api_key_is_on_no_childs_command_line(up):
     """`up --api-key` hands the key to the gateway in its environment (the 401 above shows
     the gateway took it from there), to no worker, and on no child's command line."""
     kids = children(up.proc.pid)
-    kids += [p for k in kids for p in children(k)]   # the workers, forked by the zygote
-    assert len(kids) == 4                      # gateway, the zygote, prefill, decode
+    kids += [p for k in kids for p in children(k)]   # with --zygote: the workers it forks
+    assert len(kids) == 3                      # gateway, prefill, decode (no --zygote)
     assert not [p for p in kids if any(KEY in a for a in cmdline(p))]
     environ = {p: (Path("/proc") / str(p) / "environ").read_bytes() for p in kids}
     assert [p for p, e in environ.items() if KEY.encode() in e] == [gateway_pid(up)]
