@@ -48,6 +48,10 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def block_hashes(self, req: Request, n_blocks: int) -> list[bytes]:
+        """The chained hashes of the request's first `n_blocks` full blocks (kept on it)."""
+        return self._hashes(req, n_blocks)
+
     def _hashes(self, req: Request, n_blocks: int) -> list[bytes]:
         bs, hashes = self.block_size, req.block_hashes
         if len(hashes) < n_blocks:

@@ -7,6 +7,13 @@ prefix-cache hits and remote KV are all just "fewer tokens to compute". When blo
 for a running request, the most recently admitted running request is preempted: its blocks
 are freed and it is recomputed later from scratch (its generated tokens are kept).
 
+In-batch prefix sharing (with prefix caching): a waiting request whose next uncached block is
+one a running request has yet to compute (a full prompt block past its computed tokens,
+this step's chunk included) waits, keeping its place, while requests behind it are admitted;
+once the leader's chunk is cached it is a hit. Two requests with one new shared prefix, sent
+together, so compute it once, not once each (SGLang's scheduler deprioritizes such requests
+within a batch the same way). A follower never waits on a request that is not running.
+
 Queues: `waiting` (deque, FIFO; preempted requests go back to its front), `running` (list, in
 admission order), `remote` (dict: requests whose KV is being filled from another process).
 """
@@ -161,9 +168,17 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return _stamped(out)
+        deferred, pending = [], None     # pending: the running prompts' uncomputed blocks
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, n_hit = self.kv.get_computed_blocks(req)
+            nxt = self._next_block_hash(req, len(hits))
+            if nxt is not None:
+                if pending is None:
+                    pending = self._pending_blocks()
+                if nxt in pending:               # a running request computes it: wait
+                    deferred.append(self.waiting.popleft())
+                    continue
             n = req.num_tokens - n_hit
             if n > budget:
                 if not self.config.enable_chunked_prefill:
@@ -172,6 +187,8 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
+            if pending is not None:
+                pending |= self._prompt_blocks(req, n_hit)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = n_hit
             req.num_computed_tokens = n_hit
@@ -179,7 +196,33 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, n_hit))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return _stamped(out)
+
+    def _next_block_hash(self, req: Request, n_hit_blocks: int) -> bytes | None:
+        """The hash of the first full prompt block past the request's prefix hit (None: no
+        prefix caching for it, or no full block left before its last token)."""
+        if not self.kv.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return None
+        n_blocks = (req.num_tokens - 1) // self.kv.block_size
+        if n_hit_blocks >= n_blocks:
+            return None
+        return self.kv.block_hashes(req, n_blocks)[n_hit_blocks]
+
+    def _prompt_blocks(self, req: Request, computed: int) -> set[bytes]:
+        """Hashes of the request's full prompt blocks from the one holding token `computed`
+        on: blocks it has yet to compute (or computes this step)."""
+        n_blocks = req.num_prompt_tokens // self.kv.block_size
+        first = computed // self.kv.block_size
+        if first >= n_blocks:
+            return set()
+        return set(self.kv.block_hashes(req, n_blocks)[first:])
+
+    def _pending_blocks(self) -> set[bytes]:
+        out: set[bytes] = set()
+        for r in self.running:
+            out |= self._prompt_blocks(r, r.num_computed_tokens)
+        return out
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Blocks for `n` more tokens of a running request, preempting the most recently

@@ -103,6 +103,23 @@ def test_prefix_cache_hit_computes_only_new_tokens(models):
     assert_no_blocks_held(engine)
 
 
+def test_requests_sharing_an_uncached_prefix_compute_it_once(models):
+    # three prompts with one new 60-token prefix, submitted together: the first computes it,
+    # the others wait a step for its blocks (engine/scheduler.py's in-batch sharing)
+    d, _ = models("llama")
+    engine = LLMEngine.from_model_dir(d, num_blocks=256, block_size=4)
+    base = _prompts()[-1][:60]
+    prompts = [base + [5, 6, 7], base + [8, 9, 10, 11, 12], base + [13, 14, 15, 16, 17, 18, 19]]
+    llm = LLM.__new__(LLM)
+    llm.engine, llm._counter = engine, 0
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0, 60, 60]
+    assert engine.prompt_tokens_computed == 60 + 3 + 5 + 7
+    ref = hf_greedy(d, prompts, NEW)
+    assert [o.token_ids for o in outs] == [r[0] for r in ref]
+    assert_no_blocks_held(engine)
+
+
 def test_preemption_keeps_outputs_identical(models):
     d, ref = models("llama")
     # 8 requests need up to 7 blocks each at block size 16; 14 blocks force preemption

@@ -161,3 +161,48 @@ def test_accept_speculative_keeps_the_accepted_tokens_kv_and_trims_the_rest():
     assert a.num_computed_tokens == 7 and a.block_ids == [0, 1]       # block 2 given back
     assert s.kv.num_free_blocks == 14
     s.kv.pool.check()
+
+
+def test_requests_sharing_a_new_prefix_in_one_batch_compute_it_once():
+    # a and b share 8 prompt tokens (2 blocks) nobody has cached; c shares nothing
+    s = make(budget=32)
+    a, b, c = req("a", 10, base=500), req("b", 11, base=500), req("c", 6)
+    for r in (a, b, c):
+        s.add(r)
+    assert plan(run_step(s)) == [("a", 0, 10), ("c", 0, 6)]   # b waits for a's blocks
+    assert list(s.waiting) == [b]
+    # a's two full blocks are cached now: b computes only its last 3 tokens
+    assert plan(run_step(s)) == [("a", 10, 1), ("c", 6, 1), ("b", 8, 3)]
+    assert b.num_cached_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
+
+
+def test_a_follower_trails_its_leader_chunk_by_chunk():
+    s = make(num_blocks=32, budget=8)
+    a, b = req("a", 24, base=500), req("b", 26, base=500)
+    s.add(a)
+    s.add(b)
+    assert plan(run_step(s)) == [("a", 0, 8)]
+    assert plan(run_step(s)) == [("a", 8, 8)]                 # b: its next block is a's
+    assert plan(run_step(s)) == [("a", 16, 8)]
+    assert plan(run_step(s)) == [("a", 24, 1), ("b", 24, 2)]  # all 6 of a's blocks hit
+    assert b.num_cached_tokens == 24
+
+
+def test_a_follower_does_not_wait_without_prefix_caching():
+    kv = KVCacheManager(16, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(32, 8, True), kv)
+    s.add(req("a", 10, base=500))
+    s.add(req("b", 11, base=500))
+    assert plan(run_step(s)) == [("a", 0, 10), ("b", 0, 11)]
+
+
+def test_a_follower_does_not_wait_on_a_request_that_is_not_running():
+    # b's leader a is preempted back to the queue: b is no longer held behind it
+    s = make(budget=32)
+    a = req("a", 10, base=500)
+    s.add(a)
+    run_step(s)
+    s.remove(a)
+    b = req("b", 11, base=500)
+    s.add(b)
+    assert plan(run_step(s)) == [("b", 8, 3)]        # a's cached blocks, not a's queue
