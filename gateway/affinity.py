@@ -141,3 +141,13 @@ def leading_hashes(index, token_ids: Sequence[int], block_size: int,
             break
         out.append(parent)
     return out
+
+
+def with_in_flight(hits: TierHits, hashes: Sequence[bytes], held) -> TierHits:
+    """`hits` (a worker's index match for `hashes`) continued by the blocks `held(h)` says an
+    open Prefill call on that worker is computing (gateway/inflight.py): counted as device
+    hits, since the worker will hold them in its pool by the time this prompt runs."""
+    k = hits.total
+    while k < len(hashes) and held(hashes[k]):
+        k += 1
+    return TierHits(hits.device + k - hits.total, hits.host, hits.disk)

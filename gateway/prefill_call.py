@@ -28,7 +28,8 @@ async def prefill(router: Router, seg, prompt: list[int], params, kv: decode_pb2
                   req: RequestState, retries: PrefillRetries) -> prefill_pb2.PrefillResponse:
     """`seg`'s Prefill (attached to its worker until it answers); raises the call's
     AioRpcError, or LostCall when the registry cut it (its worker was lost)."""
-    hashes = router.hashes(router.prefill, prompt, kv.compat.block_size)
+    bs = kv.compat.block_size or router.prefill.block_size()
+    hashes = router.prefill_hashes(prompt, bs)
     w = router.pick_prefill(kv, retries.exclude(), hashes)
     req.clock.lap("routing")
     dest = prefill_pb2.KvDestination(**{f: getattr(kv, f) for f in DESTINATION_FIELDS},
@@ -37,13 +38,22 @@ async def prefill(router: Router, seg, prompt: list[int], params, kv: decode_pb2
         request_id=seg.rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
         destination=dest, peer_prefix=peer_prefix(router, w, prompt, kv.compat)),
         timeout=remaining(req.deadline), metadata=seg.metadata)
-    seg.attach_prefill(w, call, len(prompt) - router.cached_on(w, hashes), len(prompt))
+    uncached = max(1, len(prompt) - router.prefill_hit_tokens(w, hashes, bs))
+    ticket = router.open_prefill(w, hashes)
     try:
-        resp = await seg.prefill_call
+        seg.attach_prefill(w, call, uncached, len(prompt))
+        resp = await _answer(seg)
+    finally:
+        router.close_prefill(ticket)
+    req.clock.split(prefill_phases(resp), "prefill_queue")   # the transits: queueing
+    seg.detach(w)
+    return resp
+
+
+async def _answer(seg) -> prefill_pb2.PrefillResponse:
+    try:
+        return await seg.prefill_call
     except asyncio.CancelledError:
         if not seg.prefill_lost or seg.lost or asyncio.current_task().cancelling():
             raise
         raise LostCall(grpc.StatusCode.UNAVAILABLE, seg.prefill_lost) from None
-    req.clock.split(prefill_phases(resp), "prefill_queue")   # the transits: queueing
-    seg.detach(w)
-    return resp

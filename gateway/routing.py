@@ -17,7 +17,11 @@ the work a worker's cached prefix saves against its load, in tokens, within slac
     prefill   the rule over the healthy prefill workers whose KV layout (KvCompat) matches
               the decode worker's reservation, saved = the compute its prefix cache spares,
               load = its queued prompt tokens; slack --affinity-slack 16 / --affinity-slack-
-              ratio 1.5; none matching while some are healthy -> FAILED_PRECONDITION
+              ratio 1.5; none matching while some are healthy -> FAILED_PRECONDITION.
+              A worker's match runs on through the blocks this gateway's open Prefill calls
+              to it are computing (`Router.inflight`, gateway/inflight.py), as device hits:
+              prompts sharing a new prefix, sent together, meet on one worker, which
+              computes it once (`prefill_hashes`, `open_prefill`, `close_prefill`)
     cached_on `Router.cached_on(w, hashes)`: prompt tokens the index says w holds (device +
               host + disk blocks x block size): gateway/placement.py's input for the
               disaggregation rule
@@ -36,7 +40,11 @@ from prometheus_client import Counter
 from protos.pdserve.v1 import decode_pb2
 from services.metrics import PREFIX
 
-from .affinity import MAX_HASHED_BLOCKS, REASONS, Weights, choose, decode_bounds, leading_hashes
+from engine.block_hash import prefix_block_hashes
+
+from .affinity import (MAX_HASHED_BLOCKS, REASONS, Weights, choose, decode_bounds,
+                       leading_hashes, with_in_flight)
+from .inflight import InFlight
 from .prefix_index import PrefixIndex
 from .registry import Worker, WorkerPool
 from .request import GatewayError
@@ -79,12 +87,34 @@ class Router:
         self.decode_slack = decode_slack
         self.prefix_routing, self.weights = prefix_routing, weights
         self.index = PrefixIndex()   # the workers' KV events, by worker address (prefix_index.py)
+        self.inflight = InFlight()   # blocks this gateway's open Prefill calls compute
         self.metrics = RouteMetrics(metrics.registry) if metrics is not None else None
 
     def hashes(self, pool: WorkerPool, prompt: list[int], block_size: int = 0) -> list[bytes]:
         """The prompt's leading block hashes some worker holds (`pool`'s block size)."""
         return leading_hashes(self.index, prompt, block_size or pool.block_size(),
                               MAX_HASHED_BLOCKS)
+
+    def prefill_hashes(self, prompt: list[int], block_size: int) -> list[bytes]:
+        """All the prompt's full block hashes (at most MAX_HASHED_BLOCKS): a Prefill call
+        registers them in flight, so they cannot stop where the index's knowledge does."""
+        return prefix_block_hashes(prompt, block_size, MAX_HASHED_BLOCKS)
+
+    def open_prefill(self, w: Worker, hashes: list[bytes]):
+        """A Prefill call to `w` for these blocks opened: its ticket for close_prefill."""
+        return self.inflight.add(w.address, hashes)
+
+    def close_prefill(self, ticket) -> None:
+        self.inflight.remove(ticket)
+
+    def prefill_hit_tokens(self, w: Worker, hashes: list[bytes], block_size: int) -> int:
+        """Prompt tokens prefill worker `w` need not compute: its index match, in any tier,
+        continued by its in-flight blocks."""
+        return self._prefill_hits(w, hashes).total * block_size
+
+    def _prefill_hits(self, w: Worker, hashes: list[bytes]):
+        return with_in_flight(self.index.match(hashes, w.address), hashes,
+                              lambda h: self.inflight.holds(w.address, h))
 
     def pick_decode(self, tried: set[str], hashes: list[bytes]) -> Worker | None:
         return self._pick(self.decode, self.decode.candidates(tried), hashes,
@@ -94,7 +124,7 @@ class Router:
                      hashes: list[bytes]) -> Worker:
         """A prefill worker for the reservation `kv`; raises GatewayError when none fits."""
         w = self._pick(self.prefill, self.prefill.candidates(exclude, kv.compat), hashes,
-                       self.slack, self.slack_ratio, kv.compat.block_size)
+                       self.slack, self.slack_ratio, kv.compat.block_size, in_flight=True)
         if w is not None:
             return w
         if self.prefill.pick(exclude) is not None:       # healthy, but none can fill this KV
@@ -105,10 +135,11 @@ class Router:
         raise no_worker(self.prefill)
 
     def _pick(self, pool: WorkerPool, cands: list[Worker], hashes: list[bytes], slack: int,
-              slack_ratio: float, block_size: int = 0) -> Worker | None:
+              slack_ratio: float, block_size: int = 0, in_flight: bool = False) -> Worker | None:
         hits = None
         if self.prefix_routing == "events":
-            hits = {w.address: self.index.match(hashes, w.address) for w in cands}
+            hits = {w.address: self._prefill_hits(w, hashes) if in_flight
+                    else self.index.match(hashes, w.address) for w in cands}
         got = choose(cands, hits, block_size or pool.block_size(), self.weights, slack,
                      slack_ratio)
         if got is None:

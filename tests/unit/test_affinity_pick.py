@@ -246,3 +246,47 @@ def test_pdserve_up_passes_the_routing_flags_to_the_gateway():
     assert "--prefix-weight-disk" not in argv and "--prefix-routing" not in gateway_argv(UpConfig())
     with pytest.raises(ValueError, match="prefix-routing"):
         UpConfig(prefix_routing="hash")
+
+
+def test_a_prompt_follows_an_open_prefill_call_computing_its_prefix():
+    async def main():
+        p = _Pools(prefill=("a", "b"))
+        r = p.router()
+        shared = list(range(16 * 6))
+        first, second = shared + list(range(500, 540)), shared + list(range(900, 933))
+        b = p.pools["prefill"].workers["b"]
+        b.requests_total = -1                  # b is the cold pick: ties go to fewer requests
+        h1 = r.prefill_hashes(first, 16)
+        assert r.pick_prefill(_kv(), [], h1) is b
+        ticket = r.open_prefill(b, h1)
+        # nothing in the index yet (no KV events while b computes), but b is computing it
+        h2 = r.prefill_hashes(second, 16)
+        assert r.prefill_hit_tokens(b, h2, 16) == 6 * 16
+        assert r.prefill_hit_tokens(p.pools["prefill"].workers["a"], h2, 16) == 0
+        b.requests_total = 5                    # no tie-break for b left: only its prefix
+        assert r.pick_prefill(_kv(), [], h2) is b
+        assert p.count("route_decisions", pool="prefill", reason="prefix") == 1
+        # in-flight blocks continue the index's match: 2 in b's host tier, then 4 in flight
+        r.index.reset("b", b"e", 1, {HOST: h1[:2]})
+        assert r.prefill_hit_tokens(b, h2, 16) == 6 * 16
+        b.stats = prefill_pb2.PrefillStats(queued_prefill_tokens=1000)
+        assert r.pick_prefill(_kv(), [], h2).address == "a"        # its queue costs more
+        r.close_prefill(ticket)
+        assert r.prefill_hit_tokens(b, h2, 16) == 2 * 16          # the index's alone
+        assert len(r.inflight) == 0
+        await p.close()
+    asyncio.run(main())
+
+
+def test_in_flight_blocks_are_counted_per_call():
+    from gateway.inflight import InFlight
+    f = InFlight()
+    t1, t2 = f.add("a", [b"x", b"y"]), f.add("a", [b"x"])
+    t3 = f.add("b", [b"z"])
+    assert f.holds("a", b"x") and f.holds("a", b"y") and not f.holds("b", b"x")
+    f.remove(t1)
+    assert f.holds("a", b"x") and not f.holds("a", b"y") and f.any_holds(b"x")
+    f.remove(t2)
+    assert not f.any_holds(b"x") and f.any_holds(b"z") and len(f) == 1
+    f.remove(t3)
+    assert len(f) == 0 and not f._held
