@@ -27,12 +27,15 @@ class InFlight:
 
     def add(self, worker: str, hashes: Sequence[bytes]) -> tuple[str, tuple[bytes, ...]]:
         hashes = tuple(hashes)
-        self._held.setdefault(worker, Counter()).update(hashes)
-        self._all.update(hashes)
+        if hashes:                     # a prompt under one block holds nothing
+            self._held.setdefault(worker, Counter()).update(hashes)
+            self._all.update(hashes)
         return worker, hashes
 
     def remove(self, ticket: tuple[str, tuple[bytes, ...]]) -> None:
         worker, hashes = ticket
+        if not hashes:
+            return
         held = self._held[worker]
         for counts in (held, self._all):
             counts.subtract(hashes)
