@@ -75,13 +75,14 @@ class KVCacheManager:
                 break
             hits.append(b)
         if self.offload is not None and len(hits) < len(hashes):
-            hits += self._revive(hits, hashes[len(hits):])
+            hits += self.revive(hits, hashes[len(hits):])
         self.prefix_queries += req.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def _revive(self, hits: list[Block], hashes: list[bytes]) -> list[Block]:
-        """The offload tiers' continuation of a device hit; the hit's blocks are held meanwhile
+    def revive(self, hits: list[Block], hashes: list[bytes]) -> list[Block]:
+        """The offload tiers' continuation of a device hit (blocks `hits`, then `hashes`: the
+        ones past them, cached and free when returned); the hit's blocks are held meanwhile
         so the revival's allocation cannot evict them, and one free block is left for the
         tokens to compute (a revival that filled the pool would only be evicted again)."""
         self.pool.touch(hits)

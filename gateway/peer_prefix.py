@@ -6,12 +6,14 @@ peer fetch; the worker side is prefill_worker/peer_fetch.py).
                                                        token is always computed)
     mine   = Router.index.match(hashes, chosen).total  what the chosen worker B holds
     peer A = the healthy prefill worker (not B, same KvCompat as the reservation) whose
-             leading DEVICE blocks of the prompt (Router.index.holders) exceed B's by at
-             least --peer-fetch-min-blocks; the most blocks wins, then the least loaded
-    -> PrefillRequest.peer_prefix {A's address, A's device blocks}, else None
+             leading blocks of the prompt, in any tier (Router.index.holders), exceed B's
+             by at least --peer-fetch-min-blocks; the most blocks wins, then the most of
+             them on A's device, then the least loaded
+    -> PrefillRequest.peer_prefix {A's address, A's blocks}, else None
 
-Only device blocks count: the peer exports from its device pool (prefill_worker/
-peer_export.py); blocks it offloaded to a slower tier make it refuse, and B computes.
+A exports from its device pool, reviving first what it offloaded to its host or disk tier
+(prefill_worker/peer_export.py): a prefix A computed long ago and B never saw is moved, not
+recomputed. Blocks A no longer holds anywhere make it refuse, and B computes.
 `Router.peer_fetch_min_blocks` 0 (--peer-fetch off) turns it off.
 """
 from __future__ import annotations
@@ -33,16 +35,16 @@ def peer_prefix(router, chosen: Worker, prompt: list[int],
     if not holders:
         return None
     mine = router.index.match(hashes, chosen.address).total
-    best: tuple[int, int, str] | None = None          # (blocks, -in flight, address)
+    best: tuple[int, int, int, str] | None = None     # (blocks, on device, -in flight, address)
     for address, hits in holders.items():
         w = router.prefill.workers.get(address)
         if address == chosen.address or w is None or not w.healthy:
             continue
         if w.stats is not None and w.stats.HasField("compat") and w.stats.compat != compat:
             continue
-        if hits.device - mine >= least:
-            key = (hits.device, -w.in_flight, address)
+        if hits.total - mine >= least:
+            key = (hits.total, hits.device, -w.in_flight, address)
             best = key if best is None or key > best else best
     if best is None:
         return None
-    return prefill_pb2.PeerPrefix(worker_address=best[2], num_blocks=best[0])
+    return prefill_pb2.PeerPrefix(worker_address=best[3], num_blocks=best[0])

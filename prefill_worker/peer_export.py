@@ -9,8 +9,10 @@ blocks of a prompt prefix into a reservation on the calling prefill worker's rec
                  a UCX endpoint on another host than the caller's is PERMISSION_DENIED (a
                  worker may only direct KV to itself)
     pin          (engine thread) the blocks of hashes [first_block, n) looked up in the
-                 prefix cache and touched (a reference each: not evicted while they are
-                 read); any missing (evicted meanwhile): NOT_FOUND, nothing sent
+                 prefix cache, those past the device pool's hits revived from this worker's
+                 host or disk tier (engine/kv_offload.py: loaded into free device blocks, as
+                 a local prefix hit is), all touched (a reference each: not evicted while
+                 they are read); any still missing: NOT_FOUND, nothing sent
     push         KVSender.open(transfer id, the caller's endpoint, our blocks, theirs), every
                  layer queued, finish() by the reservation's deadline (DEADLINE_EXCEEDED /
                  UNAVAILABLE on a timeout or transport error)
@@ -123,9 +125,16 @@ class PeerExport:
 
     # ------------------------------------------------------------ engine thread
     def _pin(self, hashes: list[bytes]) -> list[int] | None:
-        pool = self.ae.engine.kv.pool
-        found = [pool.lookup(h) for h in hashes]
-        if any(b is None for b in found):
+        kv = self.ae.engine.kv
+        pool, found = kv.pool, []
+        for h in hashes:
+            b = pool.lookup(h)
+            if b is None:
+                break
+            found.append(b)
+        if len(found) < len(hashes) and kv.offload is not None:
+            found += kv.revive(found, hashes[len(found):])
+        if len(found) < len(hashes):
             return None
         pool.touch(found)
         return [b.block_id for b in found]

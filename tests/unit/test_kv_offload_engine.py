@@ -164,3 +164,29 @@ def test_a_workers_metrics_carry_the_tier_series(model_dir):
     assert 'pdserve:kv_tier_bytes_total{direction="in",role="decode",tier="host"}' in text
     tel.close()
     e.close()
+
+
+def test_a_peer_export_revives_an_offloaded_prefix_before_pinning_it(model_dir):
+    # prefill_worker/peer_export.py's pin on a worker whose device pool evicted the prompt:
+    # the blocks come back from the host tier with the KV the prompt computed
+    from types import SimpleNamespace
+
+    from engine.block_hash import prefix_block_hashes
+    from prefill_worker.peer_export import PeerExport
+    e, _ = engine(model_dir, kv_offload_host_gb=0.01)
+    hashes = prefix_block_hashes(P, 16)
+    run(e, "first", P)
+    kv_before = torch.stack([e.kv_cache[:, :, e.kv.pool.lookup(h).block_id] for h in hashes])
+    for i, other in enumerate(OTHERS):
+        run(e, f"other{i}", other)
+    assert e.kv.offload.flush()                                # the copies to the host are done
+    assert e.kv.pool.lookup(hashes[0]) is None                 # evicted from the device pool
+    export = PeerExport(SimpleNamespace(engine=e, block_size=16), None, "")
+    blocks = export._pin(hashes)
+    assert blocks is not None and len(blocks) == 4
+    assert all(e.kv.pool.blocks[b].ref_cnt == 1 for b in blocks)
+    assert torch.equal(torch.stack([e.kv_cache[:, :, b] for b in blocks]), kv_before)
+    export._unpin(blocks)
+    assert e.kv.num_held_blocks() == 0
+    assert export._pin(prefix_block_hashes([1] * 32, 16)) is None   # held nowhere
+    e.close()

@@ -52,15 +52,13 @@ def test_at_most_the_blocks_a_prefix_hit_covers():
     assert peer_prefix(r, b, prompt, COMPAT).num_blocks == 9
 
 
-def test_skips_unhealthy_other_layout_slower_tier_and_off():
+def test_skips_unhealthy_other_layout_and_off():
     b = FakeWorker("b:1")
     sick = FakeWorker("a:1", healthy=False)
     other = FakeWorker("c:1", compat=common_pb2.KvCompat(model="m", dtype="bfloat16", block_size=BS))
-    host = FakeWorker("d:1")
-    r = _router(sick, other, host, b)
+    r = _router(sick, other, b)
     _holds(r, "a:1", 10)
     _holds(r, "c:1", 10)
-    _holds(r, "d:1", 10, tier=HOST)                            # the peer exports device blocks only
     _holds(r, "gone:1", 10)                                    # in the index, not in the pool
     assert peer_prefix(r, b, PROMPT, COMPAT) is None
     ok = FakeWorker("e:1")
@@ -76,3 +74,15 @@ def test_most_blocks_then_least_loaded():
     _holds(r, "c:1", 10)
     _holds(r, "d:1", 6)
     assert peer_prefix(r, b, PROMPT, COMPAT).worker_address == "c:1"
+
+
+def test_a_peer_holding_it_in_a_slower_tier_counts_its_device_first_on_a_tie():
+    # the peer revives offloaded blocks before it exports them (peer_export.py)
+    b, host, dev = FakeWorker("b:1"), FakeWorker("a:1"), FakeWorker("c:1", load=3)
+    r = _router(host, b)
+    _holds(r, "a:1", 10, tier=HOST)
+    assert peer_prefix(r, b, PROMPT, COMPAT) == prefill_pb2.PeerPrefix(worker_address="a:1", num_blocks=10)
+    r = _router(host, dev, b)
+    _holds(r, "a:1", 10, tier=HOST)
+    _holds(r, "c:1", 10)
+    assert peer_prefix(r, b, PROMPT, COMPAT).worker_address == "c:1"   # busier, but on device
