@@ -124,6 +124,30 @@ def computed_tokens(metrics_text: str) -> dict[str, float]:
     return out
 
 
+# what each run's line says of how the prefixes were served (deltas over the run)
+WHERE = (("fetch ok", "pdserve:peer_fetch_total", {"result": "ok"}),
+         ("fetch fallback", "pdserve:peer_fetch_total", {"result": "fallback"}),
+         ("fetched blocks", "pdserve:peer_fetch_blocks_total", {}),
+         ("revived host", "pdserve:kv_tier_hits_total", {"tier": "host"}),
+         ("revived disk", "pdserve:kv_tier_hits_total", {"tier": "disk"}),
+         ("picks prefix", "pdserve:route_decisions_total", {"pool": "prefill", "reason": "prefix"}),
+         ("load", "pdserve:route_decisions_total", {"pool": "prefill", "reason": "load"}),
+         ("slack", "pdserve:route_decisions_total", {"pool": "prefill", "reason": "slack"}),
+         ("cold", "pdserve:route_decisions_total", {"pool": "prefill", "reason": "cold"}))
+
+
+def where_counts(metrics_text: str) -> dict[str, float]:
+    """WHERE's series summed over the gateway's /metrics (absent in (a): 0)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {what: 0.0 for what, _, _ in WHERE}
+    for fam in text_string_to_metric_families(metrics_text):
+        for smp in fam.samples:
+            for what, name, labels in WHERE:
+                if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()):
+                    out[what] += smp.value
+    return out
+
+
 def mismatches(reference: list[dict], records: list[dict]) -> int:
     """Requests completed in both whose output text differs (records in trace order)."""
     if len(reference) != len(records):
@@ -256,14 +280,17 @@ def run_one(tree: Path, flags: list[str], trace: Path, args, log: Path) -> dict:
     try:
         from pdserve.bench import measure
         warm(up.url)
-        before = computed_tokens(up.metrics())
+        text = up.metrics()
+        before, where0 = computed_tokens(text), where_counts(text)
         load0 = os.getloadavg()[0]
         summary, _, records = measure(bench_args(up.url, trace, args))
-        after = computed_tokens(up.metrics())
+        text = up.metrics()
+        after, where1 = computed_tokens(text), where_counts(text)
     finally:
         up.stop()
     return {"records": records, "window_s": summary["duration_s"],
             "computed": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("prefill", "decode")},
+            "where": {k: where1[k] - where0[k] for k in where1},
             "load": (load0, os.getloadavg()[0])}
 
 
@@ -349,6 +376,12 @@ def run_trace(name: str, args, model: str, help_text: str, trees: dict, tmp: Pat
                   f"{run['computed']['prefill']:.0f} prefill + {run['computed']['decode']:.0f} "
                   f"decode tokens, window {run['window_s']:.1f} s, load {run['load'][0]:.1f}"
                   f" -> {run['load'][1]:.1f}", flush=True)
+            print("#   " + ", ".join(f"{k} {v:.0f}" for k, v in run["where"].items()),
+                  flush=True)
+            fell = [ln.strip() for ln in log.read_text(errors="replace").splitlines()
+                    if "fell back to compute" in ln] if log.exists() else []
+            for ln in fell[:3]:
+                print(f"#   {ln[-200:]}", flush=True)
             for e in sorted({r["error"] for r in run["records"] if r["error"]})[:2]:
                 print(f"#   failed: {e}", flush=True)
     reference = runs["a"][0]["records"]

@@ -111,6 +111,22 @@ def test_computed_tokens_sum_the_workers_of_a_gateway_scrape():
     assert pt.computed_tokens(text) == {"prefill": 120.0, "decode": 3.0}
 
 
+def test_where_counts_sum_each_series_by_its_labels():
+    text = "\n".join([
+        "# TYPE pdserve:peer_fetch_total counter",
+        'pdserve:peer_fetch_total{result="ok",role="prefill",worker="prefill-0"} 2.0',
+        'pdserve:peer_fetch_total{result="ok",role="prefill",worker="prefill-1"} 1.0',
+        'pdserve:peer_fetch_total{result="fallback",role="prefill",worker="prefill-1"} 4.0',
+        "# TYPE pdserve:kv_tier_hits_total counter",
+        'pdserve:kv_tier_hits_total{role="prefill",tier="host",worker="prefill-0"} 64.0',
+        "# TYPE pdserve:route_decisions_total counter",
+        'pdserve:route_decisions_total{pool="prefill",reason="prefix",role="gateway"} 5.0',
+        'pdserve:route_decisions_total{pool="decode",reason="prefix",role="gateway"} 7.0', ""])
+    got = pt.where_counts(text)
+    assert (got["fetch ok"], got["fetch fallback"], got["revived host"], got["revived disk"],
+            got["picks prefix"], got["cold"]) == (3.0, 4.0, 64.0, 0.0, 5.0, 0.0)
+
+
 def _rec(ttft, text, status="ok", out=10):
     return {"ttft_s": ttft, "itl_s": 0.01, "e2e_s": ttft + 0.1, "output_tokens": out,
             "status": status, "text": text}
