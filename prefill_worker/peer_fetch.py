@@ -26,10 +26,13 @@ with), A the sender (peer_export.py).
     caller cancelled while an engine-thread step runs gets its blocks (or A's pins) given
     back once that step is done (call_undoable).
 
-Deadline, sized from the work: PEER_FETCH_BASE_S (the RPC, connect + HELLO) + the bytes
-fetched at PEER_FETCH_MIN_BYTES_PER_S, never past the decode reservation's own deadline
-less PEER_FETCH_MARGIN_S (the compute must still fit in it): past that, a fetch saves
-nothing.
+Deadline, sized from the work: PEER_FETCH_BASE_S (the RPC, connect + HELLO) + A's wait for
+its engine thread (A pins between two of its steps: STEP_WAITS x the slowest engine step
+this worker saw lately, `StepPace`, the same model on the same hardware; on a CPU a prefill
+step of a few hundred tokens takes seconds, and a fixed 2 s timed out most fetches in
+bench/prefix_tiers.py) + the bytes fetched at PEER_FETCH_MIN_BYTES_PER_S, never past the
+decode reservation's own deadline less PEER_FETCH_MARGIN_S (the compute must still fit in
+it): past that, a fetch saves nothing.
 """
 from __future__ import annotations
 
@@ -52,6 +55,19 @@ PEER_FETCH_BASE_S = 2.0                 # fixed allowance: the RPC, connect + HE
 PEER_FETCH_MIN_BYTES_PER_S = 100e6      # the slowest transfer still worth waiting for
 PEER_FETCH_MARGIN_S = 1.0               # left of the decode reservation for the compute
 MAX_CHANNELS = 64                       # peers remembered (their gRPC channels)
+STEP_WAITS = 2.0                        # A's engine steps a fetch may wait for its pin
+STEP_DECAY = 0.98                       # per step: how fast an old slow step is forgotten
+
+
+class StepPace:
+    """An engine step observer: the slowest recent step, a max that decays by STEP_DECAY a
+    step (one float, written by the engine thread, read by the event loop)."""
+
+    def __init__(self):
+        self.slowest_s = 0.0
+
+    def on_step(self, duration_s: float, tokens) -> None:
+        self.slowest_s = max(duration_s, self.slowest_s * STEP_DECAY)
 
 
 async def call_undoable(ae, fn, undo, *args):
@@ -81,10 +97,15 @@ class PeerFetch:
         cache = receiver.kv_cache
         self.bytes_per_block = block_bytes(cache, receiver.kv_scales) * cache.shape[0]
         self.ok = self.fallbacks = self.blocks_fetched = 0
+        self.pace = StepPace()
+        engine = getattr(ae, "engine", None)
+        if engine is not None:
+            engine.step_observers.append(self.pace)
 
     def deadline_s(self, num_blocks: int, left_s: float | None) -> float:
         """How long a fetch of `num_blocks` may take; `left_s`: the decode reservation's time."""
-        budget = PEER_FETCH_BASE_S + num_blocks * self.bytes_per_block / PEER_FETCH_MIN_BYTES_PER_S
+        budget = (PEER_FETCH_BASE_S + STEP_WAITS * self.pace.slowest_s
+                  + num_blocks * self.bytes_per_block / PEER_FETCH_MIN_BYTES_PER_S)
         return budget if left_s is None else min(budget, left_s - PEER_FETCH_MARGIN_S)
 
     async def fetch(self, rid: str, prompt: list[int], peer: prefill_pb2.PeerPrefix,
