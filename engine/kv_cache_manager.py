@@ -50,9 +50,6 @@ class KVCacheManager:
 
     def block_hashes(self, req: Request, n_blocks: int) -> list[bytes]:
         """The chained hashes of the request's first `n_blocks` full blocks (kept on it)."""
-        return self._hashes(req, n_blocks)
-
-    def _hashes(self, req: Request, n_blocks: int) -> list[bytes]:
         bs, hashes = self.block_size, req.block_hashes
         if len(hashes) < n_blocks:
             tokens = req.all_token_ids
@@ -65,24 +62,35 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request, leave_one: bool = True) -> tuple[list[Block], int]:
         """Longest cached prefix of the request, in whole blocks. With `leave_one`, at least one
         token is left to compute, since its logits are needed to sample."""
-        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+        if not self.uses_prefix_cache(req):
             return [], 0
         n = req.num_tokens - 1 if leave_one else req.num_tokens
-        hits, hashes = [], self._hashes(req, n // self.block_size)
+        hits = self.cached_prefix(self.block_hashes(req, n // self.block_size))
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def uses_prefix_cache(self, req: Request) -> bool:
+        """False when prefix caching is off, or for a request wanting prompt logprobs (every
+        prompt position must then be computed)."""
+        return self.enable_prefix_caching and req.sampling_params.prompt_logprobs is None
+
+    def cached_prefix(self, hashes: list[bytes]) -> list[Block]:
+        """The blocks of the longest leading run of `hashes` this worker holds: the device
+        pool's, continued by those revived from the offload tiers (cached, ref 0: free, as a
+        device hit is, until the caller touches them)."""
+        hits = []
         for h in hashes:
             b = self.pool.lookup(h)
             if b is None:
                 break
             hits.append(b)
         if self.offload is not None and len(hits) < len(hashes):
-            hits += self.revive(hits, hashes[len(hits):])
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+            hits += self._revive(hits, hashes[len(hits):])
+        return hits
 
-    def revive(self, hits: list[Block], hashes: list[bytes]) -> list[Block]:
-        """The offload tiers' continuation of a device hit (blocks `hits`, then `hashes`: the
-        ones past them, cached and free when returned); the hit's blocks are held meanwhile
+    def _revive(self, hits: list[Block], hashes: list[bytes]) -> list[Block]:
+        """The offload tiers' continuation of a device hit; the hit's blocks are held meanwhile
         so the revival's allocation cannot evict them, and one free block is left for the
         tokens to compute (a revival that filled the pool would only be evicted again)."""
         self.pool.touch(hits)
@@ -130,7 +138,7 @@ class KVCacheManager:
         start = self.num_hashed.get(req.request_id, 0)
         if n_full <= start:
             return
-        hashes = self._hashes(req, n_full)
+        hashes = self.block_hashes(req, n_full)
         new = self.pool.cache_all(blocks[start:n_full], hashes[start:n_full])
         if new and self.offload is not None:
             self.offload.stored(new)

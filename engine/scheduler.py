@@ -202,7 +202,7 @@ class Scheduler:
     def _next_block_hash(self, req: Request, n_hit_blocks: int) -> bytes | None:
         """The hash of the first full prompt block past the request's prefix hit (None: no
         prefix caching for it, or no full block left before its last token)."""
-        if not self.kv.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+        if not self.kv.uses_prefix_cache(req):
             return None
         n_blocks = (req.num_tokens - 1) // self.kv.block_size
         if n_hit_blocks >= n_blocks:

@@ -23,13 +23,11 @@ from typing import Sequence
 class InFlight:
     def __init__(self):
         self._held: dict[str, Counter[bytes]] = {}
-        self._all: Counter[bytes] = Counter()
 
     def add(self, worker: str, hashes: Sequence[bytes]) -> tuple[str, tuple[bytes, ...]]:
         hashes = tuple(hashes)
         if hashes:                     # a prompt under one block holds nothing
             self._held.setdefault(worker, Counter()).update(hashes)
-            self._all.update(hashes)
         return worker, hashes
 
     def remove(self, ticket: tuple[str, tuple[bytes, ...]]) -> None:
@@ -37,11 +35,10 @@ class InFlight:
         if not hashes:
             return
         held = self._held[worker]
-        for counts in (held, self._all):
-            counts.subtract(hashes)
-            for h in hashes:
-                if counts[h] <= 0:
-                    del counts[h]
+        held.subtract(hashes)
+        for h in hashes:
+            if held[h] <= 0:
+                del held[h]
         if not held:
             del self._held[worker]
 
@@ -49,8 +46,8 @@ class InFlight:
         return h in self._held.get(worker, ())
 
     def any_holds(self, h: bytes) -> bool:
-        return h in self._all
+        return any(h in held for held in self._held.values())
 
     def __len__(self) -> int:
         """Distinct blocks in flight (all workers)."""
-        return len(self._all)
+        return len(set().union(*self._held.values()))

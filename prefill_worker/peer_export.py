@@ -126,17 +126,10 @@ class PeerExport:
     # ------------------------------------------------------------ engine thread
     def _pin(self, hashes: list[bytes]) -> list[int] | None:
         kv = self.ae.engine.kv
-        pool, found = kv.pool, []
-        for h in hashes:
-            b = pool.lookup(h)
-            if b is None:
-                break
-            found.append(b)
-        if len(found) < len(hashes) and kv.offload is not None:
-            found += kv.revive(found, hashes[len(found):])
+        found = kv.cached_prefix(hashes)
         if len(found) < len(hashes):
             return None
-        pool.touch(found)
+        kv.pool.touch(found)
         return [b.block_id for b in found]
 
     def _unpin(self, blocks: list[int]) -> None:

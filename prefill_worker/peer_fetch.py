@@ -98,9 +98,7 @@ class PeerFetch:
         self.bytes_per_block = block_bytes(cache, receiver.kv_scales) * cache.shape[0]
         self.ok = self.fallbacks = self.blocks_fetched = 0
         self.pace = StepPace()
-        engine = getattr(ae, "engine", None)
-        if engine is not None:
-            engine.step_observers.append(self.pace)
+        ae.engine.step_observers.append(self.pace)
 
     def deadline_s(self, num_blocks: int, left_s: float | None) -> float:
         """How long a fetch of `num_blocks` may take; `left_s`: the decode reservation's time."""

@@ -104,7 +104,7 @@ def test_a_restart_reuses_the_disk_and_ignores_bad_files(model_dir, tmp_path):
     e.close()
     # a payload byte flipped in P's second block: that block and the rest are computed
     e, _ = engine(model_dir, kv_offload_disk=str(tmp_path))
-    h1 = e.kv._hashes(e._make_request("x", P, GREEDY), 2)[1]
+    h1 = e.kv.block_hashes(e._make_request("x", P, GREEDY), 2)[1]
     f = tmp_path / "slot-0" / (h1.hex() + ".kvb")
     raw = bytearray(f.read_bytes())
     raw[-5] ^= 0x40

@@ -68,7 +68,7 @@ def one_request(kv, kv_cache, scales, rng, i, dtype):
             assert torch.equal(scales[:, :, b.block_id], scale_of(h))
     if not kv.allocate_slots(req, req.num_tokens - n, hits):
         return None
-    hashes = kv._hashes(req, req.num_tokens // BS)
+    hashes = kv.block_hashes(req, req.num_tokens // BS)
     for j in range(len(hits), len(hashes)):
         kv_cache[:, :, req.block_ids[j]] = payload(hashes[j], dtype)
         if scales is not None:
