@@ -139,7 +139,11 @@ class ModelRunner:
             # every decode row samples; no prompt logprobs in a decode step
             return ModelOutput(self.graphs.run(input_ids, positions, meta), list(out.scheduled), {}, {})
         if stop is not None:
-            layer_hook = _stopping(layer_hook, stop)
+            if layer_hook is None and self.model.one_call(meta):   # no layer to stop after
+                if stop():
+                    raise StepAbandoned("every request of the step was abandoned (before it)")
+            else:
+                layer_hook = _stopping(layer_hook, stop)
         hidden = self.model(input_ids, positions, meta, layer_hook)
         cu = meta.cu_seqlens_q.tolist()
         rows = [b for b, s in enumerate(out.scheduled) if s.samples and not s.spec_token_ids]

@@ -25,7 +25,7 @@ def make_hf_model(kind: str, out: Path, **overrides) -> Path:
     elif kind == "llama-tied":
         cfg = T.LlamaConfig(**kw, tie_word_embeddings=True)
     elif kind == "mistral":
-        cfg = T.MistralConfig(**kw, sliding_window=None)
+        cfg = T.MistralConfig(**{"sliding_window": None, **kw})
     elif kind == "qwen2":
         cfg = T.Qwen2Config(**kw)
     elif kind == "qwen3":

@@ -326,6 +326,12 @@ def int4pack_linear(x, packed, group: int, scales_and_zeros):
     return _INT4PACK_MM(x, packed, group, scales_and_zeros)
 
 
+def int4cpu_linear(x, codes, scale, mn, group: int):
+    """int4 codes in cpu_int4.c's runs of 32 [N, K/2], float16 scale and min [N, K/group]:
+    the C kernel (float32 out; the layout exists only where it is built)."""
+    return cpu.int4_matmul(x, codes, scale, mn, group)
+
+
 def int8g32_linear(x, q, scale, *, backend: str = "auto"):
     """int8 codes [N, K] with a float32 scale per 32 values [N, K/32]: cpu.c's kernel (float32
     out from the stored codes), else the reference."""

@@ -18,7 +18,7 @@
  */
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -222,14 +222,25 @@ int pd_rope_decode_attention(const void *q, const void *k, const void *v, int qd
     return status;
 }
 
-/* x [T, 2I] = cat(gate, up) -> silu(gate) * up [T, I], silu(g) = g / (1 + exp(-g)) */
+/* silu(g) = g / (1 + e^-g), from e = e^-|g| (exp_nonpos: no libm call, so the loop over it
+ * vectorizes): g / (1 + e) for g >= 0, g e / (1 + e) below (within ~3 ulp of libm's) */
+static inline float silu(float g) {
+    float e = exp_nonpos(-fabsf(g));
+    return (g >= 0.0f ? g : g * e) / (1.0f + e);
+}
+
+/* x [T, 2I] = cat(gate, up) -> silu(gate) * up [T, I] */
 void pd_silu_and_mul(const void *x, int xdt, long xs, void *out, int odt, long os, int T, int I) {
-    for (int t = 0; t < T; t++)
-        for (int i = 0; i < I; i++) {
-            float g = ld(x, xdt, t * xs + i), u = ld(x, xdt, t * xs + I + i);
-            float s = g / (1.0f + expf(-g));
-            st(out, odt, t * os + i, s * u);
+    for (int t = 0; t < T; t++) {
+        if (xdt == F32 && odt == F32) {          /* the float32 rows vectorize */
+            const float *g = (const float *)x + t * xs, *u = g + I;
+            float *o = (float *)out + t * os;
+            for (int i = 0; i < I; i++) o[i] = silu(g[i]) * u[i];
+            continue;
         }
+        for (int i = 0; i < I; i++)
+            st(out, odt, t * os + i, silu(ld(x, xdt, t * xs + i)) * ld(x, xdt, t * xs + I + i));
+    }
 }
 
 /* y [M, N] = (x [M, K] @ w[N, K].T) * scale[N]: int8 weights with a scale per output channel,
@@ -357,6 +368,8 @@ int pd_int8g32_matmul(const void *x, int xdt, int M, int K, const int8_t *w, con
     return 0;
 }
 
-/* MLA's latent-cache decode attention lives in its own file, compiled as part of this one:
- * it uses dot, exp_nonpos and st above. */
+/* MLA's latent-cache decode attention, the int4 matmul and the whole decode step live in
+ * files of their own, compiled as part of this one (they use the helpers and kernels above). */
 #include "cpu_mla.c"
+#include "cpu_int4.c"
+#include "cpu_step.c"

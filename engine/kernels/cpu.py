@@ -1,5 +1,5 @@
-"""The C kernels of cpu.c (and cpu_mla.c, which it #includes): built once per machine with the
-host C compiler, loaded with ctypes.
+"""The C kernels of cpu.c (and cpu_mla.c, cpu_int4.c and cpu_step.c, which it #includes): built
+once per machine with the host C compiler, loaded with ctypes.
 
 `library()` is None where they cannot be had (no compiler, not x86-64/aarch64 Linux); the
 model then runs the torch references (as it does with --kernel-backend torch). The shared
@@ -30,15 +30,17 @@ from engine.config import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu.c")
-INCLUDED = (SOURCE.with_name("cpu_mla.c"),)   # #included by cpu.c: part of the cache key
+INCLUDED = tuple(SOURCE.with_name(f) for f in ("cpu_mla.c", "cpu_int4.c", "cpu_step.c"))  # #included: keyed
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 BUILD_TIMEOUT_S = 120
 _DTYPE = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
 _lib: ctypes.PyDLL | None | bool = False      # False: not tried yet
+_nogil: ctypes.CDLL | None = None             # the same library, called without the GIL
 
 _SCRATCH = ("pd_rms_norm", "pd_decode_attention", "pd_mla_decode_attention", "pd_int8_matmul",
-            "pd_int8g32_matmul", "pd_rope_decode_attention")      # return 1: no memory
+            "pd_int8g32_matmul", "pd_rope_decode_attention", "pd_int4_matmul",
+            "pd_int4_avx512")      # return 1: no memory (pd_int4_avx512: 1 = built with AVX-512)
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "pd_rms_norm": [_P, _I, _L, _P, _L, _P, _L, _P, _P, _I, _L, _I, _I, _F],
@@ -50,6 +52,8 @@ _SIGNATURES = {
     "pd_silu_and_mul": [_P, _I, _L, _P, _I, _L, _I, _I],
     "pd_int8_matmul": [_P, _I, _I, _I, _P, _P, _I, _P, _I],
     "pd_int8g32_matmul": [_P, _I, _I, _I, _P, _P, _I, _P],
+    "pd_int4_matmul": [_P, _I, _L, _I, _I, _I, _P, _P, _P, _I, _P],
+    "pd_int4_avx512": [],
 }
 
 
@@ -61,7 +65,7 @@ def _cpu_id() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
-def _build() -> ctypes.PyDLL | None:
+def _build() -> tuple[ctypes.PyDLL, ctypes.CDLL] | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64") or not cc:
         log.info("CPU kernels: no C compiler or not Linux x86-64/aarch64; using the torch references")
@@ -87,6 +91,9 @@ def _build() -> ctypes.PyDLL | None:
         # around it (CDLL) let a worker's gRPC thread take it at every call, and the engine
         # thread then waited out the switch interval to get it back: +10 ms a decode step.
         lib = ctypes.PyDLL(str(path))
+        # CDLL: a whole decode step (pd_decode_step, milliseconds) runs without the GIL, so
+        # the worker's event loop sends the last step's tokens meanwhile
+        nogil = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("CPU kernels could not be built (%s); using the torch references", str(detail)[:500])
@@ -94,17 +101,31 @@ def _build() -> ctypes.PyDLL | None:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, (ctypes.c_int if name in _SCRATCH else None)
-    return lib
+    nogil.pd_decode_step.restype = ctypes.c_int     # argtypes: engine/models/decode_plan.py
+    return lib, nogil
 
 
 def library() -> ctypes.PyDLL | None:
     """The loaded kernels, built on first call; None where they cannot be had."""
-    global _lib
+    global _lib, _nogil
     if _lib is False:
         with _lock:
             if _lib is False:
-                _lib = _build()
+                built = _build()
+                _lib, _nogil = built if built else (None, None)
     return _lib
+
+
+def nogil_library() -> ctypes.CDLL | None:
+    """The same kernels called without the GIL (for calls of milliseconds: pd_decode_step)."""
+    return _nogil if library() is not None else None
+
+
+def has_int4() -> bool:
+    """Whether the int4 kernel (cpu_int4.c) runs vectorized here: built with AVX-512. Without
+    it the int4 layers keep torch's kernel (engine/quant/int4.py)."""
+    lib = library()
+    return lib is not None and lib.pd_int4_avx512() == 1
 
 
 def _ok(status: int, op: str) -> None:
@@ -303,4 +324,22 @@ def int8g32_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) 
     y = torch.empty(M, N)
     _ok(library().pd_int8g32_matmul(x.data_ptr(), _dt(x), M, K, qweight.data_ptr(), _f32(scale, "scale"),
                                     N, y.data_ptr()), "int8g32_matmul")
+    return y
+
+
+def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
+                group: int) -> torch.Tensor:
+    """x @ W.T for cpu_int4.c's layout: x [M, K] float32 or bfloat16 (rows may be strided),
+    codes [N, K/2] uint8 (each 32 values of a row: value j low nibble, j + 16 high), scale and
+    min [N, K/group] float16 -> [M, N] float32."""
+    M, K = x.shape
+    N = codes.shape[0]
+    if (K % group or group % 32 or codes.dtype != torch.uint8 or tuple(codes.shape) != (N, K // 2)
+            or not codes.is_contiguous() or scale.dtype != torch.float16 or mn.dtype != torch.float16
+            or tuple(scale.shape) != (N, K // group) or not scale.is_contiguous() or not mn.is_contiguous()):
+        raise ValueError(f"int4_matmul: codes uint8 [{N}, {K // 2}], scale and min float16 "
+                         f"[{N}, {K // group}], contiguous; K % group == 0, group % 32 == 0")
+    y = torch.empty(M, N)
+    _ok(library().pd_int4_matmul(x.data_ptr(), _dt(x), _rows(x, "x"), M, K, group, codes.data_ptr(),
+                                 scale.data_ptr(), mn.data_ptr(), N, y.data_ptr()), "int4_matmul")
     return y

@@ -5,6 +5,8 @@
   nibble split of int8 codes: q = 16 hi + lo, hi = q >> 4 in [-8, 7], lo = q & 15, so an int8
               weight with a scale per 32 values (GGUF Q8_0) runs on an int4 kernel:
               x @ W.T = [x, x] @ [hi part | lo part].T
+  q4 runs     [N, K/2] bytes in runs of 32 values, value j low and j + 16 high in byte j of
+              its run (GGUF's Q4 order): cpu_int4.c's layout (`to_q4_runs`, `from_q4_runs`)
   int4pack    torch's CPU int4 kernel (aten._weight_int4pack_mm_for_cpu) takes its own packed
               layout (`to_int4pack`) and bfloat16 (scale, zero) pairs [K/g, N, 2] and computes
               (code - 8) * scale + zero; the codes are read back through the kernel itself
@@ -88,16 +90,36 @@ def _block_rows(packed: torch.Tensor, ids: torch.Tensor, width: int, blk: int) -
     return torch.where((ids % blk < h)[:, None], b & 15, b >> 4).int()
 
 
+def int4pack_all_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Every code [N, K] (uint8, 0..15) held in torch's CPU int4 layout, by reshapes (no
+    gather, no matmul; N a multiple of the block, `int4pack_block()` nonzero)."""
+    blk = int4pack_block()
+    b = packed.view(n // blk, k, blk // 2)                           # [N/blk, K, blk/2]
+    c = torch.cat((b & 15, b >> 4), dim=2)                           # [N/blk, K, blk] codes
+    return c.transpose(1, 2).reshape(n, k)
+
+
 def int4pack_all_rows(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Every row of nibble-split int8 codes held in torch's CPU int4 layout, as int8 codes
-    [N, K]: `int4pack_rows` of all N at once, by reshapes (no gather; N a multiple of the
-    block, `int4pack_block()` nonzero)."""
-    blk = int4pack_block()
-    b = packed.view(n // blk, 2 * k, blk // 2)                       # [N/blk, 2K, blk/2]
-    c = torch.cat((b & 15, b >> 4), dim=2)                           # [N/blk, 2K, blk] codes
+    [N, K]: `int4pack_rows` of all N at once, by reshapes (`int4pack_all_codes`)."""
+    c = int4pack_all_codes(packed, n, 2 * k)                         # [N, 2K] codes
     # q = 16 (hi - 8) + lo as a byte: its high nibble (hi - 8) mod 16 = hi ^ 8, its low lo
-    q = ((c[:, :k] ^ 8) << 4) | c[:, k:]                             # [N/blk, K, blk] uint8
-    return q.transpose(1, 2).reshape(n, k).view(torch.int8)
+    return (((c[:, :k] ^ 8) << 4) | c[:, k:]).view(torch.int8)
+
+
+def to_q4_runs(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..15 -> [N, K/2] uint8 in runs of 32 values: byte j of a run holds value
+    j in its low nibble and value j + 16 in its high one (GGUF's Q4 order; cpu_int4.c's)."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).view(n, k // 2)
+
+
+def from_q4_runs(runs: torch.Tensor) -> torch.Tensor:
+    """The inverse of to_q4_runs: [N, K/2] bytes -> [N, K] int32 codes."""
+    n = runs.shape[0]
+    b = runs.view(n, -1, 16)
+    return torch.stack((b & 15, b >> 4), dim=2).reshape(n, -1).to(torch.int32)
 
 
 def int4pack_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ import engine.kernels as K
 from engine.config import ModelConfig, check_kernel_backend
 from engine.kernels.rope import build_cos_sin_cache
 
+from .decode_plan import DecodePlan
 from .layers import MLP, AttentionMetadata, DecoderLayer, RMSNorm
 from .moe import SparseMoeBlock, stack_experts
 
@@ -62,6 +63,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.register_buffer("cos_sin", torch.empty(c.max_model_len + 1, c.rotary_dim or c.head_dim)
                              if meta else self.rotary_table(), persistent=False)
+        self.decode_plan = None      # a decode step in one C call (decode_plan.py), from bind_kv_cache
 
     # -- what a family overrides ----------------------------------------------------------
     @classmethod
@@ -159,12 +161,16 @@ class CausalLM(nn.Module):
                  ("triton" if kv_cache.is_cuda else "torch"), asked)
         for i, layer in enumerate(self.layers):    # K, V[, their scales]; MLA: latent[, scales]
             layer.self_attn.bind_kv_cache(*kv_cache[i], *(() if kv_scales is None else kv_scales[i]))
+        self.decode_plan = DecodePlan.build(self) if self.backend == "cpu" else None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """[T] ids -> [T, hidden] final hidden states. `layer_hook(i)` runs once layer i's KV
         is in the cache (the prefill worker ships it while later layers compute). The layers
-        run through their `forward` (layers.py: no hooks inside the model)."""
+        run through their `forward` (layers.py: no hooks inside the model); a decode step
+        on the cpu backend in one C call where the model has a plan (decode_plan.py)."""
+        if layer_hook is None and self.one_call(meta):
+            return self.decode_plan.forward(self.embed_tokens(input_ids), positions, meta)
         h, residual = self.embed_tokens(input_ids), None
         rows = K.rope_rows(positions, self.cos_sin, backend=self.backend)     # once, every layer
         for i, layer in enumerate(self.layers):
@@ -173,6 +179,12 @@ class CausalLM(nn.Module):
                 layer_hook(i)
         h, _ = self.norm(h, residual)
         return h
+
+    def one_call(self, meta: AttentionMetadata) -> bool:
+        """Whether a forward pass of `meta` without a layer hook runs as one C call (the
+        decode plan's step: decode only, a batch it takes), with no layer boundary to stop at."""
+        plan = self.decode_plan
+        return plan is not None and meta.decode_only and plan.takes(meta.context_lens.shape[0])
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

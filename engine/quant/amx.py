@@ -103,11 +103,13 @@ class AmxPlan:
 def candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, QuantLinear) of every quantized linear that is not an output head and whose
     kernel already multiplies in bfloat16 (Packed.input_dtype: torch's int4 and int8 CPU
-    layouts), so that the copy changes no precision class; float32 kernels (cpu.c's int8_g32,
-    fp8's) keep theirs."""
+    layouts) or whose weights are 4-bit (cpu_int4.c's float32 kernel: rounding a 4-bit
+    code times its float16 scale to bfloat16, 2^-9 of the weight, is far inside the code's
+    own step of 1/15 of the group's range), so that the copy changes no precision class;
+    float32 kernels of 8-bit weights (cpu.c's int8_g32, fp8's) keep theirs."""
     from .linear import QuantLinear
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear) and not m.head
-            and m.packed.input_dtype == torch.bfloat16]
+            and (m.packed.input_dtype == torch.bfloat16 or m.method.startswith("int4"))]
 
 
 def attach(model: nn.Module, mode: str = "auto", budget_gb: float = 1.0,
@@ -129,6 +131,8 @@ def attach(model: nn.Module, mode: str = "auto", budget_gb: float = 1.0,
     if plan.on:
         for name, m in layers:
             m.keep_dense(min_rows)
+        if getattr(model, "decode_plan", None) is not None:     # batches of min_rows: the copies
+            model.decode_plan.max_rows = min_rows
         plan.layers, plan.bytes, plan.names = len(layers), need, [n for n, _ in layers]
     log.info("amx weights: %s%s", plan.why, f", {plan.layers} layers, {plan.bytes / 2**20:.0f} MiB "
              f"of bfloat16, from {min_rows} rows" if plan.on else "")
@@ -139,3 +143,5 @@ def detach(model: nn.Module) -> None:
     """Drop every bfloat16 copy (back to the quantized kernels for every M)."""
     for _, m in candidates(model):
         m.drop_dense()
+    if getattr(model, "decode_plan", None) is not None:
+        model.decode_plan.max_rows = 0

@@ -18,7 +18,11 @@ Read as stored (no requantization):
 
 Layouts: on CPU (N % 16 == 0) torch's int4 kernel in its own packed layout with bfloat16
 (scale, zero) pairs (zero = min + 8 s: it computes (q - 8) * scale + zero), bfloat16 x and
-out; elsewhere the codes as packed above, the Triton kernel up to 16 rows (engine.kernels).
+out; with the cpu kernel backend (and cpu.c built with AVX-512) cpu_int4.c's layout instead
+(`Int4Cpu`: the codes in GGUF's runs of 32, the float16 scale and min as stored; float32 x,
+weights and out: no bfloat16 rounding anywhere), which the whole-step decode of
+engine/models/decode_plan.py reads too; elsewhere the codes as packed above, the Triton
+kernel up to 16 rows (engine.kernels).
 """
 from __future__ import annotations
 
@@ -108,7 +112,30 @@ class Int4Int4Pack(Packed):
         if scale is None:
             sz = self.scales_and_zeros.float()
             scale, mn = sz[..., 0].T, sz[..., 1].T - 8 * sz[..., 0].T
-        return Int4Weight(P.pack_int4(P.int4pack_codes(self.qweight, n, k)), scale, mn, self.group)
+        if P.int4pack_block() and n % P.int4pack_block() == 0:      # from the bytes: fast
+            codes = P.int4pack_all_codes(self.qweight, n, k)
+        else:                                                       # through the kernel
+            codes = P.int4pack_codes(self.qweight, n, k)
+        return Int4Weight(P.pack_int4(codes), scale, mn, self.group)
+
+
+class Int4Cpu(Packed):
+    """cpu_int4.c's layout: codes [N, K/2] in runs of 32 (packing.to_q4_runs), float16 scale
+    and min [N, K/g] as stored; float32 x and out (input_dtype None: the op before writes
+    float32, nothing is rounded to bfloat16)."""
+
+    def __init__(self, qw: Int4Weight, backend: str):
+        super().__init__(qw, backend)
+        self.register_buffer("qweight", P.to_q4_runs(P.unpack_int4(qw.packed)).contiguous())
+        self.register_buffer("scale", qw.scale.half().contiguous())
+        self.register_buffer("min", qw.min.half().contiguous())
+        self.group = qw.group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return K.int4cpu_linear(x, self.qweight, self.scale, self.min, self.group)
+
+    def quantized(self) -> Int4Weight:
+        return Int4Weight(P.pack_int4(P.from_q4_runs(self.qweight)), self.scale, self.min, self.group)
 
 
 class Int4Plain(Packed):
@@ -138,10 +165,20 @@ class Int4(QuantScheme):
     def pack(self, qw: Int4Weight, backend: str, keep_scales: bool = True) -> Packed:
         if qw.group != self.group:
             raise ValueError(f"{self.name} layer given group-{qw.group} weights")
-        # torch's CPU int4 kernel needs N % 16 == 0
+        if qw.packed.device.type == "cpu" and backend == "cpu" and K.cpu.has_int4():
+            return Int4Cpu(qw, backend)
+        # torch's CPU int4 kernel needs N % 16 == 0; the float16 scale and min are kept where
+        # a model settled on the cpu backend later repacks to Int4Cpu (the kernel's bfloat16
+        # pairs round them)
         if qw.packed.device.type == "cpu" and backend != "triton" and qw.shape[0] % 16 == 0:
-            return Int4Int4Pack(qw, backend, keep_scales)
+            return Int4Int4Pack(qw, backend, keep_scales or (backend == "auto" and K.cpu.has_int4()))
         return Int4Plain(qw, backend)
+
+    def repack(self, packed: Packed, backend: str) -> Packed:
+        if (backend == "cpu" and not isinstance(packed, Int4Cpu) and packed.qweight.device.type == "cpu"
+                and K.cpu.has_int4()):
+            return Int4Cpu(packed.quantized(), backend)
+        return super().repack(packed, backend)
 
     def reads_compressed_tensors(self, fmt: str | None, w: dict) -> bool:
         return (fmt == "pack-quantized" and w.get("type") == "int" and w.get("num_bits") == 4
