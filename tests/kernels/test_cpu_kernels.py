@@ -211,3 +211,22 @@ def test_int8_g32_layers_and_tied_table_move_to_the_c_layout():
         x = randn(gen, m, 96)
         assert_close(tied(x), x @ table.T, F32, seed, f"tied head M={m}")
         assert_close(layer(x), x @ want_layer.T, F32, seed, f"int8_g32 layer M={m}")
+
+
+@pytest.mark.parametrize("gqa", [1, 3])
+@pytest.mark.parametrize("window", [None, 7])
+def test_cpu_prefill_attention_is_the_reference(gqa, window):
+    """The cpu backend's prefill attention (torch's blocked kernel, engine/kernels/__init__.py
+    _flash_prefill) against reference.paged_prefill_attention: ragged chunks that start a
+    sequence (causal), follow a cached prefix (the chunk sees it all) or have no tokens, over
+    shuffled blocks, with and without a window."""
+    import engine.kernels as K
+    gen, seed = fresh_generator()
+    lens, chunks = [20, 45, 9, 33], [20, 12, 0, 1]          # context and its last chunk
+    kc, vc, table = paged_cache(gen, lens, 8, 2, 32, F32)
+    cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32)
+    q = randn(gen, int(cu[-1]), 2 * gqa, 32)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    want = reference.paged_prefill_attention(q, kc, vc, table, cu, ctx, 0.17, window=window)
+    got = K.paged_prefill_attention(q, kc, vc, table, cu, ctx, 0.17, window=window, backend="cpu")
+    assert_close(got, want, F32, seed, f"prefill attention gqa={gqa} window={window}")
