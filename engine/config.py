@@ -311,11 +311,11 @@ class EngineOptions:
     speculative: str = field(default="", metadata={
         "help": "speculative decoding: ngram:n=3,k=4 | draft:MODEL_DIR,k=4 (also min_n=, "
                 "disable_batch_size=); empty: off"})
-    amx_weights: str = field(default="off", metadata={
+    amx_weights: str = field(default="auto", metadata={
         "help": "bfloat16 copies of the quantized linears for matmuls of --amx-min-rows rows or "
-                "more (prefill, batched decode), on the CPU's bf16 tiles through oneDNN: auto (on "
-                "a CPU with amx_bf16 or avx512_bf16, when they fit --amx-weights-max-gb) | off (default: "
-                "the recorded golden outputs are of the int4 kernels) | bf16"})
+                "more (prefill, batched decode), on the CPU's bf16 tiles through oneDNN: auto "
+                "(default: on a CPU with amx_bf16 or avx512_bf16, when they fit "
+                "--amx-weights-max-gb) | off | bf16"})
     amx_weights_max_gb: float = field(default=1.0, metadata={
         "help": "memory the bfloat16 copies may take under --amx-weights auto"})
     amx_min_rows: int = field(default=8, metadata={
@@ -358,7 +358,7 @@ class EngineConfig:
     kernel_backend: str
     speculative: SpeculativeConfig | None
     quantization: str = "auto"
-    amx_weights: str = "off"
+    amx_weights: str = "auto"
     amx_weights_max_gb: float = 1.0
     amx_min_rows: int = 8
 

@@ -59,6 +59,14 @@ static inline float hsum16(float *a) {
 
 /* sum of a[i] * b[i] in 16 interleaved partial sums (vectorizes without -ffast-math) */
 static inline float dot(const float *a, const float *b, int n) {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {          /* the same 16 partial sums, in registers, then a tree */
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < n; i += 16)
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
     float acc[16] = {0};
     int i = 0;
     for (; i + 16 <= n; i += 16)
@@ -142,20 +150,53 @@ void pd_rope_write_kv(const void *q, const void *k, const void *v, int qdt, int 
     }
 }
 
-/* x[0..n) <- softmax(x), n >= 1; with `sink` (one more logit, not written back: an
- * attention sink) the denominator has its term too. Reassociation allowed here alone (GCC),
- * so the max, exp and sum loops vectorize; scores are finite. */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fast-math")))
+#if defined(__AVX512F__)
+/* exp_nonpos on 16 lanes: the same operations in the same order (bitwise its results) */
+static inline __m512 exp_nonpos16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                                  _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                             _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
+}
 #endif
+
+/* x[0..n) <- softmax(x), n >= 1; with `sink` (one more logit, not written back: an
+ * attention sink) the denominator has its term too. 16 lanes at a time where AVX-512 is
+ * built in (the max, exp_nonpos16 and the sum in 16 partial sums); scores are finite. */
 static void softmax(float *x, int n, const float *sink) {
     float m = x[0], sum = 0.0f;
-    for (int i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+    int i = 0;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(x[0]);
+    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
+    m = _mm512_reduce_max_ps(mv);
+#endif
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
     if (sink) m = *sink > m ? *sink : m;
-    for (int i = 0; i < n; i++) sum += (x[i] = exp_nonpos(x[i] - m));
+    i = 0;
+#if defined(__AVX512F__)
+    __m512 sv = _mm512_setzero_ps(), mb = _mm512_set1_ps(m);
+    for (; i + 16 <= n; i += 16) {
+        __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(x + i), mb));
+        _mm512_storeu_ps(x + i, e);
+        sv = _mm512_add_ps(sv, e);
+    }
+    sum = _mm512_reduce_add_ps(sv);
+#endif
+    for (; i < n; i++) sum += (x[i] = exp_nonpos(x[i] - m));
     if (sink) sum += exp_nonpos(*sink - m);
     float inv = 1.0f / sum;
-    for (int i = 0; i < n; i++) x[i] *= inv;
+    for (i = 0; i < n; i++) x[i] *= inv;
 }
 
 /* One query per sequence over its paged context: q [B, Hq, D] float32; caches [blocks, bs,
@@ -229,25 +270,6 @@ static inline float silu(float g) {
     return (g >= 0.0f ? g : g * e) / (1.0f + e);
 }
 
-#if defined(__AVX512F__)
-/* exp_nonpos on 16 lanes: the same operations in the same order (bitwise its results) */
-static inline __m512 exp_nonpos16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                                  _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                             _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-    __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
-}
-#endif
 
 /* x [T, 2I] = cat(gate, up) -> silu(gate) * up [T, I] */
 void pd_silu_and_mul(const void *x, int xdt, long xs, void *out, int odt, long os, int T, int I) {
@@ -401,4 +423,5 @@ int pd_int8g32_matmul(const void *x, int xdt, int M, int K, const int8_t *w, con
  * files of their own, compiled as part of this one (they use the helpers and kernels above). */
 #include "cpu_mla.c"
 #include "cpu_int4.c"
+#include "cpu_bf16.c"
 #include "cpu_step.c"

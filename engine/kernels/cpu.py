@@ -1,4 +1,4 @@
-"""The C kernels of cpu.c (and cpu_mla.c, cpu_int4.c and cpu_step.c, which it #includes): built
+"""The C kernels of cpu.c (and cpu_mla.c, cpu_int4.c, cpu_bf16.c and cpu_step.c, which it #includes, part of the cache key): built
 once per machine with the host C compiler, loaded with ctypes.
 
 `library()` is None where they cannot be had (no compiler, not x86-64/aarch64 Linux); the
@@ -30,7 +30,7 @@ from engine.config import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu.c")
-INCLUDED = tuple(SOURCE.with_name(f) for f in ("cpu_mla.c", "cpu_int4.c", "cpu_step.c"))  # #included: keyed
+INCLUDED = tuple(SOURCE.with_name(f) for f in ("cpu_mla.c", "cpu_int4.c", "cpu_bf16.c", "cpu_step.c"))
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 BUILD_TIMEOUT_S = 120
 _DTYPE = {torch.float32: 0, torch.bfloat16: 1}
@@ -39,8 +39,8 @@ _lib: ctypes.PyDLL | None | bool = False      # False: not tried yet
 _nogil: ctypes.CDLL | None = None             # the same library, called without the GIL
 
 _SCRATCH = ("pd_rms_norm", "pd_decode_attention", "pd_mla_decode_attention", "pd_int8_matmul",
-            "pd_int8g32_matmul", "pd_rope_decode_attention", "pd_int4_matmul",
-            "pd_int4_avx512")      # return 1: no memory (pd_int4_avx512: 1 = built with AVX-512)
+            "pd_int8g32_matmul", "pd_rope_decode_attention", "pd_int4_matmul", "pd_bf16_matmul",
+            "pd_int4_avx512", "pd_bf16_native")  # 1: no memory (the last two: 1 = vectorized)
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "pd_rms_norm": [_P, _I, _L, _P, _L, _P, _L, _P, _P, _I, _L, _I, _I, _F],
@@ -54,6 +54,8 @@ _SIGNATURES = {
     "pd_int8g32_matmul": [_P, _I, _I, _I, _P, _P, _I, _P],
     "pd_int4_matmul": [_P, _I, _L, _I, _I, _I, _P, _P, _P, _I, _P],
     "pd_int4_avx512": [],
+    "pd_bf16_matmul": [_P, _I, _I, _I, _P, _I, _P],
+    "pd_bf16_native": [],
 }
 
 
@@ -342,4 +344,24 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mn: t
     y = torch.empty(M, N)
     _ok(library().pd_int4_matmul(x.data_ptr(), _dt(x), _rows(x, "x"), M, K, group, codes.data_ptr(),
                                  scale.data_ptr(), mn.data_ptr(), N, y.data_ptr()), "int4_matmul")
+    return y
+
+
+def has_bf16() -> bool:
+    """Whether cpu_bf16.c's kernel runs on the CPU's bfloat16 dot products here (built with
+    AVX512_BF16); without them the decode plan leaves batches of bfloat16 rows to oneDNN."""
+    lib = library()
+    return lib is not None and lib.pd_bf16_native() == 1
+
+
+def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) rounded to bfloat16, @ w [N, K] bfloat16 (contiguous),
+    summed in float32 -> [M, N] float32 (cpu_bf16.c)."""
+    M, K = x.shape
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != K or not w.is_contiguous():
+        raise ValueError(f"bf16_matmul: w must be a contiguous bfloat16 [N, {K}]")
+    x = x.contiguous()
+    y = torch.empty(M, w.shape[0])
+    _ok(library().pd_bf16_matmul(x.data_ptr(), _dt(x), M, K, w.data_ptr(), w.shape[0], y.data_ptr()),
+        "bf16_matmul")
     return y

@@ -17,7 +17,8 @@
  *   out = norm(h + res)
  *
  * Linears: float32 [N, K] (a dot per row, 16 lanes), int4 (cpu_int4.c), int8_g32
- * (pd_int8g32_matmul); float32 in and out. Scratch is allocated per call (a few KB a row);
+ * (pd_int8g32_matmul), and for batches of dense_rows rows or more the bfloat16 copy
+ * (cpu_bf16.c) where the layer keeps one; float32 in and out. Scratch is allocated per call (a few KB a row);
  * returns 1 when it cannot be had, 0 when done. One thread; the caller releases the GIL.
  */
 
@@ -29,6 +30,8 @@ typedef struct {
     const void *scale;          /* - | f16 [N, K/g] | f32 [N, K/32] */
     const void *min;            /* - | f16 [N, K/g] | - */
     const float *bias;          /* [N] or NULL */
+    const uint16_t *dense;      /* its bfloat16 copy [N, K] (engine/quant/amx.py) or NULL */
+    int dense_rows;             /* batches of this many rows or more multiply by the copy */
 } pd_linear;
 
 typedef struct {
@@ -56,7 +59,9 @@ static void f32_matmul(const float *x, int M, int K, const float *w, int N, floa
 
 static int linear(const pd_linear *l, const float *x, int M, float *y) {
     int status = 0;
-    if (l->kind == LIN_INT4)
+    if (l->dense && M >= l->dense_rows)
+        status = bf16_matmul(x, M, l->K, l->dense, l->N, y);
+    else if (l->kind == LIN_INT4)
         status = int4_matmul_f32(x, M, l->K, l->group, l->w, l->scale, l->min, l->N, y);
     else if (l->kind == LIN_I8G32)
         status = pd_int8g32_matmul(x, F32, M, l->K, l->w, l->scale, l->N, y);

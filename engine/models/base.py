@@ -161,6 +161,11 @@ class CausalLM(nn.Module):
                  ("triton" if kv_cache.is_cuda else "torch"), asked)
         for i, layer in enumerate(self.layers):    # K, V[, their scales]; MLA: latent[, scales]
             layer.self_attn.bind_kv_cache(*kv_cache[i], *(() if kv_scales is None else kv_scales[i]))
+        self.plan_decode()
+
+    def plan_decode(self) -> None:
+        """(Re)build the decode plan (decode_plan.py) from the model's tensors as they are now:
+        after the backend is settled and whenever a layer's weights change (amx.attach)."""
         self.decode_plan = DecodePlan.build(self) if self.backend == "cpu" else None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata,

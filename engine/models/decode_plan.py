@@ -17,13 +17,16 @@ MLA, other layer classes, an 8-bit cache, torch's int4 layout, fp8, int8 per cha
 builds no plan and runs layer by layer, as before. `build` says which and why.
 
 Which steps: decode only (one query per sequence), no layer hook (a prefill worker ships KV
-per layer), and fewer rows than `max_rows` (where the linears keep bfloat16 copies for
-many rows, engine/quant/amx.py, a batch of that many takes them layer by layer).
+per layer). Where the linears keep bfloat16 copies for batches of many rows
+(engine/quant/amx.py), such batches multiply by them here too (cpu_bf16.c, on the CPU's
+bfloat16 dot products); a CPU without those leaves them to the layer path (oneDNN):
+`max_rows`, from which rows a batch steps layer by layer (0: none).
 
 The arithmetic is the layer-by-layer path's: the same C kernels in the same order with the
 same float32 intermediates (tests/kernels/test_decode_plan.py compares the two bit for bit
 on int4 and int8_g32 models, within float32 rounding on float32 ones, whose layer-by-layer
-matmul is torch's).
+matmul is torch's, and on batches that take the bfloat16 copies, which oneDNN multiplies
+in another order and rounds to bfloat16 on the layer path).
 
 The structs hold raw pointers into the model's tensors: the plan is built when the model's
 backend is settled (CausalLM.bind_kv_cache, after every repack) and is valid while those
@@ -47,7 +50,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", _I), ("N", _I), ("K", _I), ("group", _I),
-                ("w", _P), ("scale", _P), ("min", _P), ("bias", _P)]
+                ("w", _P), ("scale", _P), ("min", _P), ("bias", _P), ("dense", _P), ("dense_rows", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -75,8 +78,9 @@ def _f32(t: torch.Tensor | None, what: str) -> int | None:
     return t.data_ptr()
 
 
-def _linear(m: nn.Module, what: str, keep: list) -> _Linear:
-    """A linear layer as the C code reads it (`keep`: tensors the struct points into)."""
+def _linear(m: nn.Module, what: str, keep: list, leaves: list) -> _Linear:
+    """A linear layer as the C code reads it (`keep`: tensors the struct points into;
+    `leaves`: gets the rows from which a bfloat16 copy the C code cannot use takes over)."""
     from engine.quant.int4 import Int4Cpu
     from engine.quant.int8_g32 import G32Plain
     from engine.quant.linear import QuantLinear
@@ -99,16 +103,23 @@ def _linear(m: nn.Module, what: str, keep: list) -> _Linear:
         b = bias.data.float().contiguous()
         keep.append(b)
         lin.bias = b.data_ptr()
+    dense = getattr(m, "dense", None)
+    if dense is not None and m.dense_rows:           # engine/quant/amx.py's bfloat16 copy
+        if cpu.has_bf16():
+            lin.dense, lin.dense_rows = dense.data_ptr(), m.dense_rows
+        else:                                        # no native bfloat16 dots: oneDNN's turn
+            leaves.append(m.dense_rows)
     return lin
 
 
 class DecodePlan:
     """The model as cpu_step.c reads it, and its decode step (module docstring)."""
 
-    def __init__(self, model: nn.Module, max_rows: int = 0):
+    def __init__(self, model: nn.Module):
         from .layers import MLP, Attention, DecoderLayer
         c = model.config
         keep: list[torch.Tensor] = []
+        leaves: list[int] = []
         layers = []
         for i, layer in enumerate(model.layers):
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -125,10 +136,10 @@ class DecodePlan:
                 _f32(layer.post_attention_layernorm.weight.data, "post_attention_layernorm"),
                 _f32(attn.q_norm.weight.data if attn.q_norm else None, "q_norm"),
                 _f32(attn.k_norm.weight.data if attn.k_norm else None, "k_norm"),
-                _linear(attn.qkv_proj, f"layer {i} qkv_proj", keep),
-                _linear(attn.o_proj, f"layer {i} o_proj", keep),
-                _linear(mlp.gate_up_proj, f"layer {i} gate_up_proj", keep),
-                _linear(mlp.down_proj, f"layer {i} down_proj", keep),
+                _linear(attn.qkv_proj, f"layer {i} qkv_proj", keep, leaves),
+                _linear(attn.o_proj, f"layer {i} o_proj", keep, leaves),
+                _linear(mlp.gate_up_proj, f"layer {i} gate_up_proj", keep, leaves),
+                _linear(mlp.down_proj, f"layer {i} down_proj", keep, leaves),
                 _f32(attn.k_cache, "k_cache"), _f32(attn.v_cache, "v_cache"),
                 None if sinks is None else sinks.data_ptr(), attn.window or 0))
         first = model.layers[0]
@@ -147,7 +158,7 @@ class DecodePlan:
                              _f32(model.norm.weight.data, "norm"), self._layers)
         self._cos_sin = model.cos_sin                   # the table the struct points into
         self.hidden = c.hidden_size
-        self.max_rows = max_rows                        # 0: every batch
+        self.max_rows = min(leaves, default=0)          # 0: every batch
         fn = cpu.nogil_library().pd_decode_step
         fn.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _I, _P]
         self._step = fn

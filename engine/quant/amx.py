@@ -2,12 +2,13 @@
 chunks, batched decode, speculative verification), run by oneDNN on the CPU's bfloat16
 tiles (`--amx-weights`, EngineOptions.amx_weights).
 
-Why: torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`) widens the codes anew for every
-row block and tops out at ~40-60 GFLOP/s here; oneDNN's bfloat16 brgemm (AMX on recent Xeons,
-`avx512_core_bf16` on this EPYC, chosen by oneDNN from the CPU) runs the same [M, K] x [K, N]
-product at 70-350 GFLOP/s once M reaches a few rows (bench/amx.py, bench/RESULTS.md "AMX").
-One row (single-stream decode) stays on the int4 kernel: it is bound by reading the weight,
-and the int4 copy is a quarter of the bytes.
+Why: the quantized kernels are bound by reading the weight at one row and by widening the
+codes at many (torch's int4 kernel tops out at ~40-60 GFLOP/s here, cpu_int4.c's float32
+one at ~100-130); oneDNN's bfloat16 brgemm (AMX on recent Xeons, `avx512_core_bf16` on this
+EPYC, chosen by oneDNN from the CPU) runs the same [M, K] x [K, N] product at 200-400
+GFLOP/s a core once M reaches a few rows (bench/amx.py, bench/RESULTS.md "AMX"). One row
+and small batches stay on the int4 kernel: bound by reading the weight, and the int4 copy is
+a quarter of the bytes.
 
     cpu_flags()            the CPU's feature flags (/proc/cpuinfo's first "flags" line), cached
     bf16_tiles(flags)      True where oneDNN multiplies bfloat16 natively: amx_bf16 or avx512_bf16
@@ -15,23 +16,27 @@ and the int4 copy is a quarter of the bytes.
                            the pure selection: off -> never; bf16 -> always (asked for); auto ->
                            only with the tiles and when the copies fit the byte budget
     attach(model, mode, budget_gb, min_rows, device)
-                           each decoder QuantLinear of `model` whose kernel multiplies in
-                           bfloat16 already (not the heads, see below; `candidates`) keeps
-                           `dense` = its dequantized weight rounded once to bfloat16 (a
-                           non-persistent buffer: state_dict and weight_bytes are unchanged);
-                           QuantLinear.forward then multiplies x [M >= min_rows, K] by it
-                           (torch.nn.functional.linear in bfloat16, bfloat16 out like the int4
-                           kernel's). Returns an AmxPlan saying what was chosen and why.
+                           each decoder QuantLinear of `model` of 4-bit weights or whose kernel
+                           multiplies in bfloat16 already (not the heads, see below;
+                           `candidates`) keeps `dense` = its dequantized weight rounded once to
+                           bfloat16 (a non-persistent buffer: state_dict and weight_bytes are
+                           unchanged); QuantLinear.forward then multiplies x [M >= min_rows, K]
+                           by it (torch.nn.functional.linear in bfloat16, bfloat16 out), and the
+                           model's decode plan (models/decode_plan.py) leaves batches of that
+                           many rows to the layer path. Returns an AmxPlan saying what was
+                           chosen and why.
 
-Numerics: the int4 path computes with bfloat16 x and bfloat16 (scale, zero) pairs, this one
-with bfloat16 x and each weight rounded to bfloat16 (relative error <= 2^-9 per weight); both
-accumulate in float32 and round the output to bfloat16, so the two differ by a few bfloat16
-ulps of the output (tests/kernels/test_amx.py bounds it against float32).
+Numerics: x and each weight rounded to bfloat16 (relative error <= 2^-9 per value),
+accumulated in float32, the output rounded to bfloat16: a few bfloat16 ulps of the output
+from the float32 int4 kernel's (tests/kernels/test_amx.py bounds it against float32), far
+inside what the 4-bit codes themselves round (a step of 1/15 of a group's range).
 
-Default off (EngineOptions.amx_weights): on the recorded golden outputs of random tiny models
-(tests/unit/test_golden_outputs.py) this path changes a near-tied greedy token in 8 of the
-int4/int8 cases (the transformers comparisons, test_engine_vs_hf.py and test_gguf.py, pass
-with it on); turning `auto` on by default needs those recordings redone with it.
+On by default (`auto`, EngineOptions.amx_weights) where the CPU has bfloat16 tiles: a
+1k-token prefill of the default model runs 2.3-3x faster with them (bench/RESULTS.md). The
+golden outputs are recorded per CPU capability with them on; the transformers comparisons
+(test_engine_vs_hf.py, test_gguf.py, test_prequant_gguf.py) pass with them on, and
+tests/kernels/test_decode_plan.py compares the int4 kernels alone (off) with transformers
+within the float32 engine's own tolerance.
 
 The output head is left on its own kernel: on CPU it writes float32 logits from the stored
 codes (int8_g32's G32Plain), where a bfloat16 product would round each logit to 2^-8 of its
@@ -131,8 +136,7 @@ def attach(model: nn.Module, mode: str = "auto", budget_gb: float = 1.0,
     if plan.on:
         for name, m in layers:
             m.keep_dense(min_rows)
-        if getattr(model, "decode_plan", None) is not None:     # batches of min_rows: the copies
-            model.decode_plan.max_rows = min_rows
+        _replan(model)
         plan.layers, plan.bytes, plan.names = len(layers), need, [n for n, _ in layers]
     log.info("amx weights: %s%s", plan.why, f", {plan.layers} layers, {plan.bytes / 2**20:.0f} MiB "
              f"of bfloat16, from {min_rows} rows" if plan.on else "")
@@ -143,5 +147,10 @@ def detach(model: nn.Module) -> None:
     """Drop every bfloat16 copy (back to the quantized kernels for every M)."""
     for _, m in candidates(model):
         m.drop_dense()
+    _replan(model)
+
+
+def _replan(model: nn.Module) -> None:
+    """The model's decode plan, which points at each layer's copy, rebuilt (models/base.py)."""
     if getattr(model, "decode_plan", None) is not None:
-        model.decode_plan.max_rows = 0
+        model.plan_decode()

@@ -163,18 +163,41 @@ def test_no_plan_where_the_c_step_does_not_apply(tmp_path, caplog):
     assert len(out.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
 
-def test_a_batch_of_amx_rows_steps_layer_by_layer(tmp_path):
-    """With bfloat16 copies for batches of >= amx_min_rows rows (engine/quant/amx.py), the
-    plan takes smaller decode batches only; dropping the copies gives it every batch again."""
+@pytest.mark.parametrize("m", [1, 4, 7, 13])
+def test_bf16_matmul_is_float32_of_the_rounded_values(m):
+    """cpu_bf16.c: x rounded to bfloat16 (as torch rounds it), times a bfloat16 weight,
+    summed in float32: within float32 summation error of the float64 product of those
+    values (N % 4 = 1 and K % 32 = 8: the scalar rows and the masked tail)."""
+    gen, seed = fresh_generator()
+    x, w = randn(gen, m, 328), randn(gen, 4 * 9 + 1, 328, dtype=torch.bfloat16)
+    got = C.bf16_matmul(x, w)
+    want = x.bfloat16().double() @ w.double().T
+    assert got.dtype == torch.float32
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6, seed
+
+
+def test_batches_of_amx_rows_take_the_bfloat16_copies(tmp_path, monkeypatch):
+    """With bfloat16 copies for batches of >= amx_min_rows rows (engine/quant/amx.py) the plan
+    multiplies such batches by them (cpu_bf16.c, where the CPU has bfloat16 dot products;
+    else it leaves them to the layer path: `max_rows`), and smaller ones by the int4 codes;
+    the copies dropped, the plan is rebuilt without them. Tokens equal the layer path's
+    (oneDNN on the same copies) up to a near-tie, as tests/kernels/test_amx.py compares."""
     from engine.quant import amx
+    from test_amx import _same_until_a_near_tie
     d = make_hf_model("llama", tmp_path / "m", hidden_size=128, intermediate_size=256)
-    llm = LLM(d, dtype="float32", num_blocks=64, block_size=8, quantization="int4_g32",
+    kw = dict(dtype="float32", num_blocks=64, block_size=8, quantization="int4_g32",
               amx_weights="bf16", amx_min_rows=3)
+    prompts = _prompts()
+    want, _ = _generate(kw, d, prompts, plan=False, monkeypatch=monkeypatch)
+    llm = LLM(d, **kw)
     plan = llm.engine.model.decode_plan
-    assert llm.engine.amx.on and plan.max_rows == 3
-    assert plan.takes(2) and not plan.takes(3)
+    assert llm.engine.amx.on and plan._layers[0].qkv.dense_rows == (3 if C.has_bf16() else 0)
+    assert plan.max_rows == (0 if C.has_bf16() else 3)
+    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))
+    assert not _same_until_a_near_tie(got, want)
     amx.detach(llm.engine.model)
-    assert plan.max_rows == 0 and plan.takes(64)
+    plan = llm.engine.model.decode_plan
+    assert plan.max_rows == 0 and not plan._layers[0].qkv.dense
 
 
 def test_default_model_plan_equals_the_layer_by_layer_step(monkeypatch):
