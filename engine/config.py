@@ -320,6 +320,11 @@ class EngineOptions:
         "help": "memory the bfloat16 copies may take under --amx-weights auto"})
     amx_min_rows: int = field(default=8, metadata={
         "help": "rows from which a quantized linear multiplies by its bfloat16 copy"})
+    step_threads: int = field(default=0, metadata={
+        "help": "threads of a CPU decode step run in one C call (engine/models/decode_plan.py): "
+                "the stepping thread and helpers that share its matmuls and attention only "
+                "while the OS runs them, so a busy core costs nothing (0: every core this "
+                "process may run on; 1: none)"})
 
     def __post_init__(self):
         check_kernel_backend(self.kernel_backend)
@@ -331,6 +336,8 @@ class EngineOptions:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unsupported quantization {self.quantization!r}: expected one of "
                              f"{QUANTIZATIONS}")
+        if self.step_threads < 0:
+            raise ValueError(f"step_threads must be >= 0 (0: every core), got {self.step_threads}")
         if self.amx_weights not in AMX_WEIGHTS or self.amx_min_rows < 1 or self.amx_weights_max_gb < 0:
             raise ValueError(f"amx_weights must be one of {AMX_WEIGHTS} (got {self.amx_weights!r}), "
                              f"amx_min_rows >= 1 (got {self.amx_min_rows}), amx_weights_max_gb >= 0")
@@ -361,6 +368,7 @@ class EngineConfig:
     amx_weights: str = "auto"
     amx_weights_max_gb: float = 1.0
     amx_min_rows: int = 8
+    step_threads: int = 0
 
     @classmethod
     def build(cls, model_dir: str | Path, options: EngineOptions) -> "EngineConfig":
@@ -370,7 +378,8 @@ class EngineConfig:
                    dtype=options.dtype, kernel_backend=options.kernel_backend,
                    speculative=SpeculativeConfig.parse(options.speculative),
                    quantization=options.quantization, amx_weights=options.amx_weights,
-                   amx_weights_max_gb=options.amx_weights_max_gb, amx_min_rows=options.amx_min_rows)
+                   amx_weights_max_gb=options.amx_weights_max_gb, amx_min_rows=options.amx_min_rows,
+                   step_threads=options.step_threads)
 
     @property
     def torch_dtype(self):

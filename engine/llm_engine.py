@@ -22,6 +22,7 @@ Not thread-safe: call it from one thread (the async wrapper owns that thread).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -92,6 +93,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.kv_events = self.kv.events      # what the worker streams to the gateway (KvEvents)
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        # the decode plan's threads (built with the runner, when the backend is settled)
+        self.model.step_threads = config.step_threads or len(os.sched_getaffinity(0))
         self.runner = ModelRunner(self.model, self.num_blocks, cc.block_size, self.dtype, config.device,
                                   config.scheduler.max_num_seqs, decode_graphs,
                                   kv_dtype=config.kv_torch_dtype)

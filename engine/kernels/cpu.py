@@ -1,4 +1,5 @@
-"""The C kernels of cpu.c (and cpu_mla.c, cpu_int4.c, cpu_bf16.c and cpu_step.c, which it #includes, part of the cache key): built
+"""The C kernels of cpu.c (and the files it #includes: cpu_mla.c, cpu_int4.c, cpu_bf16.c, cpu_pool.c,
+cpu_step.c, part of the cache key): built
 once per machine with the host C compiler, loaded with ctypes.
 
 `library()` is None where they cannot be had (no compiler, not x86-64/aarch64 Linux); the
@@ -30,8 +31,9 @@ from engine.config import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu.c")
-INCLUDED = tuple(SOURCE.with_name(f) for f in ("cpu_mla.c", "cpu_int4.c", "cpu_bf16.c", "cpu_step.c"))
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+INCLUDED = tuple(SOURCE.with_name(f) for f in ("cpu_mla.c", "cpu_int4.c", "cpu_bf16.c", "cpu_pool.c",
+                                                "cpu_step.c"))
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread"]
 BUILD_TIMEOUT_S = 120
 _DTYPE = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
@@ -104,6 +106,8 @@ def _build() -> tuple[ctypes.PyDLL, ctypes.CDLL] | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, (ctypes.c_int if name in _SCRATCH else None)
     nogil.pd_decode_step.restype = ctypes.c_int     # argtypes: engine/models/decode_plan.py
+    nogil.pd_pool_new.argtypes, nogil.pd_pool_new.restype = [_I, _L, _L], ctypes.c_void_p
+    nogil.pd_pool_free.argtypes, nogil.pd_pool_free.restype = [ctypes.c_void_p], None
     return lib, nogil
 
 

@@ -79,7 +79,7 @@ static float int4_dot(const float *x, const uint8_t *w, const uint16_t *sc, cons
  * scales and mins, float32 [4, G]; xs: per-group sums of x [mr, G]. */
 static inline __attribute__((always_inline)) void int4_gemv4(
         const float *x, const float *xs, int K, int g, const uint8_t *w, const float *sc,
-        const float *mn, int mr, float *y, int N) {
+        const float *mn, int mr, float *y, long N) {
     const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int G = K / g;
     long row = K / 2;
@@ -114,7 +114,7 @@ static inline __attribute__((always_inline)) void int4_gemv4(
 /* M >= 3: 4 rows of W dequantized per 32 values, times mr <= 4 rows of x */
 static inline __attribute__((always_inline)) void int4_block4(
         const float *x, int K, int g, const uint8_t *w, const float *sc, const float *mn,
-        int mr, float *y, int N) {
+        int mr, float *y, long N) {
     const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int G = K / g;
     long row = K / 2;
@@ -143,13 +143,15 @@ static inline __attribute__((always_inline)) void int4_block4(
 }
 #endif
 
-/* x float32, contiguous rows [M, K] */
-static int int4_matmul_f32(const float *x, int M, int K, int g, const uint8_t *w,
-                           const uint16_t *sc, const uint16_t *mn, int N, float *y) {
-    int n = 0;
+/* columns [n0, n1) of y = x @ W.T into y0 [M, n1 - n0], rows ldy apart (x float32,
+ * contiguous rows [M, K]); n0 a multiple of 4 */
+static int int4_matmul_cols(const float *x, int M, int K, int g, const uint8_t *w,
+                            const uint16_t *sc, const uint16_t *mn, int n0, int n1, float *y0,
+                            long ldy) {
+    int n = n0;
 #if defined(__AVX512F__)
     int G = K / g;
-    float *s = malloc(sizeof(float) * (8L * G + (M <= 2 ? (long)M * G : 0)));
+    float *s = amalloc(sizeof(float) * (8L * G + (M <= 2 ? (long)M * G : 0)));
     if (!s) return 1;
     float *m = s + 4L * G, *xs = s + 8L * G;
     if (M <= 2)
@@ -161,34 +163,40 @@ static int int4_matmul_f32(const float *x, int M, int K, int g, const uint8_t *w
                     for (int l = 0; l < 16; l++) acc[l] += xq[j + l];
                 xs[i * G + q] = hsum16(acc);
             }
-    for (; n + 4 <= N; n += 4) {
+    for (; n + 4 <= n1; n += 4) {
         const uint8_t *wn = w + (long)n * (K / 2);
+        float *y = y0 + (n - n0);
         f16_to_f32(sc + (long)n * G, s, 4 * G);
         f16_to_f32(mn + (long)n * G, m, 4 * G);
-        if (M == 1) int4_gemv4(x, xs, K, g, wn, s, m, 1, y + n, N);
-        else if (M == 2) int4_gemv4(x, xs, K, g, wn, s, m, 2, y + n, N);
+        if (M == 1) int4_gemv4(x, xs, K, g, wn, s, m, 1, y, ldy);
+        else if (M == 2) int4_gemv4(x, xs, K, g, wn, s, m, 2, y, ldy);
         else {
             int i = 0;
-            for (; i + 4 <= M; i += 4) int4_block4(x + (long)i * K, K, g, wn, s, m, 4, y + (long)i * N + n, N);
-            if (M - i == 3) int4_block4(x + (long)i * K, K, g, wn, s, m, 3, y + (long)i * N + n, N);
-            else if (M - i == 2) int4_block4(x + (long)i * K, K, g, wn, s, m, 2, y + (long)i * N + n, N);
-            else if (M - i == 1) int4_block4(x + (long)i * K, K, g, wn, s, m, 1, y + (long)i * N + n, N);
+            for (; i + 4 <= M; i += 4) int4_block4(x + (long)i * K, K, g, wn, s, m, 4, y + i * ldy, ldy);
+            if (M - i == 3) int4_block4(x + (long)i * K, K, g, wn, s, m, 3, y + i * ldy, ldy);
+            else if (M - i == 2) int4_block4(x + (long)i * K, K, g, wn, s, m, 2, y + i * ldy, ldy);
+            else if (M - i == 1) int4_block4(x + (long)i * K, K, g, wn, s, m, 1, y + i * ldy, ldy);
         }
     }
     free(s);
 #endif
-    for (; n < N; n++)
+    for (; n < n1; n++)
         for (int i = 0; i < M; i++)
-            y[(long)i * N + n] = int4_dot(x + (long)i * K, w + (long)n * (K / 2), sc + (long)n * (K / g),
-                                          mn + (long)n * (K / g), K, g);
+            y0[i * ldy + (n - n0)] = int4_dot(x + (long)i * K, w + (long)n * (K / 2), sc + (long)n * (K / g),
+                                              mn + (long)n * (K / g), K, g);
     return 0;
+}
+
+static int int4_matmul_f32(const float *x, int M, int K, int g, const uint8_t *w,
+                           const uint16_t *sc, const uint16_t *mn, int N, float *y) {
+    return int4_matmul_cols(x, M, K, g, w, sc, mn, 0, N, y, N);
 }
 
 /* x float32 or bfloat16 (xdt), rows `xs` elements apart; y float32 [M, N] */
 int pd_int4_matmul(const void *x, int xdt, long xstride, int M, int K, int g, const uint8_t *w,
                    const uint16_t *sc, const uint16_t *mn, int N, float *y) {
     if (xdt == F32 && xstride == K) return int4_matmul_f32(x, M, K, g, w, sc, mn, N, y);
-    float *xf = malloc(sizeof(float) * (long)M * K);
+    float *xf = amalloc(sizeof(float) * (long)M * K);
     if (!xf) return 1;
     for (int i = 0; i < M; i++)
         for (int k = 0; k < K; k++) xf[(long)i * K + k] = ld(x, xdt, (long)i * xstride + k);

@@ -117,7 +117,7 @@ int pd_mla_decode_attention(const float *q, const float *kv, long nb, int bs, in
         for (int i = 0; i < (ctx[b] + bs - 1) / bs; i++)
             if (block_tables[(long)b * W + i] < 0 || block_tables[(long)b * W + i] >= nb) return 2;
     }
-    float *acc = malloc(sizeof(float) * ((long)H * V + (long)H * MLA_TILE + 2L * H));
+    float *acc = amalloc(sizeof(float) * ((long)H * V + (long)H * MLA_TILE + 2L * H));
     if (!acc) return 1;
     float *p = acc + (long)H * V, *m = p + (long)H * MLA_TILE, *l = m + H;
     const float *rows[MLA_TILE];

@@ -48,6 +48,7 @@ class CausalLM(nn.Module):
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     # the linears a quantization scheme may hold (routers and gates stay float)
     quantizable = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    step_threads = 1         # the decode plan's threads (LLMEngine sets EngineOptions.step_threads)
 
     def __init__(self, c: ModelConfig, backend: str = "auto"):
         super().__init__()

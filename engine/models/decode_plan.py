@@ -28,6 +28,12 @@ on int4 and int8_g32 models, within float32 rounding on float32 ones, whose laye
 matmul is torch's, and on batches that take the bfloat16 copies, which oneDNN multiplies
 in another order and rounds to bfloat16 on the layer path).
 
+Threads: `step_threads` (EngineOptions; default every core the process may run on): the
+stepping thread plus helpers (cpu_pool.c) that take chunks of each matmul and attention
+only while the OS runs them; the caller takes back a chunk a descheduled helper holds, so
+a busy core (the prefill worker's) never stalls the step, and the values are those of one
+thread, bit for bit.
+
 The structs hold raw pointers into the model's tensors: the plan is built when the model's
 backend is settled (CausalLM.bind_kv_cache, after every repack) and is valid while those
 tensors live; anything that replaces a weight or the cache afterwards must rebuild it.
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -45,6 +52,8 @@ from engine.kernels import cpu
 log = logging.getLogger(__name__)
 
 LIN_F32, LIN_INT4, LIN_I8G32 = 0, 1, 2
+SPIN_NS = 50_000       # a helper spins this long for the next op, then sleeps (cpu_pool.c)
+STEAL_NS = 50_000      # a helper's chunk is taken back after this when the caller took none
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
@@ -88,13 +97,16 @@ def _linear(m: nn.Module, what: str, keep: list, leaves: list) -> _Linear:
         n, k = m.weight.shape
         bias = m.bias
         lin = _Linear(LIN_F32, n, k, 0, _f32(m.weight.data, what), None, None, None)
+        keep.append(m.weight.data)
     elif isinstance(m, QuantLinear) and not m.head:
         p, (n, k), bias = m.packed, m.packed.shape, m.bias
         if isinstance(p, Int4Cpu):
             lin = _Linear(LIN_INT4, n, k, p.group, p.qweight.data_ptr(), p.scale.data_ptr(),
                           p.min.data_ptr(), None)
+            keep.extend((p.qweight, p.scale, p.min))
         elif isinstance(p, G32Plain):
             lin = _Linear(LIN_I8G32, n, k, 32, p.qweight.data_ptr(), _f32(p.scale, what), None, None)
+            keep.extend((p.qweight, p.scale))
         else:
             raise Unsupported(f"{what}: {type(p).__name__} weights")
     else:
@@ -107,6 +119,7 @@ def _linear(m: nn.Module, what: str, keep: list, leaves: list) -> _Linear:
     if dense is not None and m.dense_rows:           # engine/quant/amx.py's bfloat16 copy
         if cpu.has_bf16():
             lin.dense, lin.dense_rows = dense.data_ptr(), m.dense_rows
+            keep.append(dense)
         else:                                        # no native bfloat16 dots: oneDNN's turn
             leaves.append(m.dense_rows)
     return lin
@@ -142,6 +155,9 @@ class DecodePlan:
                 _linear(mlp.down_proj, f"layer {i} down_proj", keep, leaves),
                 _f32(attn.k_cache, "k_cache"), _f32(attn.v_cache, "v_cache"),
                 None if sinks is None else sinks.data_ptr(), attn.window or 0))
+            keep.extend(t.data for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                         attn.k_cache, attn.v_cache) + ((attn.q_norm.weight, attn.k_norm.weight)
+                                                                         if attn.q_norm else ()))
         first = model.layers[0]
         attn = first.self_attn
         eps = {first.input_layernorm.eps, first.post_attention_layernorm.eps, model.norm.eps}
@@ -151,7 +167,9 @@ class DecodePlan:
         if any(l.mlp.gate_up_proj.out_features != 2 * inter for l in model.layers):
             raise Unsupported("layers of different MLP widths")
         self._layers = (_Layer * len(layers))(*layers)
-        self._keep = keep
+        # every tensor the structs point into: freed only after the plan (whose finalizer
+        # joins the helper threads that may still read them)
+        self._keep = keep + [model.norm.weight.data]
         self._model = _Model(len(layers), c.hidden_size, attn.nh, attn.nkv, attn.hd,
                              model.cos_sin.shape[1], inter, attn.k_cache.shape[1], eps.pop(),
                              attn.scale, _f32(model.cos_sin, "cos_sin"),
@@ -159,9 +177,11 @@ class DecodePlan:
         self._cos_sin = model.cos_sin                   # the table the struct points into
         self.hidden = c.hidden_size
         self.max_rows = min(leaves, default=0)          # 0: every batch
-        fn = cpu.nogil_library().pd_decode_step
-        fn.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _I, _P]
-        self._step = fn
+        lib = cpu.nogil_library()
+        lib.pd_decode_step.argtypes = [ctypes.POINTER(_Model), _P, _I, _P, _P, _P, _P, _I, _P]
+        self._lib, self._step = lib, lib.pd_decode_step
+        self.threads = max(1, getattr(model, "step_threads", 1))
+        self._pool = None                               # its helper threads, at the first step
 
     @classmethod
     def build(cls, model: nn.Module) -> "DecodePlan | None":
@@ -184,8 +204,14 @@ class DecodePlan:
         B = h.shape[0]
         tables = meta.block_tables if meta.block_tables.is_contiguous() else meta.block_tables.contiguous()
         pos = positions if positions.dtype == torch.int64 else positions.long()
-        if self._step(ctypes.byref(self._model), B, h.data_ptr(), pos.data_ptr(),
+        if self._pool is None and self.threads > 1:
+            self._pool = self._lib.pd_pool_new(self.threads - 1, SPIN_NS, STEAL_NS)
+            weakref.finalize(self, self._lib.pd_pool_free, self._pool)   # joins them
+        if self._step(ctypes.byref(self._model), self._pool, B, h.data_ptr(), pos.data_ptr(),
                       meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1],
                       meta.context_lens.data_ptr()):
             raise MemoryError("decode step: no memory for its scratch buffers")
+        # a helper whose chunk the step took back may still read these until the next step
+        # begins (cpu_pool.c: pool_quiesce): they live until then
+        self._inputs = (pos, meta.slot_mapping, tables, meta.context_lens)
         return h

@@ -214,3 +214,23 @@ def test_default_model_plan_equals_the_layer_by_layer_step(monkeypatch):
     assert steps
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
+
+
+@pytest.mark.parametrize("threads", [2, 5])
+def test_helper_threads_change_no_bit(tmp_path, threads):
+    """The step shared with helper threads (cpu_pool.c) gives the one-thread step's tokens and
+    logprobs to the bit, batches of every size the engine forms, bfloat16 copies on; five
+    threads on this machine's cores also exercise the caller taking back chunks from
+    helpers the OS has not run."""
+    d = make_hf_model("llama", tmp_path / "m", hidden_size=128, intermediate_size=256)
+    kw = dict(dtype="float32", num_blocks=128, block_size=8, quantization="int4_g32",
+              amx_weights="bf16", amx_min_rows=3)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 17, 9, 30, 5, 12)]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    one = LLM(d, step_threads=1, **kw)
+    many = LLM(d, step_threads=threads, **kw)
+    assert one.engine.model.decode_plan.threads == 1 and many.engine.model.decode_plan.threads == threads
+    for batch in (prompts[:1], prompts[:4], prompts):
+        for a, b in zip(one.generate(batch, sp), many.generate(batch, sp)):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
