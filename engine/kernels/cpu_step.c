@@ -52,6 +52,7 @@ typedef struct {
     const float *cos_sin;                   /* [max_pos, rotary_dim] */
     const float *final_norm;                /* [H] */
     const pd_layer *layers;
+    pd_linear head;                         /* the output head (N = 0: not the plan's) */
 } pd_model;
 
 /* columns [n0, n1) of x [M, K] @ w[N, K].T into y [M, n1 - n0], rows ldy apart, float32 */
@@ -223,4 +224,11 @@ int pd_decode_step(const pd_model *m, pd_pool *pool, int B, float *h, const int6
     if (!st) st |= pd_rms_norm(y, F32, H, res, H, res, H, m->final_norm, h, F32, H, B, H, m->eps);
     if (!pool) free(buf);
     return st ? 1 : 0;
+}
+
+/* logits y [M, V] float32 = x [M, H] @ head.T, shared with the pool's helpers by columns
+ * (the head's own kernel, so the layer path's values to the bit) */
+int pd_decode_logits(const pd_model *m, pd_pool *pool, int M, const float *x, float *y) {
+    pool_quiesce(pool);
+    return linear(pool, &m->head, x, M, y, NULL);
 }

@@ -193,6 +193,9 @@ class CausalLM(nn.Module):
         return plan is not None and meta.decode_only and plan.takes(meta.context_lens.shape[0])
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        plan = self.decode_plan
+        if plan is not None and plan.has_head:     # the head's kernel, shared with its helpers
+            return plan.logits(h)
         if self.lm_head is None:
             return nn.functional.linear(h, self.embed_tokens.weight).float()
         return self.lm_head(h).float()      # nn.Linear, or engine.quant's QuantLinear

@@ -72,7 +72,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I), ("hidden", _I), ("num_heads", _I), ("num_kv_heads", _I),
                 ("head_dim", _I), ("rotary_dim", _I), ("intermediate", _I), ("block_size", _I),
                 ("eps", _F), ("scale", _F), ("cos_sin", _P), ("final_norm", _P),
-                ("layers", ctypes.POINTER(_Layer))]
+                ("layers", ctypes.POINTER(_Layer)), ("head", _Linear)]
 
 
 class Unsupported(Exception):
@@ -87,19 +87,23 @@ def _f32(t: torch.Tensor | None, what: str) -> int | None:
     return t.data_ptr()
 
 
-def _linear(m: nn.Module, what: str, keep: list, leaves: list) -> _Linear:
+def _linear(m: nn.Module, what: str, keep: list, leaves: list, head: bool = False) -> _Linear:
     """A linear layer as the C code reads it (`keep`: tensors the struct points into;
-    `leaves`: gets the rows from which a bfloat16 copy the C code cannot use takes over)."""
+    `leaves`: gets the rows from which a bfloat16 copy the C code cannot use takes over;
+    `head`: the output head, whose layout may not refine its top logits)."""
     from engine.quant.int4 import Int4Cpu
     from engine.quant.int8_g32 import G32Plain
     from engine.quant.linear import QuantLinear
+    from engine.quant.scheme import Packed
     if type(m) is nn.Linear:
         n, k = m.weight.shape
         bias = m.bias
         lin = _Linear(LIN_F32, n, k, 0, _f32(m.weight.data, what), None, None, None)
         keep.append(m.weight.data)
-    elif isinstance(m, QuantLinear) and not m.head:
+    elif isinstance(m, QuantLinear) and m.head == head:
         p, (n, k), bias = m.packed, m.packed.shape, m.bias
+        if head and type(p).refine_top is not Packed.refine_top:
+            raise Unsupported(f"{what}: {type(p).__name__} refines its top logits")
         if isinstance(p, Int4Cpu):
             lin = _Linear(LIN_INT4, n, k, p.group, p.qweight.data_ptr(), p.scale.data_ptr(),
                           p.min.data_ptr(), None)
@@ -174,11 +178,23 @@ class DecodePlan:
                              model.cos_sin.shape[1], inter, attn.k_cache.shape[1], eps.pop(),
                              attn.scale, _f32(model.cos_sin, "cos_sin"),
                              _f32(model.norm.weight.data, "norm"), self._layers)
+        self.has_head = False         # the head in C too (logits): float32 or G32Plain codes
+        try:
+            if model.lm_head is None:                # tied to a float table
+                head = _Linear(LIN_F32, c.vocab_size, c.hidden_size, 0,
+                               _f32(model.embed_tokens.weight.data, "embed_tokens"), None, None, None)
+                keep.append(model.embed_tokens.weight.data)
+            else:
+                head = _linear(model.lm_head, "lm_head", keep, [], head=type(model.lm_head) is not nn.Linear)
+            self._model.head, self.has_head = head, True
+        except Unsupported as e:
+            log.info("logits layer by layer: %s", e)
         self._cos_sin = model.cos_sin                   # the table the struct points into
         self.hidden = c.hidden_size
         self.max_rows = min(leaves, default=0)          # 0: every batch
         lib = cpu.nogil_library()
         lib.pd_decode_step.argtypes = [ctypes.POINTER(_Model), _P, _I, _P, _P, _P, _P, _I, _P]
+        lib.pd_decode_logits.argtypes, lib.pd_decode_logits.restype = [ctypes.POINTER(_Model), _P, _I, _P, _P], _I
         self._lib, self._step = lib, lib.pd_decode_step
         self.threads = max(1, getattr(model, "step_threads", 1))
         self._pool = None                               # its helper threads, at the first step
@@ -197,6 +213,23 @@ class DecodePlan:
     def takes(self, batch: int) -> bool:
         return not self.max_rows or batch < self.max_rows
 
+    def pool(self):
+        """The helper threads (cpu_pool.c), started at the first call."""
+        if self._pool is None and self.threads > 1:
+            self._pool = self._lib.pd_pool_new(self.threads - 1, SPIN_NS, STEAL_NS)
+            weakref.finalize(self, self._lib.pd_pool_free, self._pool)   # joins them
+        return self._pool
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [M, H] -> [M, V] float32 logits, the head's own arithmetic (has_head)."""
+        h = h if h.dtype == torch.float32 and h.is_contiguous() else h.float().contiguous()
+        y = torch.empty(h.shape[0], self._model.head.N)
+        if self._lib.pd_decode_logits(ctypes.byref(self._model), self.pool(), h.shape[0], h.data_ptr(),
+                                      y.data_ptr()):
+            raise MemoryError("logits: no memory for scratch buffers")
+        self._inputs = (h,)                 # read by late helpers until the next call
+        return y
+
     def forward(self, h: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """h [B, H] float32 embeddings (overwritten) -> [B, H] final hidden states."""
         if h.dtype != torch.float32 or not h.is_contiguous():
@@ -204,14 +237,11 @@ class DecodePlan:
         B = h.shape[0]
         tables = meta.block_tables if meta.block_tables.is_contiguous() else meta.block_tables.contiguous()
         pos = positions if positions.dtype == torch.int64 else positions.long()
-        if self._pool is None and self.threads > 1:
-            self._pool = self._lib.pd_pool_new(self.threads - 1, SPIN_NS, STEAL_NS)
-            weakref.finalize(self, self._lib.pd_pool_free, self._pool)   # joins them
-        if self._step(ctypes.byref(self._model), self._pool, B, h.data_ptr(), pos.data_ptr(),
+        if self._step(ctypes.byref(self._model), self.pool(), B, h.data_ptr(), pos.data_ptr(),
                       meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1],
                       meta.context_lens.data_ptr()):
             raise MemoryError("decode step: no memory for its scratch buffers")
-        # a helper whose chunk the step took back may still read these until the next step
+        # a helper whose chunk the step took back may still read these until the next call
         # begins (cpu_pool.c: pool_quiesce): they live until then
         self._inputs = (pos, meta.slot_mapping, tables, meta.context_lens)
         return h
