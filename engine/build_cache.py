@@ -5,8 +5,10 @@ GGUF header cache (engine/gguf_cache.py), keyed by everything the result depends
       model   the loaded, quantized CausalLM (load_model + quantize_model: the GGUF codes
               read, the int4 linears packed, the int8_g32 table built; 1.1-1.5 s of the
               default model's start-up on one thread, 3-7 s with both workers loading at
-              once) as torch.save wrote it (.pt), read back with mmap (~0.1 s; the pages are
-              the file's: the workers share them), beside a .json stamp
+              once), its kernel backend settled (the C kernels' layouts: 0.37 s) and its
+              bfloat16 copies made (engine/quant/amx.py: 0.31 s), as torch.save wrote it
+              (.pt), read back with mmap (~0.1 s; the pages are the file's: the workers
+              share them), beside a .json stamp
               {version, key, size, crc32} of that file
       other   a JSON entry {version, key, crc32, payload} (the prefill worker's warm-up
               cost: prefill_worker/server.py)
@@ -173,7 +175,9 @@ def cached_model(config, build: Callable[[], object]):
         return build(), "off"
     import torch
     key = engine_key("model", config.model, dtype=str(config.torch_dtype), device=config.device,
-                     kernel_backend=config.kernel_backend, quantization=config.quantization)
+                     kernel_backend=config.kernel_backend, quantization=config.quantization,
+                     kv_dtype=str(config.kv_torch_dtype), amx_weights=config.amx_weights,
+                     amx_weights_max_gb=config.amx_weights_max_gb, amx_min_rows=config.amx_min_rows)
     pt = entry("model", config.model.model_dir, key, "pt")
     model = _load_model(pt, key)
     if model is not None:

@@ -79,10 +79,9 @@ class LLMEngine:
         mc = config.model
         self.dtype = config.torch_dtype
         t0 = time.perf_counter()      # start-up phases, in startup_s (a worker logs them)
-        # the loaded, quantized model: from engine/build_cache.py when built here before
-        self.model, self.model_cache = cached_model(config, lambda: quantize_model(load_model(
-            mc, self.dtype, config.device, config.kernel_backend, config.quantization),
-            config.quantization))
+        # the loaded, quantized model, its backend settled (the C kernels' layouts) and its
+        # bfloat16 copies made: from engine/build_cache.py when built here before
+        self.model, self.model_cache = cached_model(config, lambda: self._build(config))
         t1 = time.perf_counter()
         self.tokenizer = Tokenizer.from_dir(mc.model_dir) if has_tokenizer(mc.model_dir) else None
         t2 = time.perf_counter()
@@ -129,6 +128,16 @@ class LLMEngine:
         # ids whose abort is on its way; the one field another thread writes (AsyncEngine.abort
         # adds, while a step may be running): see step()
         self.abandoned: set[str] = set()
+
+    @staticmethod
+    def _build(config: EngineConfig):
+        """What engine/build_cache.py keeps: the model loaded and quantized, on the kernel
+        backend the KV cache will settle it on, with its bfloat16 copies (amx.attach)."""
+        model = quantize_model(load_model(config.model, config.torch_dtype, config.device,
+                                          config.kernel_backend, config.quantization), config.quantization)
+        model.settle_backend(config.device, config.kv_torch_dtype)
+        amx.attach(model, config.amx_weights, config.amx_weights_max_gb, config.amx_min_rows, config.device)
+        return model
 
     def close(self) -> None:
         """Stop the engine's helper threads (the offload tiers'); idempotent."""

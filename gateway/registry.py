@@ -55,13 +55,15 @@ class Worker:
         self.kind = kind
         self.address = address
         # A restarted worker is probed back in within a health interval: gRPC's default
-        # reconnect backoff would grow to ~20 s while it was down.
+        # reconnect backoff would grow to ~20 s while it was down; at 1 s it still added up to
+        # a second to start-up (the gateway's wait for workers that had just come up), so
+        # 250 ms, as the launcher's probes (a few connection attempts a second while down)
         self.channel = channel(address, mtls, [
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.enable_retries", 0),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000)], token=token)
+            ("grpc.max_reconnect_backoff_ms", 250)], token=token)
         self.stub = stub_cls(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False

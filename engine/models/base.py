@@ -148,21 +148,28 @@ class CausalLM(nn.Module):
         """kv_cache: [num_layers, parts, num_blocks, block_size, heads, dim] (parts: K and V,
         or MLA's one latent); kv_scales [num_layers, parts, num_blocks, heads] fp32 when the
         cache is 8-bit; each layer keeps views.
-        Here the backend is settled: on CPU, "auto" becomes "cpu" (the C kernels) for a
-        float32 model and cache where they build; "cpu" asked for elsewhere is a ValueError."""
+        Here the backend is settled (settle_backend), unless the build already did."""
         asked = self.backend
-        cpu_ok = (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32
+        self.settle_backend(kv_cache.device, kv_cache.dtype)
+        log.info("kernel backend %s (asked: %s)", self.backend if self.backend != "auto" else
+                 ("triton" if kv_cache.is_cuda else "torch"), asked)
+        for i, layer in enumerate(self.layers):    # K, V[, their scales]; MLA: latent[, scales]
+            layer.self_attn.bind_kv_cache(*kv_cache[i], *(() if kv_scales is None else kv_scales[i]))
+        self.plan_decode()
+
+    def settle_backend(self, kv_device, kv_dtype: torch.dtype) -> None:
+        """On CPU, "auto" becomes "cpu" (the C kernels, each quantized layer repacked into
+        their layouts) for a float32 model and KV cache where they build; "cpu" asked for
+        elsewhere is a ValueError. Called by bind_kv_cache, and before it by an engine whose
+        build is cached (so the cache holds the layouts: no repack at each start); once
+        settled on "cpu" a second call changes nothing."""
+        cpu_ok = (torch.device(kv_device).type == "cpu" and kv_dtype == torch.float32
                   and self.norm.weight.dtype == torch.float32 and K.cpu.library() is not None)
         if self.backend == "cpu" and not cpu_ok:
             raise ValueError("kernel backend 'cpu' runs a float32 model with a float32 KV cache on "
                              "CPU, and needs a C compiler to build its kernels (engine/kernels/cpu.py)")
         if self.backend == "cpu" or (self.backend == "auto" and cpu_ok):
             self.set_backend("cpu")
-        log.info("kernel backend %s (asked: %s)", self.backend if self.backend != "auto" else
-                 ("triton" if kv_cache.is_cuda else "torch"), asked)
-        for i, layer in enumerate(self.layers):    # K, V[, their scales]; MLA: latent[, scales]
-            layer.self_attn.bind_kv_cache(*kv_cache[i], *(() if kv_scales is None else kv_scales[i]))
-        self.plan_decode()
 
     def plan_decode(self) -> None:
         """(Re)build the decode plan (decode_plan.py) from the model's tensors as they are now:

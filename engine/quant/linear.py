@@ -83,7 +83,11 @@ class QuantLinear(nn.Module):
 
     def keep_dense(self, min_rows: int) -> None:
         """Keep the weight dequantized and rounded once to bfloat16 beside the codes; inputs
-        of `min_rows` rows or more multiply by it (engine/quant/amx.py)."""
+        of `min_rows` rows or more multiply by it (engine/quant/amx.py). A copy already kept
+        (a cached build's) stays."""
+        if self.dense is not None:
+            self.dense_rows = min_rows
+            return
         w = self.dequantize(torch.float32)
         self.dense = w.to(torch.bfloat16, memory_format=torch.contiguous_format)
         self.dense_rows = min_rows
