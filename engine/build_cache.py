@@ -167,6 +167,20 @@ def write_json(kind: str, model_dir, key: str, payload: dict, files: list[str] =
         log.info("build cache %s not written: %s", path.name, e)
 
 
+def build_model(config):
+    """The model entry's recipe: loaded and quantized, on the kernel backend the KV cache will
+    settle it on (CausalLM.settle_backend: the C kernels' layouts), with its bfloat16 copies
+    (engine/quant/amx.py)."""
+    from .loader import load_model
+    from .quant import amx
+    from .quant.quantize import quantize_model
+    model = quantize_model(load_model(config.model, config.torch_dtype, config.device,
+                                      config.kernel_backend, config.quantization), config.quantization)
+    model.settle_backend(config.device, config.kv_torch_dtype)
+    amx.attach(model, config.amx_weights, config.amx_weights_max_gb, config.amx_min_rows, config.device)
+    return model
+
+
 def cached_model(config, build: Callable[[], object]):
     """The model `build()` makes for EngineConfig `config`, from the cache when an entry with
     its key is there and intact, else built and stored. Returns (model, "hit" | "miss" |

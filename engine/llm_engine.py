@@ -31,13 +31,11 @@ from typing import Sequence
 import torch
 
 from . import kv_offload, memory
-from .build_cache import cached_model
+from .build_cache import build_model, cached_model
 from .config import EngineConfig, EngineOptions
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_connector import KVConnector
-from .loader import load_model
 from .quant import amx
-from .quant.quantize import quantize_model
 from .outputs import EngineStats, Prefix, RequestOutput
 from .request import Request, RequestStatus
 from .runner import ModelOutput, ModelRunner, StepAbandoned
@@ -81,7 +79,7 @@ class LLMEngine:
         t0 = time.perf_counter()      # start-up phases, in startup_s (a worker logs them)
         # the loaded, quantized model, its backend settled (the C kernels' layouts) and its
         # bfloat16 copies made: from engine/build_cache.py when built here before
-        self.model, self.model_cache = cached_model(config, lambda: self._build(config))
+        self.model, self.model_cache = cached_model(config, lambda: build_model(config))
         t1 = time.perf_counter()
         self.tokenizer = Tokenizer.from_dir(mc.model_dir) if has_tokenizer(mc.model_dir) else None
         t2 = time.perf_counter()
@@ -128,16 +126,6 @@ class LLMEngine:
         # ids whose abort is on its way; the one field another thread writes (AsyncEngine.abort
         # adds, while a step may be running): see step()
         self.abandoned: set[str] = set()
-
-    @staticmethod
-    def _build(config: EngineConfig):
-        """What engine/build_cache.py keeps: the model loaded and quantized, on the kernel
-        backend the KV cache will settle it on, with its bfloat16 copies (amx.attach)."""
-        model = quantize_model(load_model(config.model, config.torch_dtype, config.device,
-                                          config.kernel_backend, config.quantization), config.quantization)
-        model.settle_backend(config.device, config.kv_torch_dtype)
-        amx.attach(model, config.amx_weights, config.amx_weights_max_gb, config.amx_min_rows, config.device)
-        return model
 
     def close(self) -> None:
         """Stop the engine's helper threads (the offload tiers'); idempotent."""

@@ -8,6 +8,7 @@ capability (torch's kernel ISA, which is also what cpu.c's -march=native build t
 case, each prompt's greedy tokens, their logprobs and the margin between the top two.
 
     python3 -m tests.golden --write      # record this machine's (only when outputs are meant to change)
+    python3 -m tests.golden --write --without-bf16-tiles    # ... as its ISA without bf16 tiles
 
 tests/unit/test_golden_outputs.py runs every case and compares: tokens identical up to the
 first recorded near-tie (a top-two margin under the tolerance's near-tie, where rounding may
@@ -215,7 +216,11 @@ def run_case(case: dict, path: Path) -> dict:
 
 
 def capability() -> str:
-    return torch.backends.cpu.get_cpu_capability()
+    """torch's kernel ISA, and "+bf16" where the CPU has bfloat16 tiles: the engine then
+    multiplies prefill chunks by bfloat16 copies of 4-bit weights (engine/quant/amx.py,
+    `--amx-weights auto`), another rounding class than a CPU of the same ISA without them."""
+    from engine.quant import amx
+    return torch.backends.cpu.get_cpu_capability() + ("+bf16" if amx.bf16_tiles(amx.cpu_flags()) else "")
 
 
 def compare(want: dict, got: dict, near_tie: float, atol: float) -> list[str]:
@@ -281,10 +286,17 @@ if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     archs = sys.argv[3:] if sys.argv[2:3] == ["--arch"] else None
+    if sys.argv[2:3] == ["--without-bf16-tiles"]:    # record what a CPU without them computes
+        from engine.quant import amx
+        flags = amx.cpu_flags()
+        amx.cpu_flags = lambda: frozenset(flags - set(amx.TILE_FLAGS))
+        del sys.argv[2]
+        archs = sys.argv[3:] if sys.argv[2:3] == ["--arch"] else None
     if sys.argv[1:2] not in (["--write"], ["--spread"]) or (len(sys.argv) > 2 and not archs):
-        sys.exit("usage: python3 -m tests.golden --write | --spread [--arch ARCH ...] (this "
-                 "machine against the recording; --arch: only those architectures' cases, "
-                 "merged into the recording)")
+        sys.exit("usage: python3 -m tests.golden --write | --spread [--without-bf16-tiles] [--arch "
+                 "ARCH ...] (this machine against the recording; --without-bf16-tiles: as a CPU "
+                 "of the same ISA without bfloat16 tiles; --arch: only those architectures' "
+                 "cases, merged into the recording)")
     with tempfile.TemporaryDirectory() as tmp:
         got = run_all(Path(tmp), archs)
     rec = recorded()

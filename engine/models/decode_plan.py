@@ -129,39 +129,55 @@ def _linear(m: nn.Module, what: str, keep: list, leaves: list, head: bool = Fals
     return lin
 
 
+def _layer(i: int, layer: nn.Module, keep: list, leaves: list) -> _Layer:
+    """Decoder layer `i` as the C code reads it (Unsupported: any other kind of layer)."""
+    from .layers import MLP, Attention, DecoderLayer
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP:
+        raise Unsupported(f"layer {i} is a {type(layer).__name__} of {type(attn).__name__} "
+                          f"and {type(mlp).__name__}")
+    if attn.k_scales is not None or attn.k_cache is None:
+        raise Unsupported("the KV cache is not a bound float32 one")
+    sinks = None if attn.sinks is None else attn.sinks.data.float().contiguous()
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight) + \
+        ((attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm else ())
+    keep.extend([t.data for t in norms] + [attn.k_cache, attn.v_cache] + ([sinks] if sinks is not None else []))
+    return _Layer(
+        _f32(layer.input_layernorm.weight.data, "input_layernorm"),
+        _f32(layer.post_attention_layernorm.weight.data, "post_attention_layernorm"),
+        _f32(attn.q_norm.weight.data if attn.q_norm else None, "q_norm"),
+        _f32(attn.k_norm.weight.data if attn.k_norm else None, "k_norm"),
+        _linear(attn.qkv_proj, f"layer {i} qkv_proj", keep, leaves),
+        _linear(attn.o_proj, f"layer {i} o_proj", keep, leaves),
+        _linear(mlp.gate_up_proj, f"layer {i} gate_up_proj", keep, leaves),
+        _linear(mlp.down_proj, f"layer {i} down_proj", keep, leaves),
+        _f32(attn.k_cache, "k_cache"), _f32(attn.v_cache, "v_cache"),
+        None if sinks is None else sinks.data_ptr(), attn.window or 0)
+
+
+def _head(model: nn.Module, keep: list) -> _Linear | None:
+    """The output head as the C code reads it: float32 (a tied float table too) or G32Plain
+    codes; None (logged) for any other, whose logits stay layer by layer."""
+    c = model.config
+    try:
+        if model.lm_head is None:                        # tied to a float table
+            keep.append(model.embed_tokens.weight.data)
+            return _Linear(LIN_F32, c.vocab_size, c.hidden_size, 0,
+                           _f32(model.embed_tokens.weight.data, "embed_tokens"), None, None, None)
+        return _linear(model.lm_head, "lm_head", keep, [], head=type(model.lm_head) is not nn.Linear)
+    except Unsupported as e:
+        log.info("logits layer by layer: %s", e)
+        return None
+
+
 class DecodePlan:
     """The model as cpu_step.c reads it, and its decode step (module docstring)."""
 
     def __init__(self, model: nn.Module):
-        from .layers import MLP, Attention, DecoderLayer
         c = model.config
         keep: list[torch.Tensor] = []
         leaves: list[int] = []
-        layers = []
-        for i, layer in enumerate(model.layers):
-            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP:
-                raise Unsupported(f"layer {i} is a {type(layer).__name__} of {type(attn).__name__} "
-                                  f"and {type(mlp).__name__}")
-            if attn.k_scales is not None or attn.k_cache is None:
-                raise Unsupported("the KV cache is not a bound float32 one")
-            sinks = None if attn.sinks is None else attn.sinks.data.float().contiguous()
-            if sinks is not None:
-                keep.append(sinks)
-            layers.append(_Layer(
-                _f32(layer.input_layernorm.weight.data, "input_layernorm"),
-                _f32(layer.post_attention_layernorm.weight.data, "post_attention_layernorm"),
-                _f32(attn.q_norm.weight.data if attn.q_norm else None, "q_norm"),
-                _f32(attn.k_norm.weight.data if attn.k_norm else None, "k_norm"),
-                _linear(attn.qkv_proj, f"layer {i} qkv_proj", keep, leaves),
-                _linear(attn.o_proj, f"layer {i} o_proj", keep, leaves),
-                _linear(mlp.gate_up_proj, f"layer {i} gate_up_proj", keep, leaves),
-                _linear(mlp.down_proj, f"layer {i} down_proj", keep, leaves),
-                _f32(attn.k_cache, "k_cache"), _f32(attn.v_cache, "v_cache"),
-                None if sinks is None else sinks.data_ptr(), attn.window or 0))
-            keep.extend(t.data for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                         attn.k_cache, attn.v_cache) + ((attn.q_norm.weight, attn.k_norm.weight)
-                                                                         if attn.q_norm else ()))
+        layers = [_layer(i, layer, keep, leaves) for i, layer in enumerate(model.layers)]
         first = model.layers[0]
         attn = first.self_attn
         eps = {first.input_layernorm.eps, first.post_attention_layernorm.eps, model.norm.eps}
@@ -178,17 +194,10 @@ class DecodePlan:
                              model.cos_sin.shape[1], inter, attn.k_cache.shape[1], eps.pop(),
                              attn.scale, _f32(model.cos_sin, "cos_sin"),
                              _f32(model.norm.weight.data, "norm"), self._layers)
-        self.has_head = False         # the head in C too (logits): float32 or G32Plain codes
-        try:
-            if model.lm_head is None:                # tied to a float table
-                head = _Linear(LIN_F32, c.vocab_size, c.hidden_size, 0,
-                               _f32(model.embed_tokens.weight.data, "embed_tokens"), None, None, None)
-                keep.append(model.embed_tokens.weight.data)
-            else:
-                head = _linear(model.lm_head, "lm_head", keep, [], head=type(model.lm_head) is not nn.Linear)
-            self._model.head, self.has_head = head, True
-        except Unsupported as e:
-            log.info("logits layer by layer: %s", e)
+        head = _head(model, keep)                       # the logits in C too, where it can
+        self.has_head = head is not None
+        if head is not None:
+            self._model.head = head
         self._cos_sin = model.cos_sin                   # the table the struct points into
         self.hidden = c.hidden_size
         self.max_rows = min(leaves, default=0)          # 0: every batch
