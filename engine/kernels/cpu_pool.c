@@ -89,6 +89,13 @@ static int pool_claim(pd_pool *p, unsigned seq, int nchunks) {
 static void *pool_helper(void *arg) {
     pd_pool *p = arg;
     unsigned seen = 0;
+#if defined(__linux__)
+    /* idle cycles only (Linux's SCHED_IDLE, 5: <sched.h> names it under _GNU_SOURCE alone):
+     * whatever else wants a core (the worker's event loop sending tokens, the gateway,
+     * another worker) runs first; the caller takes back what this one holds */
+    struct sched_param none = {0};
+    pthread_setschedparam(pthread_self(), 5, &none);
+#endif
     float *scratch = NULL;
     long have = 0;
     while (!atomic_load(&p->quit)) {
