@@ -3,10 +3,14 @@
 A Prefill names its destination's KV endpoint, copied by the gateway from the decode
 worker's KvReady. The prefill worker does not take that address on trust: it connects only
 to endpoints that decode workers it knows (--decode host:port,..., --decode-dns name:port or
---decode-file PATH, one address per line) announce in their Stats (`kv_endpoint`). An endpoint not (yet) known triggers one refresh
+--decode-file PATH, one address per line) announce in their Stats (`kv_endpoint`). An endpoint not (yet) known triggers a refresh
 (at most one every `min_refresh_s`, shared by concurrent callers) before the Prefill is
-refused, so a decode worker that just started or restarted is found without a wait.
-With neither option set, nothing is known and every destination is refused.
+refused: at once when the last one is older, else once that interval has passed (a refresh
+a moment before a new decode worker was listed, as a cluster's DNS lists pods once ready,
+refused its first Prefills: seen as 500s while a decode Deployment scaled up under load).
+A decode worker still listed that misses one Stats (busy, restarting) keeps the endpoint it
+announced last; one no longer listed loses it. With neither option set, nothing is known and
+every destination is refused.
 """
 from __future__ import annotations
 
@@ -54,17 +58,23 @@ class KnownDecoders:
         self.file = file
         self.rpc_timeout_s, self.min_refresh_s = rpc_timeout_s, min_refresh_s
         self.endpoints: set[str] = set()
+        self._by_address: dict[str, str] = {}     # listed decode worker -> its endpoint
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._refreshed = float("-inf")
         self._lock = asyncio.Lock()
 
     async def allowed(self, endpoint: str) -> bool:
-        """Whether a known decode worker announces `endpoint` (refreshing once if needed)."""
+        """Whether a known decode worker announces `endpoint` (refreshing, within at most
+        `min_refresh_s`, if needed)."""
         if endpoint in self.endpoints:
             return True
         async with self._lock:
-            if endpoint not in self.endpoints and time.monotonic() - self._refreshed >= self.min_refresh_s:
-                await self._refresh()
+            if endpoint not in self.endpoints:
+                wait = self.min_refresh_s - (time.monotonic() - self._refreshed)
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if endpoint not in self.endpoints:
+                    await self._refresh()
         return endpoint in self.endpoints
 
     async def _refresh(self) -> None:
@@ -85,10 +95,11 @@ class KnownDecoders:
                 # a fresh channel next time: this one may sit in reconnect backoff (up to
                 # minutes) while a decode worker that starts now would answer at once
                 await self._channels.pop(address).close()
-                return ""
+                return self._by_address.get(address, "")     # its last, while it is listed
 
         found = await asyncio.gather(*(announced(a) for a in targets))
-        self.endpoints = {e for e in found if e}
+        self._by_address = {a: e for a, e in zip(targets, found) if e}
+        self.endpoints = set(self._by_address.values())
         self._refreshed = time.monotonic()
         log.info("known decode KV endpoints: %s", sorted(self.endpoints) or "none")
 

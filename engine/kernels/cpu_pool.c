@@ -28,6 +28,9 @@
  */
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <stdatomic.h>
 #include <time.h>
 
@@ -77,6 +80,13 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* a wait for a helper that long spins did not end: 20 us off the core, which the helper,
+ * at the lowest priority, may need */
+static void pool_nap(void) {
+    struct timespec t = {0, 20000};
+    nanosleep(&t, NULL);
+}
+
 /* take the next chunk of op `seq`, or -1 when it has none left (or is no longer posted) */
 static int pool_claim(pd_pool *p, unsigned seq, int nchunks) {
     unsigned long long cur = atomic_load(&p->claim);
@@ -90,11 +100,12 @@ static void *pool_helper(void *arg) {
     pd_pool *p = arg;
     unsigned seen = 0;
 #if defined(__linux__)
-    /* idle cycles only (Linux's SCHED_IDLE, 5: <sched.h> names it under _GNU_SOURCE alone):
-     * whatever else wants a core (the worker's event loop sending tokens, the gateway,
-     * another worker) runs first; the caller takes back what this one holds */
-    struct sched_param none = {0};
-    pthread_setschedparam(pthread_self(), 5, &none);
+    /* the lowest priority (nice 19, this thread alone): whatever else wants a core (the
+     * worker's event loop sending tokens, the gateway, another worker) runs first, and the
+     * caller takes back what this one holds. Not SCHED_IDLE: a thread of that class can
+     * starve for as long as the cores are busy, and the caller does wait for a helper in two
+     * places (a chunk half copied out, pool_quiesce) */
+    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 19);
 #endif
     float *scratch = NULL;
     long have = 0;
@@ -145,7 +156,7 @@ static void *pool_helper(void *arg) {
 static void pool_quiesce(pd_pool *p) {
     if (!p) return;
     for (long spins = 0; atomic_load(&p->busy); spins++)
-        if (spins > 1000) sched_yield(); else cpu_relax();
+        if (spins > 1000) pool_nap(); else cpu_relax();
 }
 
 /* A step's buffers of `floats` floats: the pool's, kept until it is freed (a helper whose
@@ -204,7 +215,8 @@ static int pool_run(pd_pool *p, const pd_task *t) {
                 continue;
             }
             if (!t0) t0 = now_ns();
-            cpu_relax();
+            if (st == C_COPYING && now_ns() - t0 > 20000) pool_nap();   /* its copy stalled */
+            else cpu_relax();
         }
     }
     return failed;

@@ -381,14 +381,20 @@ def test_gateway_drains_on_sigterm(supervised, llm, model_dir, tmp_path, drain_s
 
 
 def test_unstreamed_request_aborted_when_its_client_leaves(supervised):
-    """A non-streaming request whose client disconnects (here: its read timeout) is aborted
-    on both workers: every block is free within 2 s, long before it would have finished."""
+    """A non-streaming request whose client disconnects (here: its read timeout, a quarter of
+    the time the request needs at the rate a shorter one just ran) is aborted on both
+    workers: every block is free within 2 s, long before it would have finished."""
     base = f"http://127.0.0.1:{supervised.http_port}"
     name = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
-    body = {"model": name, "prompt": "The quick brown fox", "max_tokens": 2000,
+    body = {"model": name, "prompt": "The quick brown fox", "max_tokens": 400,
             "ignore_eos": True, "temperature": 0}
+    t0 = time.monotonic()
+    assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
+    per_token = (time.monotonic() - t0) / 400
+    body["max_tokens"] = 4000           # the tiny model's context: 4096
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
+        httpx.post(base + "/v1/completions", json=body,
+                   timeout=httpx.Timeout(10, read=min(1.0, 4000 * per_token / 4)))
     t0 = time.monotonic()
     pools_full(supervised, timeout_s=2.0)
     assert time.monotonic() - t0 < 2.0

@@ -40,6 +40,11 @@ K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 NUM_STREAMS = 20
 CONCURRENCY = 4
+# a stream lasts long enough to be seen in flight by a scrape every 20 ms: the tiny model's
+# decode step in one C call takes ~0.3 ms a token here (48 tokens were over before a scrape;
+# with 1000 the first decode pod, busy on 2 loaded cores, was at times missing from the
+# cluster DNS the prefill worker lists decode workers by, and its requests failed)
+STREAM_TOKENS = 200
 API_KEY = "sk-test-manifests"
 INTERNAL_TOKEN = "test-manifests-internal-token"
 
@@ -426,7 +431,7 @@ def stream_chat(url: str, i: int) -> tuple[str, int]:
     client = openai.OpenAI(base_url=url, api_key=API_KEY, timeout=120, max_retries=0)
     stream = client.chat.completions.create(
         model="M", messages=[{"role": "user", "content": f"Request {i}: count to twenty."}],
-        max_tokens=48, temperature=0, stream=True, stream_options={"include_usage": True},
+        max_tokens=STREAM_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True},
         extra_body={"ignore_eos": True})
     finish, tokens = None, 0
     for chunk in stream:

@@ -334,8 +334,9 @@ def test_auto_tool_calls_stream_incrementally(client, model):
 
 def test_auto_plain_text_streams_as_content(client, model):
     """tool_choice auto whose output is not a call: streamed as content while it is generated
-    (several chunks, no tool_calls), the same text as unstreamed."""
-    kw = dict(tools=[WEATHER, CLOCK], tool_choice="auto", temperature=0, max_tokens=20)
+    (several chunks, no tool_calls), the same text as unstreamed. 400 tokens: 20 of the tiny
+    model's took ~6 ms, and could reach the client as one chunk."""
+    kw = dict(tools=[WEATHER, CLOCK], tool_choice="auto", temperature=0, max_tokens=400)
     out = chat(client, model, **kw).choices[0]
     assert out.message.tool_calls is None and out.message.content
     assert not out.message.content.lstrip().startswith(("{", "[", "<")), out.message.content
@@ -394,9 +395,13 @@ def test_disconnect_frees_blocks_on_both_workers(sys_a, model):
 def test_resource_exhausted_429_then_unavailable_503(start_system, model_dir):
     port = free_port()
     # --max-waiting-reservations 0: the decode worker refuses a reservation it has no room
-    # for at once (by default it waits for room: decode_worker/reservations.py)
+    # for at once (by default it waits for room: decode_worker/reservations.py);
+    # --kernel-backend torch: its steps layer by layer on the torch references, so that the
+    # held stream's 40 tokens outlast the requests below (in one C call a step of the tiny
+    # model is ~0.3 ms: the stream was over before they came)
     sys_b = start_system(1, 1, http_port=port,
-                         decode_args=["--num-blocks", "8", "--max-waiting-reservations", "0"],
+                         decode_args=["--num-blocks", "8", "--max-waiting-reservations", "0",
+                                      "--kernel-backend", "torch"],
                          gateway_args=["--health-interval-s", "0.3"])
     base = f"http://127.0.0.1:{port}"
     name = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
