@@ -75,27 +75,34 @@ static float int4_dot(const float *x, const uint8_t *w, const uint16_t *sc, cons
 }
 
 #if defined(__AVX512F__)
+/* the codes of 4 rows of W at values k .. k + 31, as floats: lo = values k .. k + 15 (the low
+ * nibbles of each row's 16 bytes), hi = k + 16 .. k + 31, through a 16-entry table (vpermps);
+ * the rows two blocks on prefetched */
+static inline __attribute__((always_inline)) void int4_codes4(const uint8_t *w, long row, int k,
+                                                              __m512 lo[4], __m512 hi[4]) {
+    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int r = 0; r < 4; r++) {
+        const uint8_t *wr = w + r * row + k / 2;
+        _mm_prefetch((const char *)(wr + 8 * row), _MM_HINT_T0);
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)wr));
+        lo[r] = _mm512_permutexvar_ps(b, lut);
+        hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
+    }
+}
+
 /* M <= 2 (mr rows of x), 4 rows of W: the factored form. sc/mn: this block's 4 rows of
  * scales and mins, float32 [4, G]; xs: per-group sums of x [mr, G]. */
 static inline __attribute__((always_inline)) void int4_gemv4(
         const float *x, const float *xs, int K, int g, const uint8_t *w, const float *sc,
         const float *mn, int mr, float *y, long N) {
-    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int G = K / g;
-    long row = K / 2;
     __m512 a[2][4];
     for (int i = 0; i < 2; i++)
         for (int r = 0; r < 4; r++) a[i][r] = _mm512_setzero_ps();
     for (int k = 0; k < K; k += 32) {
         int gi = k / g;
         __m512 lo[4], hi[4];
-        for (int r = 0; r < 4; r++) {
-            const uint8_t *wr = w + r * row + k / 2;
-            _mm_prefetch((const char *)(wr + 8 * row), _MM_HINT_T0);     /* two blocks on */
-            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)wr));
-            lo[r] = _mm512_permutexvar_ps(b, lut);                        /* low nibbles */
-            hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
-        }
+        int4_codes4(w, K / 2, k, lo, hi);
         for (int i = 0; i < mr; i++) {
             __m512 x0 = _mm512_loadu_ps(x + (long)i * K + k), x1 = _mm512_loadu_ps(x + (long)i * K + k + 16);
             for (int r = 0; r < 4; r++)
@@ -115,22 +122,18 @@ static inline __attribute__((always_inline)) void int4_gemv4(
 static inline __attribute__((always_inline)) void int4_block4(
         const float *x, int K, int g, const uint8_t *w, const float *sc, const float *mn,
         int mr, float *y, long N) {
-    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int G = K / g;
-    long row = K / 2;
     __m512 a[4][4];
     for (int i = 0; i < 4; i++)
         for (int r = 0; r < 4; r++) a[i][r] = _mm512_setzero_ps();
     for (int k = 0; k < K; k += 32) {
         int gi = k / g;
         __m512 lo[4], hi[4];
-        for (int r = 0; r < 4; r++) {
-            const uint8_t *wr = w + r * row + k / 2;
-            _mm_prefetch((const char *)(wr + 8 * row), _MM_HINT_T0);
-            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)wr));
+        int4_codes4(w, K / 2, k, lo, hi);
+        for (int r = 0; r < 4; r++) {                  /* the weights: code * scale + min */
             __m512 d = _mm512_set1_ps(sc[r * G + gi]), m = _mm512_set1_ps(mn[r * G + gi]);
-            lo[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(b, lut), d, m);
-            hi[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), d, m);
+            lo[r] = _mm512_fmadd_ps(lo[r], d, m);
+            hi[r] = _mm512_fmadd_ps(hi[r], d, m);
         }
         for (int i = 0; i < mr; i++) {
             __m512 x0 = _mm512_loadu_ps(x + (long)i * K + k), x1 = _mm512_loadu_ps(x + (long)i * K + k + 16);
