@@ -11,8 +11,7 @@ and Abort), in five phases:
                   (reservations.py; its queue full, a prompt too big for the cache, or
                   the wait past kv_max_reservation_s: RESOURCE_EXHAUSTED);
                   receiver.reserve(transfer_id signed with its expiry, blocks to fill)
-    announce:     stream KvReady{transfer_id, kv_endpoint, block_ids to fill,
-                  num_cached_tokens, compat, deadlines}
+    announce:     stream KvReady (transfer id, KV endpoint, blocks to fill, cached, deadlines)
     wait ready:   the transfer reaches DONE, while KV keeps arriving: the receiver expires
                   it after the idle window (kv_timeout_ms or kv_expiry_s) without a KV
                   message, or at the hard bound (kv_max_reservation_s) after the
@@ -22,9 +21,8 @@ and Abort), in five phases:
     admit (or fall back, below): remote_kv_done(first token)
     stream:       tokens 2..n (last chunk: finish_reason + usage)
 
-    local_prefill (conditional disaggregation, decode_worker/local.py): no reserve, announce
-    or wait: the prompt joins this engine as a local request (prefix cache, chunked prefill)
-    and the stream carries every token from the first on
+    local_prefill (conditional disaggregation, local.py): the prompt joins this engine as a
+    local request, no reserve, announce or wait; the stream carries every token from the first
 
     Failure (expired, failed transfer, or no first token in time), by policy:
       fail:      free the blocks, end the stream with FINISH_REASON_ERROR and the reason
@@ -32,8 +30,7 @@ and Abort), in five phases:
                  first token when it is known) so this worker computes the prompt itself;
                  counted in `fallbacks` and logged at WARNING
     Abort(request_id) or the caller's cancel: abort in the receiver (late KV is dropped by
-    transfer id) and in the engine (blocks freed); an Abort ends the stream with
-    FINISH_REASON_ABORT.
+    transfer id) and in the engine (blocks freed); FINISH_REASON_ABORT ends the stream.
     Drain (SIGTERM): the same abort near the drain's end for the calls still open, but the
     stream ends with UNAVAILABLE "worker draining": the gateway migrates it (handoff.py).
 
@@ -54,7 +51,7 @@ from engine.async_engine import EngineError
 from engine.outputs import RequestOutput
 from kvtransfer.receiver import KVReceiver, TransferState
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from services import protoconv, service_names, tracing, worker_server
+from services import prefill_cost, protoconv, service_names, tracing, worker_server
 from services.kv_events_rpc import KvEventsRpc
 from services.security import caller_of, new_transfer_id
 from services.worker_server import Draining, RpcStatus, WorkerParts
@@ -80,6 +77,7 @@ class DecodeServicer(KvEventsRpc, decode_pb2_grpc.DecodeWorkerServicer):
         self._pending: dict[str, Pending] = {}
         self.counters = Counters()
         self.reservations = ReservationQueue(self.cfg.max_waiting_reservations)
+        self.prefill_cost: tuple[float, float] | None = None    # a local prefill's: the warm-up's
         self.handoff = Handoff(lambda: list(self._pending.values()), self._hand_off,
                                self.cfg.drain_timeout_s, self.cfg.drain_migrate_s)
         self.srv.on_drain(self.handoff.start)
@@ -146,13 +144,12 @@ class DecodeServicer(KvEventsRpc, decode_pb2_grpc.DecodeWorkerServicer):
             worker_id=self.worker_id,
             num_waiting=st.num_waiting + st.num_waiting_for_remote_kv + len(self.reservations),
             num_waiting_for_kv=st.num_waiting_for_remote_kv, num_running=st.num_running,
-            free_kv_blocks=st.num_free_blocks, total_kv_blocks=st.num_total_blocks,
-            queued_prefill_tokens=queued,
+            free_kv_blocks=st.num_free_blocks, total_kv_blocks=st.num_total_blocks, queued_prefill_tokens=queued,
             transfers=common_pb2.TransferCounters(
                 transfers_done=r.transfers_done, blocks=r.blocks_received, bytes=r.bytes_received,
                 failures=r.failed, expirations=r.expired + c.token_expirations),
             compat=protoconv.compat_to_proto(self.compat), kv_endpoint=self.receiver.address,
-            max_model_len=self.ae.max_model_len)
+            max_model_len=self.ae.max_model_len, prefill_cost=prefill_cost.to_proto(self.prefill_cost))
 
     # -------------------------------------------------------------- Decode body
     def _validate(self, request, span, caller: str) -> Pending:
@@ -242,8 +239,7 @@ class DecodeServicer(KvEventsRpc, decode_pb2_grpc.DecodeWorkerServicer):
             transfer_id=pend.kv_id, kv_endpoint=self.receiver.address,
             block_ids=pend.fill, num_cached_tokens=pend.usage.cached_tokens,
             compat=protoconv.compat_to_proto(self.compat), decode_worker_id=self.worker_id,
-            expires_at_unix_ms=pend.expires_at_ms,
-            idle_timeout_ms=int(pend.timeout * 1000),
+            expires_at_unix_ms=pend.expires_at_ms, idle_timeout_ms=int(pend.timeout * 1000),
             max_expires_at_unix_ms=int((pend.reserved_unix + pend.max_s) * 1000)))
 
     async def _wait_ready(self, pend: Pending):
@@ -390,6 +386,10 @@ class DecodeRole(worker_server.WorkerRole):
                               staging=cfg.kv_staging, kv_scales=engine.kv_scales)
         log.info("decode KV endpoint %s", await receiver.start())
         return receiver
+
+    async def warm_up(self, servicer: DecodeServicer, engine) -> None:
+        """A tiny prompt, then a local prefill's cost for Stats (services/prefill_cost.py)."""
+        _, servicer.prefill_cost = await prefill_cost.warm_up(engine, False, "local prefill")
 
     config_class, servicer_class = DecodeWorkerConfig, DecodeServicer
     add_to_server = staticmethod(decode_pb2_grpc.add_DecodeWorkerServicer_to_server)

@@ -28,9 +28,15 @@ Costs are lines (seconds = a + b * tokens), learnt online from the gateway's own
 observations (`observe_local`: Decode(local_prefill) open -> first token, against the
 uncached tokens; `observe_remote`: Decode open -> the prefill worker's first token, against
 prompt + queued tokens), each a least-squares fit with exponential forgetting (`OnlineLine`),
-seeded by `prior_weight` pseudo-observations of the defaults below, or of a profile from
-`pdserve profile` (sim/profile.py's schema, read here as JSON: `fits.prefill` [a, b, c] and
-`fits.handover` [a, b]).
+seeded by `prior_weight` pseudo-observations of, first that applies:
+  - a profile from `pdserve profile` (sim/profile.py's schema, read here as JSON:
+    `fits.prefill` [a, b, c] and `fits.handover` [a, b])
+  - the workers' own measures (`seed_measured`, from their Stats' prefill_cost: a decode
+    worker's local prefill, a prefill worker's compute, plus the handover's default), for a
+    line not observed yet
+  - the defaults below (a GPU's guess: on a CPU, where a decode worker's local prefill and a
+    prefill worker's differ by their threads, lone long prompts went to whichever side had
+    been observed less, alternating, until a few of each were seen)
 """
 from __future__ import annotations
 
@@ -116,6 +122,9 @@ class DisaggPolicy:
     local: OnlineLine = field(default_factory=lambda: OnlineLine(*DEFAULT_PREFILL))
     remote: OnlineLine = field(default_factory=lambda: OnlineLine(
         DEFAULT_PREFILL[0] + DEFAULT_HANDOVER[0], DEFAULT_PREFILL[1] + DEFAULT_HANDOVER[1]))
+    handover: tuple[float, float] = DEFAULT_HANDOVER
+    profiled: bool = False            # seeded by --profile: the workers' measures do not reseed
+    seeds: dict = field(default_factory=dict)     # line -> the measured seed it has now
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -134,7 +143,24 @@ class DisaggPolicy:
     def from_costs(cls, costs, **kw) -> "DisaggPolicy":
         """Seeded by ((prefill a, b), (handover a, b)): local = prefill, remote = both."""
         (pa, pb), (ha, hb) = costs
-        return cls(local=OnlineLine(pa, pb), remote=OnlineLine(pa + ha, pb + hb), **kw)
+        return cls(local=OnlineLine(pa, pb), remote=OnlineLine(pa + ha, pb + hb),
+                   handover=(ha, hb), profiled=True, **kw)
+
+    def seed_measured(self, local: tuple[float, float] | None,
+                      remote: tuple[float, float] | None) -> None:
+        """The workers' own prompt costs, (fixed s, s per token) or None (unknown): `local`
+        a decode worker's, `remote` a prefill worker's compute (the handover's seed added),
+        as the seeds of a line with no observation of its own yet (after one, the line
+        learns from the gateway's observations, as before). A --profile's seeds stay."""
+        if self.profiled:
+            return
+        for name, cost, extra in (("local", local, (0.0, 0.0)), ("remote", remote, self.handover)):
+            if cost is None or getattr(self, name).n:
+                continue
+            seed = (cost[0] + extra[0], cost[1] + extra[1])
+            if self.seeds.get(name) != seed:
+                self.seeds[name] = seed
+                setattr(self, name, OnlineLine(*seed))
 
     def decide(self, prompt_tokens: int, cached_tokens: int, prefill: PrefillView,
                decode: DecodeView) -> Choice:

@@ -10,6 +10,9 @@ knows now, and its bookkeeping.
         decode   = DecodeView(running: the larger of the gateway's in-flight count on it
                    and its Stats' num_running; waiting: its engine's queue less the
                    reservations waiting for KV; KV blocks from its Stats)
+        seeds    = the workers' measured prompt costs (Stats' prefill_cost: this decode
+                   worker's, the healthy prefill workers' mean) for a cost line not yet
+                   observed (DisaggPolicy.seed_measured)
         -> a Ticket (the Choice, the tokens it counts against the prefill queue, a clock)
     started(ticket)                 a disaggregated segment's Prefill is about to open
     first_token(ticket, now)        the first token is there: the cost it took is learnt
@@ -81,6 +84,7 @@ class Placement:
         view = DecodeView(running=running) if s is None else DecodeView(
             running, max(s.num_waiting - s.num_waiting_for_kv, 0), s.free_kv_blocks,
             s.total_kv_blocks)
+        self.policy.seed_measured(_cost(s), _mean_cost([x.stats for x in healthy]))
         choice = self.policy.decide(len(prompt), cached, PrefillView(len(healthy), queued), view)
         if local_reason:
             choice.kind, choice.reasons = LOCAL, [local_reason]
@@ -125,6 +129,23 @@ class Placement:
         self.counts[kind] += 1
         self.metrics.observe_prefill(kind)
         log.debug("request %s: %s prefill (%s)", rid, kind, "; ".join(t.choice.reasons))
+
+
+def _cost(stats) -> tuple[float, float] | None:
+    """A worker's measured prompt cost from its Stats (services/prefill_cost.py; None: not
+    reported)."""
+    if stats is None or not stats.HasField("prefill_cost"):
+        return None
+    c = stats.prefill_cost
+    return c.fixed_s, c.per_token_s
+
+
+def _mean_cost(stats: list) -> tuple[float, float] | None:
+    """The mean of the workers' measured costs (a pool is alike: one line stands for it)."""
+    costs = [c for c in map(_cost, stats) if c is not None]
+    if not costs:
+        return None
+    return sum(a for a, _ in costs) / len(costs), sum(b for _, b in costs) / len(costs)
 
 
 __all__ = ["Placement", "Ticket", "LOCAL", "DISAGGREGATED"]

@@ -15,8 +15,8 @@ model's load, not at torch's import (the gateway, which never imports torch, is 
 its own). `pdserve up: zygote: ready in X s` tells its import time. Off by default: its
 forked prefill workers ran a 450-token prompt in 3-4 s against 1.6-2 s for plain processes
 on the same machine (a third busy thread in the forked worker; cause not found). Each worker's model comes from the build cache when it was built here before
-(engine/build_cache.py), and a prefill worker's warm-up timings likewise
-(prefill_worker/warm_up.py).
+(engine/build_cache.py), and each worker's warm-up timings likewise
+(services/prefill_cost.py).
 
 The start-up probes reconnect every 100-250 ms (PROBE_OPTIONS) and poll every 0.1 s: a
 process is seen SERVING within a fraction of a second, not after gRPC's exponential

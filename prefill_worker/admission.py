@@ -15,8 +15,9 @@ hold its reservation (kv_push.py).
     cost      fixed + per_token x tokens (seconds): a least-squares line through the last
               `max_samples` samples and the warm-up's (`seed`: a short and a long prompt,
               always part of the fit, so a run of short prompts cannot pass its per-request
-              overhead off as per-token cost); clamped to per_token >= MIN_PER_TOKEN_S and
-              fixed >= 0; one distinct length only: per_token = time / tokens, fixed 0
+              overhead off as per-token cost); clamped (services/prefill_cost.fit):
+              per_token >= 1e-7 and fixed >= 0; one distinct length only: per_token =
+              time / tokens, fixed 0
     backlog   cost of the queue (fixed x calls + per_token x queued) less the busy seconds
               already spent on it (since the last completion), at least 0
     refuse    queued + this prompt > max_queued_tokens (unless nothing is queued: a prompt
@@ -46,7 +47,8 @@ import time
 from collections import deque
 from typing import Iterable
 
-MIN_PER_TOKEN_S = 1e-7           # 10M tokens/s: a line flatter than this is noise
+from services import prefill_cost
+
 MIN_QUEUE_DELAY_S = 1.0          # the slowdown bound never refuses a wait shorter than this
 
 
@@ -76,23 +78,9 @@ class PrefillAdmission:
         return len(self._samples)
 
     def cost(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token) fitted; None: nothing measured yet."""
-        pts = self._seed + list(self._samples)
-        if not pts:
-            return None
-        k = len(pts)
-        mx = sum(n for n, _ in pts) / k
-        my = sum(s for _, s in pts) / k
-        sxx = sum((n - mx) ** 2 for n, _ in pts)
-        if sxx < 1e-9 * max(mx * mx, 1.0):           # one distinct length: no slope to fit
-            return 0.0, max(my / mx, MIN_PER_TOKEN_S)
-        per_token = max(sum((n - mx) * (s - my) for n, s in pts) / sxx, MIN_PER_TOKEN_S)
-        fixed = my - per_token * mx
-        if fixed < 0:                                 # the best line through the origin
-            per_token = max(sum(n * s for n, s in pts) / sum(n * n for n, _ in pts),
-                            MIN_PER_TOKEN_S)
-            fixed = 0.0
-        return fixed, per_token
+        """(fixed seconds, seconds per token) fitted (services/prefill_cost.fit); None:
+        nothing measured yet."""
+        return prefill_cost.fit(self._seed + list(self._samples))
 
     def estimate(self, tokens: int, calls: int = 1) -> float | None:
         """Seconds to compute `calls` calls of `tokens` prompt tokens in all (None: no cost

@@ -53,7 +53,7 @@ from kvtransfer.sender import KVTransferTimeout
 from kvtransfer.transport import TransportError
 from kvtransfer.wire import IncompatibleKV
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from services import protoconv, service_names, tracing, worker_server
+from services import prefill_cost, protoconv, service_names, tracing, worker_server
 from services.kv_events_rpc import KvEventsRpc
 from services.security import MTLS, read_token, transfer_id_signed
 from services.worker_server import Draining, RpcStatus, WorkerParts
@@ -66,7 +66,6 @@ from .handback import HANDED_BACK, HandBack
 from .kv_push import DestinationRefused, KVPush, PushFailed
 from .peer_export import PeerExport
 from .peer_fetch import PeerFetch
-from .warm_up import remember, warm_up
 
 log = logging.getLogger(__name__)
 DEADLINE_POLL_S = 0.25           # how often a computing call re-reads its moving deadline
@@ -150,7 +149,8 @@ class PrefillServicer(KvEventsRpc, prefill_pb2_grpc.PrefillWorkerServicer):
                                                   bytes=c.bytes_sent, failures=c.failures,
                                                   expirations=self.expired),
             compat=protoconv.compat_to_proto(self.compat),
-            max_model_len=self.ae.max_model_len)
+            max_model_len=self.ae.max_model_len,
+            prefill_cost=prefill_cost.to_proto(self.admission.cost()))
 
     # -------------------------------------------------------------- Prefill body
     def _validate(self, request) -> Call:
@@ -378,10 +378,16 @@ class PrefillRole(worker_server.WorkerRole):
         return connector
 
     async def warm_up(self, servicer: PrefillServicer, engine) -> None:
-        """A tiny prompt, then the admission's seed, measured or cached (warm_up.py); the
-        cached seed bettered from the calls served, at the drain."""
-        await warm_up(servicer.admission, engine)
-        servicer.srv.on_drain(lambda _deadline: remember(servicer.admission, engine))
+        """A tiny prompt, then the admission's seed, measured or cached
+        (services/prefill_cost.py); at the drain, the cached timings bettered from the calls
+        served (once the admission has fitted MIN_CALLS of them)."""
+        admission = servicer.admission
+        admission.seed((await prefill_cost.warm_up(engine, True, "prefill"))[0])
+
+        def remember(_deadline) -> None:
+            if admission.num_samples >= prefill_cost.MIN_CALLS:
+                prefill_cost.remember(engine, True, admission.estimate)
+        servicer.srv.on_drain(remember)
 
     config_class, servicer_class = PrefillWorkerConfig, PrefillServicer
     add_to_server = staticmethod(prefill_pb2_grpc.add_PrefillWorkerServicer_to_server)

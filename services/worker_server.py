@@ -13,8 +13,9 @@
                                    kv_events_rpc.py, ended on drain)
     WorkerServer.run:
       start  -> health NOT_SERVING -> warm-up (role.warm_up: one tiny request through the
-             engine; a prefill worker's also a long and a short one, timed for its
-             admission, or their timings from the build cache: prefill_worker/warm_up.py)
+             engine, then a long and a short one, timed: the worker's prompt cost, for a
+             prefill worker's admission and both workers' Stats, or those timings from the
+             build cache: services/prefill_cost.py)
              -> health SERVING, `ready` set; NOT_SERVING while the engine is unhealthy
              (consecutive failed steps, see AsyncEngine.healthy)
       SIGTERM (or `stop` set) -> draining: health NOT_SERVING, new work refused with
@@ -352,16 +353,17 @@ async def serve(cfg, role: WorkerRole, *, transport: Transport | None = None,
 async def warm_up(ae: AsyncEngine, prefill_only: bool, tokens: int = 0) -> float:
     """One request of `tokens` prompt tokens (0: a tiny one, under a block) through the
     engine, so the first real one has no cold start (a prefill worker's is prefill-only, then
-    released, as its real ones are); returns the seconds it took."""
+    released, as its real ones are); returns the seconds to its first token (the prompt's
+    cost: services/prefill_cost.py)."""
     rid = f"warmup-{uuid.uuid4().hex[:8]}"
     n = tokens or max(1, min(ae.block_size - 3, 8))
     prompt = [1 + i % (ae.vocab_size - 1) for i in range(n)]
     params = SamplingParams(temperature=0.0, max_tokens=1 if prefill_only else 2, ignore_eos=True)
     t0 = time.perf_counter()
+    seconds = 0.0
     await ae.add_request(rid, prompt, params, prefill_only)
     async for _ in ae.stream(rid):
-        pass
-    seconds = time.perf_counter() - t0
+        seconds = seconds or time.perf_counter() - t0
     if prefill_only:
         await ae.release(rid)
     return seconds

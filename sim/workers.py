@@ -16,7 +16,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.scheduler import Scheduler, SchedulerOutput
 from prefill_worker.admission import PrefillAdmission
 
-# the prefill worker's warm-up prompts (prefill_worker/warm_up.py WARM_UP_*_TOKENS): the
+# the prefill worker's warm-up prompts (services/prefill_cost.py WARM_UP_*_TOKENS): the
 # admission's cost model is seeded from the profile's cost of these two lengths
 WARM_UP_LENGTHS = (256, 8)
 

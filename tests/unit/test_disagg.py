@@ -129,3 +129,46 @@ def test_the_shipped_profile_reads():
     (pa, pb), (ha, hb) = read_profile_costs(
         str(Path(__file__).parents[2] / "bench" / "profiles" / "smollm2-2core.json"))
     assert pb > 0 and ha > 0
+
+
+def _lone_prompts(p: DisaggPolicy, tokens: int, n: int = 8) -> str:
+    """`n` lone prompts of `tokens`, each observed at this machine's true cost (local: a
+    1-thread decode worker, 1.6 ms a token; remote: a 2-thread prefill worker, 1 ms a token,
+    plus the handover): the kinds chosen, "l"/"d" each."""
+    kinds = ""
+    for _ in range(n):
+        c = p.decide(tokens, 0, ONE_P, IDLE_D)
+        kinds += c.kind[0]
+        if c.kind == LOCAL:
+            p.observe_local(tokens, 0.01 + 0.0016 * tokens)
+        else:
+            p.observe_remote(tokens, 0.03 + 0.00102 * tokens)
+    return kinds
+
+
+def test_the_workers_measures_seed_the_lines_and_end_the_guessing():
+    # the defaults (a GPU's guess) send the first long prompt to the slower side, and
+    # mid-length ones alternate; seeded by the workers' warm-up measures, none does
+    assert _lone_prompts(DisaggPolicy(), 1024).startswith("ld")
+    assert "l" in _lone_prompts(DisaggPolicy(), 300)[1:]
+    for tokens in (1024, 300):
+        p = DisaggPolicy()
+        p.seed_measured(local=(0.01, 0.0016), remote=(0.01, 0.001))
+        assert p.local.cost(100) == pytest.approx(0.17)
+        assert p.remote.cost(100) == pytest.approx(0.01 + 0.02 + (0.001 + 0.00002) * 100)
+        assert _lone_prompts(p, tokens) == "d" * 8
+
+
+def test_measured_seeds_follow_the_workers_until_a_line_is_observed():
+    p = DisaggPolicy()
+    p.seed_measured(local=None, remote=(0.0, 0.001))          # no decode worker's measure yet
+    assert p.local.cost(100) == pytest.approx(DisaggPolicy().local.cost(100))
+    p.seed_measured(local=(0.0, 0.002), remote=(0.0, 0.0009))  # the prefill worker refitted
+    assert p.remote.cost(100) == pytest.approx(0.02 + 0.00092 * 100)
+    p.observe_local(100, 0.5)
+    local = p.local.cost(100)
+    p.seed_measured(local=(0.0, 0.0001), remote=(0.0, 0.0009))
+    assert p.local.cost(100) == local                          # observed: it learns on its own
+    f = DisaggPolicy.from_costs(((0.01, 0.001), (0.2, 0.0001)))
+    f.seed_measured(local=(0.0, 0.01), remote=(0.0, 0.01))
+    assert f.local.cost(100) == pytest.approx(0.11)            # a --profile's seeds stay

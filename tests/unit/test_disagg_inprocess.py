@@ -11,6 +11,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from engine.sampling_params import SamplingParams
+from gateway.disagg import DisaggPolicy
+from gateway.placement import Placement
 from gateway.request import GenerateInput
 from protos.pdserve.v1 import common_pb2, decode_pb2
 
@@ -129,3 +131,27 @@ def test_auto_keeps_a_short_prompt_local_and_sends_a_long_one_to_the_prefill_wor
                                                 "local": c0["local"] + 1}
         await auto.wait_all_free()
     auto.run(main(), 120)
+
+
+def test_both_workers_report_their_measured_prompt_cost_and_auto_is_seeded_by_it(auto):
+    """Each worker's warm-up timed a long and a short prompt (services/prefill_cost.py);
+    their Stats carry the line, and a placement whose lines are not observed yet takes it
+    as its seeds (the prefill worker's plus the handover's)."""
+    async def main():
+        p = await auto.pre.Stats(common_pb2.StatsRequest(), timeout=RPC_S)
+        d = await auto.dec.Stats(common_pb2.StatsRequest(), timeout=RPC_S)
+        for s in (p, d):
+            assert s.HasField("prefill_cost") and s.prefill_cost.per_token_s > 0
+            assert s.prefill_cost.fixed_s >= 0
+        gw = auto.gateway
+        fresh = Placement(DisaggPolicy(), gw.prefill, gw.metrics)
+        w, = gw.decode.healthy()
+        pw, = gw.prefill.healthy()
+        assert w.stats is not None and pw.stats is not None      # probed before SERVING
+        fresh.choose(w, _prompt(40, 23), 0)
+        c, pc, ha = w.stats.prefill_cost, pw.stats.prefill_cost, fresh.policy.handover
+        assert fresh.policy.seeds == {
+            "local": pytest.approx((c.fixed_s, c.per_token_s)),
+            "remote": pytest.approx((pc.fixed_s + ha[0], pc.per_token_s + ha[1]))}
+        assert fresh.policy.local.cost(100) == pytest.approx(c.fixed_s + 100 * c.per_token_s)
+    auto.run(main(), 60)

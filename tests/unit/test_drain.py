@@ -45,11 +45,12 @@ pytestmark = pytest.mark.timeout(300)
 
 class Pools:
     """`n_prefill` prefill and `n_decode` decode workers and a gateway on one loop (a thread).
-    `drain`: each worker's --drain-timeout-s by role; `migrate_s`: the decode workers'."""
+    `drain`: each worker's --drain-timeout-s by role; `migrate_s`: the decode workers';
+    `disaggregation`: the gateway's."""
 
     def __init__(self, model_dir: str, n_prefill: int, n_decode: int, drain: dict,
-                 migrate_s: float = 1.0, prefill_batch: int = 16):
-        self.model_dir, self.n = model_dir, (n_prefill, n_decode)
+                 migrate_s: float = 1.0, prefill_batch: int = 16, disaggregation: str = "auto"):
+        self.model_dir, self.n, self.disaggregation = model_dir, (n_prefill, n_decode), disaggregation
         self.drain, self.migrate_s, self.prefill_batch = drain, migrate_s, prefill_batch
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="drain", daemon=True)
@@ -83,7 +84,7 @@ class Pools:
                                return_when=asyncio.FIRST_COMPLETED)
             assert w["ready"].is_set(), f"{w['role']} worker not ready"
         self.gateway = Gateway(GatewayConfig(
-            model=self.model_dir, health_interval_s=0.2,
+            model=self.model_dir, health_interval_s=0.2, disaggregation=self.disaggregation,
             prefill=",".join(w["address"] for w in self.of("prefill")),
             decode=",".join(w["address"] for w in self.of("decode"))))
         await self.gateway.start()
@@ -216,7 +217,10 @@ def test_drained_prefill_worker_hands_its_queue_back(model_dir, greedy):
     n_tokens = 4
     prompts = [_prompt(400, 100 + i) for i in range(12)]
     want = greedy(prompts, n_tokens)
-    p = _system(model_dir, 2, 1, {"prefill": 60.0, "decode": 5.0}, prefill_batch=16)
+    # always: auto would compute some of them on the decode worker (its measured cost of a
+    # whole prompt can beat a prefill worker chunking it 16 tokens a step)
+    p = _system(model_dir, 2, 1, {"prefill": 60.0, "decode": 5.0}, prefill_batch=16,
+                disaggregation="always")
     try:
         async def body():
             runs = [asyncio.ensure_future(p.one(f"p{i}", ids, n_tokens))

@@ -199,6 +199,14 @@ class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PrefillCost(_message.Message):
+    __slots__ = ("fixed_s", "per_token_s")
+    FIXED_S_FIELD_NUMBER: _ClassVar[int]
+    PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    fixed_s: float
+    per_token_s: float
+    def __init__(self, fixed_s: _Optional[float] = ..., per_token_s: _Optional[float] = ...) -> None: ...
+
 class TransferCounters(_message.Message):
     __slots__ = ("transfers_done", "blocks", "bytes", "failures", "expirations")
     TRANSFERS_DONE_FIELD_NUMBER: _ClassVar[int]

@@ -92,7 +92,7 @@ class SubmitFirstTokenResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
 
 class DecodeStats(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_waiting_for_kv", "num_running", "free_kv_blocks", "total_kv_blocks", "queued_prefill_tokens", "transfers", "compat", "kv_endpoint", "max_model_len")
+    __slots__ = ("worker_id", "num_waiting", "num_waiting_for_kv", "num_running", "free_kv_blocks", "total_kv_blocks", "queued_prefill_tokens", "transfers", "compat", "kv_endpoint", "max_model_len", "prefill_cost")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class DecodeStats(_message.Message):
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_waiting_for_kv: int
@@ -115,4 +116,5 @@ class DecodeStats(_message.Message):
     compat: _common_pb2.KvCompat
     kv_endpoint: str
     max_model_len: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferCounters, _Mapping]] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    prefill_cost: _common_pb2.PrefillCost
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferCounters, _Mapping]] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., prefill_cost: _Optional[_Union[_common_pb2.PrefillCost, _Mapping]] = ...) -> None: ...

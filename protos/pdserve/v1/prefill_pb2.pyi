@@ -110,7 +110,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., blocks_transferred: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., compute_ms: _Optional[float] = ..., transfer_wait_ms: _Optional[float] = ..., energy_joules: _Optional[float] = ..., timings: _Optional[_Union[_common_pb2.PhaseTimings, _Mapping]] = ..., peer_fetched_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillStats(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_running", "queued_prefill_tokens", "free_kv_blocks", "total_kv_blocks", "transfers", "compat", "max_model_len")
+    __slots__ = ("worker_id", "num_waiting", "num_running", "queued_prefill_tokens", "free_kv_blocks", "total_kv_blocks", "transfers", "compat", "max_model_len", "prefill_cost")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class PrefillStats(_message.Message):
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_running: int
@@ -129,4 +130,5 @@ class PrefillStats(_message.Message):
     transfers: _common_pb2.TransferCounters
     compat: _common_pb2.KvCompat
     max_model_len: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferCounters, _Mapping]] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    prefill_cost: _common_pb2.PrefillCost
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferCounters, _Mapping]] = ..., compat: _Optional[_Union[_common_pb2.KvCompat, _Mapping]] = ..., max_model_len: _Optional[int] = ..., prefill_cost: _Optional[_Union[_common_pb2.PrefillCost, _Mapping]] = ...) -> None: ...

@@ -1,7 +1,8 @@
-"""The prefill worker's warm-up (prefill_worker/warm_up.py): the first start times the long
-and the short prompt and seeds the admission with them; the next start with the same model,
-engine config and threads takes those timings from the build cache (only the tiny prompt
-runs), the admission's cost the same; other threads or a damaged entry measure again."""
+"""A worker's prompt cost at its warm-up (services/prefill_cost.py): the first start times
+the long and the short prompt and seeds the prefill admission with them; the next start with
+the same model, engine config, threads and role takes those timings from the build cache
+(only the tiny prompt runs), the admission's cost the same; other threads, the other role or
+a damaged entry measure again."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ import torch
 from engine import build_cache
 from engine.config import EngineConfig, EngineOptions
 from engine.tiny_model import ensure_default_model
-from prefill_worker import warm_up as wu
+from services import prefill_cost as wu, worker_server
 from prefill_worker.admission import PrefillAdmission
 
 
@@ -25,10 +26,9 @@ def engine(tmp_path, monkeypatch):
     ran = []
 
     async def fake(ae, prefill_only, tokens=0):
-        assert prefill_only
         ran.append(tokens)
-        return 1e-3 + 1e-4 * (tokens or 4)
-    monkeypatch.setattr(wu.worker_server, "warm_up", fake)
+        return 1e-3 + 1e-4 * (tokens or 4) + (0 if prefill_only else 1e-3)
+    monkeypatch.setattr(worker_server, "warm_up", fake)
     config = EngineConfig.build(ensure_default_model(), EngineOptions())
     ae = SimpleNamespace(max_model_len=4096, block_size=16, engine=SimpleNamespace(config=config),
                          stats=lambda: SimpleNamespace(num_total_blocks=1024))
@@ -36,9 +36,17 @@ def engine(tmp_path, monkeypatch):
 
 
 def _start(ae) -> tuple[float, float]:
+    """A prefill worker's start (PrefillRole.warm_up): the admission's cost."""
     admission = PrefillAdmission(8192)
-    asyncio.run(wu.warm_up(admission, ae))
+    samples, _cached = asyncio.run(wu.measure(ae, True))
+    admission.seed(samples)
     return admission.cost()
+
+
+def _remember(admission, ae) -> None:
+    """A prefill worker's drain."""
+    if admission.num_samples >= wu.MIN_CALLS:
+        wu.remember(ae, True, admission.estimate)
 
 
 def test_the_second_start_takes_the_seed_from_the_cache(engine, monkeypatch):
@@ -68,16 +76,41 @@ def test_a_damaged_entry_is_measured_again(engine):
 def test_the_drain_makes_a_slow_cached_seed_faster_never_slower(engine):
     ae, ran = engine
     admission = PrefillAdmission(8192)
-    asyncio.run(wu.warm_up(admission, ae))          # measured: 1 ms + 0.1 ms a token
+    admission.seed(asyncio.run(wu.measure(ae, True))[0])   # measured: 1 ms + 0.1 ms a token
     admission._samples.extend([(64, 1e-3 + 64e-5)] * (wu.MIN_CALLS - 1))   # 10x faster a token
-    wu.remember(admission, ae)                      # too few calls: the entry stays
+    _remember(admission, ae)                      # too few calls: the entry stays
     assert _start(ae) == pytest.approx((1e-3, 1e-4))
     admission._samples.append((16, 1e-3 + 16e-5))
-    wu.remember(admission, ae)
+    _remember(admission, ae)
     fixed, per_token = _start(ae)
     assert fixed <= 1e-3 + 1e-9 and per_token < 0.9e-4     # the calls' faster line, in part
     slow = PrefillAdmission(8192)
     slow.seed([(256, 1.0), (8, 0.5)])
     slow._samples.extend([(64, 1.0)] * wu.MIN_CALLS)
-    wu.remember(slow, ae)                           # slower calls: the faster seed stays
+    _remember(slow, ae)                           # slower calls: the faster seed stays
     assert _start(ae) == pytest.approx((fixed, per_token))
+
+
+def test_a_decode_worker_measures_its_own_line_to_the_first_token(engine):
+    """The decode role's timings are its own (a decode worker's engine differs), cached apart
+    from the prefill role's; the line is fitted from them as the admission's is."""
+    ae, ran = engine
+    _start(ae)
+    ran.clear()
+    samples, cached = asyncio.run(wu.measure(ae, False))
+    assert not cached and ran == [0, wu.WARM_UP_LONG_TOKENS, wu.WARM_UP_SHORT_TOKENS]
+    assert wu.fit(samples) == pytest.approx((2e-3, 1e-4))
+    ran.clear()
+    assert asyncio.run(wu.measure(ae, False)) == (samples, True) and ran == [0]
+    proto = wu.to_proto(wu.fit(samples))
+    assert (proto.fixed_s, proto.per_token_s) == pytest.approx((2e-3, 1e-4))
+    assert wu.to_proto(None) is None
+
+
+def test_fit_is_the_least_squares_line_clamped():
+    assert wu.fit([]) is None
+    assert wu.fit([(100, 0.2), (100, 0.4)]) == pytest.approx((0.0, 3e-3))    # one length
+    assert wu.fit([(8, 0.01), (256, 0.258), (128, 0.13)]) == pytest.approx((0.002, 1e-3), rel=1e-2)
+    fixed, per_token = wu.fit([(10, 0.0), (100, 0.3), (200, 0.7)])     # intercept < 0: origin
+    assert fixed == 0.0 and per_token == pytest.approx((100 * 0.3 + 200 * 0.7) / (100 + 100**2 + 200**2))
+    assert wu.fit([(8, 0.5), (256, 0.1)]) == (pytest.approx(0.3 - 132 * 1e-7), 1e-7)  # falls: flat
