@@ -33,7 +33,9 @@ seeded by `prior_weight` pseudo-observations of, first that applies:
     `fits.prefill` [a, b, c] and `fits.handover` [a, b])
   - the workers' own measures (`seed_measured`, from their Stats' prefill_cost: a decode
     worker's local prefill, a prefill worker's compute, plus the handover's default), for a
-    line not observed yet
+    line not observed yet; while only one side has been observed, the other's seed is
+    scaled by the observed side's cost over its own seed (`_costs`: a warm-up times compute
+    alone, an observation all that a served request adds)
   - the defaults below (a GPU's guess: on a CPU, where a decode worker's local prefill and a
     prefill worker's differ by their threads, lone long prompts went to whichever side had
     been observed less, alternating, until a few of each were seen)
@@ -169,9 +171,8 @@ class DisaggPolicy:
             return Choice(LOCAL, ["--disaggregation never"], uncached)
         if self.mode == "always":
             return Choice(DISAGGREGATED, ["--disaggregation always"], uncached)
-        local_s = self.local.cost(uncached)
         queued = prefill.queued_tokens / max(prefill.healthy, 1)
-        remote_s = self.remote.cost(prompt_tokens + queued)
+        local_s, remote_s = self._costs(uncached, prompt_tokens + queued)
         c = Choice(LOCAL, [], uncached, local_s, remote_s)
         if prefill.healthy == 0:
             c.reasons.append("no healthy prefill worker")
@@ -191,6 +192,23 @@ class DisaggPolicy:
             c.reasons.append(f"local prefill {local_s * 1e3:.1f} ms > queue + prefill + "
                              f"handover {remote_s * 1e3:.1f} ms")
         return c
+
+    def _costs(self, local_tokens: float, remote_tokens: float) -> tuple[float, float]:
+        """Both lines' costs. With both seeded by the workers' measures and only one side
+        observed so far, the other is scaled by the observed side's cost over its seed: a
+        warm-up times compute alone, an observation all a served request adds (the gateway,
+        the handover, attention over a longer prompt), and a seed left as timed would win
+        the next comparison however slow it really is."""
+        local_s, remote_s = self.local.cost(local_tokens), self.remote.cost(remote_tokens)
+        if len(self.seeds) < 2 or bool(self.local.n) == bool(self.remote.n):
+            return local_s, remote_s
+        seen, x, unseen = (("local", local_tokens, "remote") if self.local.n
+                           else ("remote", remote_tokens, "local"))
+        a, b = self.seeds[seen]
+        scale = getattr(self, seen).cost(x) / max(a + b * x, 1e-9)
+        if unseen == "local":
+            return local_s * scale, remote_s
+        return local_s, remote_s * scale
 
     def _too_loaded(self, d: DecodeView, local_s: float) -> str:
         """Why the decode worker should not compute a prompt now ("" when it may)."""

@@ -5,8 +5,12 @@ knows now, and its bookkeeping.
         cached   = the prompt's leading blocks that worker holds (any tier, from its KV
                    events: Router.cached_on) x its block size
         prefill  = PrefillView(healthy prefill workers, queued tokens: the larger of their
-                   Stats' queued_prefill_tokens and the tokens of this gateway's Prefill
-                   calls still open)
+                   loads (registry's load_tokens: this gateway's open Prefill calls exactly,
+                   plus what their Stats report beyond those; not the raw Stats, which
+                   still count a call that ended since the last probe: lone prompts in a
+                   row then saw the one before them queued and went local, every other
+                   one) and the tokens of this gateway's Prefill calls still open, counted
+                   from just before each opens)
         decode   = DecodeView(running: the larger of the gateway's in-flight count on it
                    and its Stats' num_running; waiting: its engine's queue less the
                    reservations waiting for KV; KV blocks from its Stats)
@@ -77,8 +81,7 @@ class Placement:
         (--disaggregation never: INVALID_ARGUMENT). `local_reason`: local, for it (a
         fallback: local_instead)."""
         healthy = self.prefill.healthy()
-        queued = max(sum(x.stats.queued_prefill_tokens for x in healthy if x.stats is not None),
-                     self.queued_tokens)
+        queued = max(sum(x.load_tokens() for x in healthy), self.queued_tokens)
         s = w.stats
         running = max(w.in_flight, s.num_running if s is not None else 0)
         view = DecodeView(running=running) if s is None else DecodeView(

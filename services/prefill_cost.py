@@ -9,7 +9,10 @@ SERVING (both roles; services/worker_server.py runs role.warm_up):
                         before with the same engine options, threads and role, those
                         timings from the build cache (engine/build_cache.py, kind
                         "prefill-cost"; 1-5 s of the default model's start-up on a busy
-                        2-core machine)
+                        2-core machine). One worker of this machine times at a time
+                        (`timing_lock`): `pdserve up` warms its workers together, and two
+                        timing at once on 2 cores each measured the other's load (the
+                        prefill worker's 2 threads came out slower than the decode worker's 1)
     at the drain        `remember`: the cached timings made faster where the calls since
                         measured faster (the start's own timing runs beside the other
                         workers' loads)
@@ -22,10 +25,15 @@ slower one until enough of each kind were observed.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
 import logging
+import time
 from typing import Callable, Iterable
 
 from engine.build_cache import engine_key, model_files, read_json, write_json
+from engine.paths import cache_dir
 from protos.pdserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -34,6 +42,7 @@ WARM_UP_SHORT_TOKENS = 8         # and its short one: the fixed cost's
 KIND = "prefill-cost"
 MIN_CALLS = 8                    # completed calls before a drain's fit may improve the cache
 MIN_PER_TOKEN_S = 1e-7           # 10M tokens/s: a line flatter than this is noise
+LOCK_WAIT_S = 30.0               # the longest a warm-up waits for another's timing to end
 
 Samples = list[tuple[int, float]]
 
@@ -75,9 +84,37 @@ async def measure(ae, prefill_only: bool) -> tuple[Samples, bool]:
     samples = _samples(read_json(KIND, model_dir, key), lengths)
     if samples is not None:
         return samples, True
-    samples = [(n, await worker_server.warm_up(ae, prefill_only, n)) for n in lengths]
+    async with timing_lock():
+        samples = [(n, await worker_server.warm_up(ae, prefill_only, n)) for n in lengths]
     _store(model_dir, key, samples)
     return samples, False
+
+
+@contextlib.asynccontextmanager
+async def timing_lock(wait_s: float = LOCK_WAIT_S):
+    """This machine's one timing slot (an flock on a file in the cache folder), waited for
+    at most `wait_s` (then the timing runs anyway, and says so)."""
+    path = cache_dir() / "warm-up-timing.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.warning("warm-up: another worker's timing still runs after %.0f s: "
+                                "timing beside it", wait_s)
+                    held = False
+                    break
+                await asyncio.sleep(0.02)       # the other's timing: a fraction of a second
+        try:
+            yield
+        finally:
+            if held:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 async def warm_up(ae, prefill_only: bool, who: str) -> tuple[Samples, tuple[float, float]]:

@@ -172,3 +172,63 @@ def test_measured_seeds_follow_the_workers_until_a_line_is_observed():
     f = DisaggPolicy.from_costs(((0.01, 0.001), (0.2, 0.0001)))
     f.seed_measured(local=(0.0, 0.01), remote=(0.0, 0.01))
     assert f.local.cost(100) == pytest.approx(0.11)            # a --profile's seeds stay
+
+
+def test_a_call_that_ended_since_the_last_stats_is_not_queued_again():
+    """Placement reads the prefill pool's queue through the registry's load_tokens: the
+    worker's last Stats still show the previous lone prompt queued, but this gateway's call
+    for it has ended, so the next lone prompt sees an idle prefill worker (raw Stats sent
+    every other lone long prompt local on a CPU)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from gateway.placement import Placement
+    from gateway.registry import Worker
+    from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
+    from services.metrics import Metrics
+
+    async def workers():                                   # their channels want a loop
+        return (Worker("prefill", "127.0.0.1:1", lambda ch: None),
+                Worker("decode", "127.0.0.1:2", lambda ch: None))
+    pw, dw = asyncio.run(workers())
+    pw.healthy = True
+    holder = object()
+    pw.attach(holder, 1050)
+    pw.stats, pw.stats_open_tokens = prefill_pb2.PrefillStats(queued_prefill_tokens=1050), 1050
+    pw.detach(holder)                                      # done before the next probe
+    cost = common_pb2.PrefillCost
+    pw.stats.prefill_cost.CopyFrom(cost(fixed_s=0.02, per_token_s=0.0007))
+    dw.stats = decode_pb2.DecodeStats(free_kv_blocks=900, total_kv_blocks=1000,
+                                      prefill_cost=cost(fixed_s=0.02, per_token_s=0.001))
+    pool = SimpleNamespace(healthy=lambda: [pw])
+    placement = Placement(DisaggPolicy(), pool, Metrics("gateway"))
+    t = placement.choose(dw, list(range(1050)), 0)
+    assert t.choice.kind == DISAGGREGATED and t.queued_per_worker == 0
+    pw.attach(object(), 1050)                              # one really queued: it counts
+    assert placement.choose(dw, list(range(1050)), 0).choice.kind == LOCAL
+
+
+def test_the_side_not_observed_yet_is_scaled_like_the_observed_one():
+    """A warm-up times compute alone; an observation has everything a served request adds.
+    Once one side is observed, the other's measured seed is scaled by the observed side's
+    cost over its own seed, so an unobserved seed does not win on optimism alone."""
+    def seeded():
+        p = DisaggPolicy()
+        p.seed_measured(local=(0.02, 0.0008), remote=(0.02, 0.00067))
+        return p
+    n = 1050
+    p = seeded()
+    assert p.decide(n, 0, ONE_P, IDLE_D).kind == DISAGGREGATED
+    p.observe_remote(n, 1.15)                      # served: 1.5x its seed
+    c = p.decide(n, 0, ONE_P, IDLE_D)
+    scale = p.remote.cost(n) / (0.02 + 0.02 + (0.00067 + 0.00002) * n)
+    assert scale > 1.2 and c.local_s == pytest.approx((0.02 + 0.0008 * n) * scale)
+    assert c.kind == DISAGGREGATED                 # unscaled, the local seed (0.86 s) won
+    assert p.local.cost(n) < p.remote.cost(n)
+    q = seeded()
+    q.observe_local(n, 2.0)                        # the local side seen first, slow
+    c = q.decide(n, 0, ONE_P, IDLE_D)
+    assert c.remote_s > q.remote.cost(n) and c.kind == DISAGGREGATED
+    q.observe_remote(n, 1.0)                       # both seen: the lines as learnt
+    c = q.decide(n, 0, ONE_P, IDLE_D)
+    assert (c.local_s, c.remote_s) == (q.local.cost(n), q.remote.cost(n))

@@ -114,3 +114,37 @@ def test_fit_is_the_least_squares_line_clamped():
     fixed, per_token = wu.fit([(10, 0.0), (100, 0.3), (200, 0.7)])     # intercept < 0: origin
     assert fixed == 0.0 and per_token == pytest.approx((100 * 0.3 + 200 * 0.7) / (100 + 100**2 + 200**2))
     assert wu.fit([(8, 0.5), (256, 0.1)]) == (pytest.approx(0.3 - 132 * 1e-7), 1e-7)  # falls: flat
+
+
+def test_two_workers_time_one_after_the_other(engine, monkeypatch, tmp_path, caplog):
+    """Two warm-ups timing at once (a prefill and a decode worker of one `pdserve up`)
+    take turns; a slot held past the wait times anyway, and says so."""
+    ae, _ = engine
+    monkeypatch.setattr(wu, "cache_dir", lambda: tmp_path / "cache")
+    spans = []
+
+    async def slow(ae, prefill_only, tokens=0):
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.sleep(0.05)
+        spans.append((t0, asyncio.get_running_loop().time()))
+        return 1e-3 + 1e-4 * (tokens or 4)
+    monkeypatch.setattr(worker_server, "warm_up", slow)
+
+    async def both():
+        return await asyncio.gather(wu.measure(ae, True), wu.measure(ae, False))
+    asyncio.run(both())
+    timed = sorted(spans)[2:]                 # the two tiny prompts run outside the slot
+    pairs = [timed[i:i + 2] for i in (0, 2)]
+    assert [b[0] >= a[1] for a, b in pairs] == [True, True]      # each worker's two in a row
+    assert pairs[1][0][0] >= pairs[0][1][1]                      # then the other's
+
+    import fcntl
+    with open(tmp_path / "cache" / "warm-up-timing.lock", "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+
+        async def held():
+            t0 = asyncio.get_running_loop().time()
+            async with wu.timing_lock(0.1):
+                return asyncio.get_running_loop().time() - t0
+        assert 0.1 <= asyncio.run(held()) < 5
+    assert "another worker's timing still runs" in caplog.text
