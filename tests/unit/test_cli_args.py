@@ -164,7 +164,8 @@ def test_up_with_no_prefill_workers_gives_the_decode_workers_every_core():
     assert up.threads(cores=8) == (8, 4)
     assert UpConfig(prefill=1, decode=2).threads(cores=8) == (8, 2)
     from pdserve.up import gateway_argv
-    assert gateway_argv(up)[-2:] == ["--disaggregation", "never"]
+    argv = gateway_argv(up)
+    assert argv[argv.index("--disaggregation") + 1] == "never"
     launcher = Launcher("m", 0, 1)
     launcher.children = []
     assert launcher._gateway_models()[:4] == ["--model", "m", "--prefill", ""]
@@ -215,3 +216,20 @@ def test_zero_is_off_for_up_and_gateway_alike():
     assert launcher.http_port == 0     # what the gateway gets: its own 0, off
     with pytest.raises(ValueError, match="0-65535"):
         config_from_args(UpConfig, build_parser().parse_args(["up", "--http-port", "70000"]))
+
+
+def test_up_sets_the_disaggregation_bounds_by_device():
+    """On cpu every worker shares this host's cores: short prompts stay on their decode
+    worker and no stall bound applies; elsewhere the gateway's defaults (not passed); given
+    values win either way, and below -1 is refused."""
+    from engine.config import EngineOptions
+    from pdserve.up import CPU_DISAGG, disagg_args
+    assert disagg_args(UpConfig()) == {"--disagg-max-local-tokens": str(CPU_DISAGG[0]),
+                                       "--disagg-max-stall-ms": "0"}
+    assert disagg_args(UpConfig(engine=EngineOptions(device="cuda"))) == {}
+    assert disagg_args(UpConfig(disagg_max_local_tokens=64, disagg_max_stall_ms=50)) == {}
+    assert disagg_args(UpConfig(engine=EngineOptions(device="cuda"), disagg_max_local_tokens=1000,
+                                disagg_max_stall_ms=12.5)) == {
+        "--disagg-max-local-tokens": "1000", "--disagg-max-stall-ms": "12.5"}
+    with pytest.raises(ValueError, match="-1: by device"):
+        UpConfig(disagg_max_stall_ms=-2)
