@@ -8,11 +8,12 @@ SERVING (both roles; services/worker_server.py runs role.warm_up):
                         tokens (`fit`) -- or, where this model was measured on this machine
                         before with the same engine options, threads and role, those
                         timings from the build cache (engine/build_cache.py, kind
-                        "prefill-cost"; 1-5 s of the default model's start-up on a busy
-                        2-core machine). One worker of this machine times at a time
-                        (`timing_lock`): `pdserve up` warms its workers together, and two
-                        timing at once on 2 cores each measured the other's load (the
-                        prefill worker's 2 threads came out slower than the decode worker's 1)
+                        "prefill-cost", a decode worker's "local-prefill-cost"; 1-5 s of the
+                        default model's start-up on a busy 2-core machine). One worker of
+                        this machine times at a time (`timing_lock`): `pdserve up` warms its
+                        workers together, and two timing at once on 2 cores each measured
+                        the other's load (the prefill worker's 2 threads came out slower
+                        than the decode worker's 1)
     at the drain        `remember`: the cached timings made faster where the calls since
                         measured faster (the start's own timing runs beside the other
                         workers' loads)
@@ -39,7 +40,9 @@ from protos.pdserve.v1 import common_pb2
 log = logging.getLogger(__name__)
 WARM_UP_LONG_TOKENS = 256        # the warm-up's long prompt: the per-token cost's first measure
 WARM_UP_SHORT_TOKENS = 8         # and its short one: the fixed cost's
-KIND = "prefill-cost"
+KIND = "prefill-cost"             # the build cache's kind, a prefill worker's
+LOCAL_KIND = "local-prefill-cost" # a decode worker's: an entry of its own (the cache keeps
+                                  # one per kind and model)
 MIN_CALLS = 8                    # completed calls before a drain's fit may improve the cache
 MIN_PER_TOKEN_S = 1e-7           # 10M tokens/s: a line flatter than this is noise
 LOCK_WAIT_S = 30.0               # the longest a warm-up waits for another's timing to end
@@ -81,12 +84,12 @@ async def measure(ae, prefill_only: bool) -> tuple[Samples, bool]:
     from services import worker_server     # the serving stack: not for the simulator's imports
     await worker_server.warm_up(ae, prefill_only)
     key, lengths, model_dir = _key(ae, prefill_only)
-    samples = _samples(read_json(KIND, model_dir, key), lengths)
+    samples = _samples(read_json(_kind(prefill_only), model_dir, key), lengths)
     if samples is not None:
         return samples, True
     async with timing_lock():
         samples = [(n, await worker_server.warm_up(ae, prefill_only, n)) for n in lengths]
-    _store(model_dir, key, samples)
+    _store(prefill_only, model_dir, key, samples)
     return samples, False
 
 
@@ -132,8 +135,8 @@ def remember(ae, prefill_only: bool, estimate: Callable[[int], float]) -> None:
     other workers load, so its timing is often slow, and a cached one would stay so)."""
     key, lengths, model_dir = _key(ae, prefill_only)
     fitted = [(n, estimate(n)) for n in lengths]
-    old = dict(_samples(read_json(KIND, model_dir, key), lengths) or fitted)
-    _store(model_dir, key, [(n, min(s, old[n])) for n, s in fitted])
+    old = dict(_samples(read_json(_kind(prefill_only), model_dir, key), lengths) or fitted)
+    _store(prefill_only, model_dir, key, [(n, min(s, old[n])) for n, s in fitted])
 
 
 def _key(ae, prefill_only: bool) -> tuple[str, list[int], str]:
@@ -141,13 +144,18 @@ def _key(ae, prefill_only: bool) -> tuple[str, list[int], str]:
     fits = min(ae.max_model_len - 2, (ae.stats().num_total_blocks - 1) * ae.block_size)
     lengths = [min(WARM_UP_LONG_TOKENS, fits), WARM_UP_SHORT_TOKENS]
     config = ae.engine.config
-    key = engine_key(KIND, config.model, engine=repr(config), threads=torch.get_num_threads(),
-                     lengths=lengths, prefill_only=prefill_only)
+    key = engine_key(_kind(prefill_only), config.model, engine=repr(config),
+                     threads=torch.get_num_threads(), lengths=lengths)
     return key, lengths, config.model.model_dir
 
 
-def _store(model_dir: str, key: str, samples: Samples) -> None:
-    write_json(KIND, model_dir, key, {"samples": samples}, [str(p) for p in model_files(model_dir)])
+def _kind(prefill_only: bool) -> str:
+    return KIND if prefill_only else LOCAL_KIND
+
+
+def _store(prefill_only: bool, model_dir: str, key: str, samples: Samples) -> None:
+    write_json(_kind(prefill_only), model_dir, key, {"samples": samples},
+               [str(p) for p in model_files(model_dir)])
 
 
 def _samples(cached: dict | None, lengths: list[int]) -> Samples | None:

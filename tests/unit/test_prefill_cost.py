@@ -102,6 +102,7 @@ def test_a_decode_worker_measures_its_own_line_to_the_first_token(engine):
     assert wu.fit(samples) == pytest.approx((2e-3, 1e-4))
     ran.clear()
     assert asyncio.run(wu.measure(ae, False)) == (samples, True) and ran == [0]
+    assert asyncio.run(wu.measure(ae, True))[1] and ran == [0, 0]   # neither evicted the other
     proto = wu.to_proto(wu.fit(samples))
     assert (proto.fixed_s, proto.per_token_s) == pytest.approx((2e-3, 1e-4))
     assert wu.to_proto(None) is None
