@@ -19,6 +19,12 @@ serves every request, so the counts compare.
         benchmark's two additions (bench/prefix_tiers_baseline.patch, applied uncommitted
         to a clean checkout each time: the counter pdserve:prompt_tokens_computed_total and
         `pdserve up --prefill-num-blocks`; nothing that routes or caches)
+    (a') (a)'s routing rule on this tree's engine (the engine has moved on since a9f9160: on
+        the CPU, issue 34 made prefill 2-3x faster, so (a)'s TTFT is no longer a like-for-like
+        baseline): the tree at this checkout's HEAD (a worktree at /tmp/pdserve-affinity)
+        with bench/prefix_tiers_affinity.patch, `--prefix-routing affinity`: (a)'s map of
+        block hash -> the worker last sent it, within the same slack; --kv-offload-host-gb 0
+        --peer-fetch off
     (b) this tree, routing on the workers' KV events: --kv-offload-host-gb 0 --peer-fetch off
     (c) this tree with a host and a disk tier and peer fetch: --kv-offload-host-gb 1
         --kv-offload-disk DIR --kv-offload-disk-gb 2 --peer-fetch on
@@ -37,7 +43,7 @@ after the run less before it; per round too), TTFT p50/p90 and output tok/s (sim
 the pooled requests), requests failed (errors and 429s), and greedy mismatches: requests whose
 output text differs from (a)'s first round (completed in both). One markdown table per
 trace, then (c)/(a) for computed tokens and TTFT p90 against the issue's targets (<= 0.5 and
-<= 0.6). --quick: one round of the first third of each trace, a smoke run.
+<= 0.6), and (c)/(a') where (a') ran (`--systems a A b c`; system "A" is (a')). --quick: one round of the first third of each trace, a smoke run.
 """
 from __future__ import annotations
 
@@ -62,9 +68,12 @@ from sim.trace import BLOCK_TOKENS, TraceRecord, read_trace  # noqa: E402
 BASELINE_COMMIT = "a9f9160"
 BASELINE_DIR = Path("/tmp/pdserve-a9f9160")
 PATCH = ROOT / "bench" / "prefix_tiers_baseline.patch"
+AFFINITY_DIR = Path("/tmp/pdserve-affinity")
+AFFINITY_PATCH = ROOT / "bench" / "prefix_tiers_affinity.patch"
 COUNTER = "pdserve:prompt_tokens_computed_total"
-SYSTEMS = ("a", "b", "c")
-LABELS = {"a": "(a) affinity routing (a9f9160)", "b": "(b) routing on KV events",
+SYSTEMS = ("a", "A", "b", "c")
+LABELS = {"a": "(a) affinity routing (a9f9160)", "A": "(a') (a)'s rule on this engine",
+          "b": "(b) routing on KV events",
           "c": "(c) (b) + host/disk tiers + peer fetch"}
 TARGETS = (("computed", "prompt tokens computed", 0.5), ("ttft_p90_ms", "TTFT p90", 0.6))
 BLOCK_SIZE = 16            # the workers' --block-size (the engine's default)
@@ -103,6 +112,8 @@ def system_flags(system: str, up_help: str, disk_dir: str) -> tuple[list[str], l
     """(flags for `pdserve up`, the wanted flags its --help does not list) of (b) or (c);
     (a) has none of its own."""
     want = {"a": [], "b": [("--kv-offload-host-gb", "0"), ("--peer-fetch", "off")],
+            "A": [("--kv-offload-host-gb", "0"), ("--peer-fetch", "off"),
+                  ("--prefix-routing", "affinity")],
             "c": [("--kv-offload-host-gb", "1"), ("--kv-offload-disk", disk_dir),
                   ("--kv-offload-disk-gb", "2"), ("--peer-fetch", "on")]}[system]
     def listed(flag: str) -> bool:
@@ -174,11 +185,12 @@ def _ms(v) -> str:
     return "n/a" if v is None else f"{v:.0f}"
 
 
-def ratio_lines(rows: dict[str, dict]) -> list[str]:
-    """(c)/(a) against each target: '| what | ratio | target | met |' rows."""
-    out = ["| (c) / (a) | ratio | target | met |", "| --- | ---: | ---: | --- |"]
+def ratio_lines(rows: dict[str, dict], base: str = "a") -> list[str]:
+    """(c)/(base) against each target: '| what | ratio | target | met |' rows."""
+    name = "(a')" if base == "A" else f"({base})"
+    out = [f"| (c) / {name} | ratio | target | met |", "| --- | ---: | ---: | --- |"]
     for key, what, target in TARGETS:
-        a, c = rows["a"][key], rows["c"][key]
+        a, c = rows[base][key], rows["c"][key]
         r = c / a if a and c is not None else None
         met = "n/a" if r is None else "yes" if r <= target else "no"
         out.append(f"| {what} | {'n/a' if r is None else f'{r:.2f}'} | <= {target:g} | {met} |")
@@ -197,8 +209,9 @@ def table(trace: str, rows: dict[str, dict], header: str) -> str:
                      f"| {r['prefill_share']:.0%} | {_ms(r['ttft_p50_ms'])} "
                      f"| {_ms(r['ttft_p90_ms'])} | {r['tok_s']:.1f} | {r['failed']} "
                      f"| {r['mismatches']} |")
-    if "a" in rows and "c" in rows:
-        lines += [""] + ratio_lines(rows)
+    for base in ("a", "A"):
+        if base in rows and "c" in rows:
+            lines += [""] + ratio_lines(rows, base)
     return "\n".join(lines)
 
 
@@ -215,6 +228,22 @@ def baseline_tree() -> Path:
     git("checkout", "--", ".")
     git("apply", str(PATCH))
     return BASELINE_DIR
+
+
+def affinity_tree() -> Path:
+    """(a')'s tree: a worktree at this checkout's HEAD (made when absent), its tracked files
+    reset, AFFINITY_PATCH applied."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True,
+                          capture_output=True, text=True, timeout=60).stdout.strip()
+    def git(*argv: str, tree: Path = AFFINITY_DIR) -> None:
+        subprocess.run(["git", "-C", str(tree), *argv], check=True, capture_output=True,
+                       timeout=300)
+    if not (AFFINITY_DIR / ".git").exists():
+        git("worktree", "add", "--detach", str(AFFINITY_DIR), head, tree=ROOT)
+    git("checkout", "--", ".")
+    git("checkout", "--detach", head)
+    git("apply", str(AFFINITY_PATCH))
+    return AFFINITY_DIR
 
 
 class Up:
@@ -400,6 +429,8 @@ def main(argv=None) -> int:
         args.model = str(resolve_default_model())
     help_text = up_help()
     trees = {"a": baseline_tree(), "b": ROOT, "c": ROOT}
+    if "A" in args.systems:
+        trees["A"] = affinity_tree()
     header(args, args.model, help_text)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="prefix-tiers-") as tmp:

@@ -161,6 +161,19 @@ def test_rows_ratios_and_the_table():
     assert "| prompt tokens computed | 0.60 | <= 0.5 | no |" in pt.table("chat", rows, "")
     with pytest.raises(ValueError):
         pt.mismatches(ref, ref[:2])
+    rows["A"] = dict(rows["a"], computed=800.0, ttft_p90_ms=1360.0)     # (a') beside (a)
+    out = pt.table("chat", rows, "")
+    assert "| (c) / (a') | ratio | target | met |" in out
+    assert "| prompt tokens computed | 0.75 | <= 0.5 | no |" in out
+    assert "| TTFT p90 | 0.50 | <= 0.6 | yes |" in out
+
+
+def test_a_prime_is_the_affinity_rule_on_this_tree():
+    help_text = "--kv-offload-host-gb X --peer-fetch X --prefix-routing X"
+    assert pt.system_flags("A", help_text, "/d") == (
+        ["--kv-offload-host-gb", "0", "--peer-fetch", "off", "--prefix-routing", "affinity"], [])
+    patch = pt.AFFINITY_PATCH.read_text()
+    assert "gateway/routing.py" in patch and '"affinity"' in patch
 
 
 def test_the_load_generator_keeps_each_requests_streamed_text():
