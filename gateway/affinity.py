@@ -9,7 +9,7 @@ the prompt's leading blocks w holds, each in its fastest tier. The rule, per can
 pool, for one prompt:
 
     saved(w) = block_size x (device + W_HOST x host + W_DISK x disk)          [tokens]
-    cost(w)  = load(w) + (prompt tokens - saved(w))                           [tokens]
+    cost(w)  = load(w) + (prompt tokens - saved(w)) - R x saved(w)            [tokens]
     least    = min over cands of (load_key(), requests_total)   (the least-loaded worker)
     eligible = least, and every w with  in_flight(w) <= in_flight(least) + slack
                                     or  in_flight(w) <= slack_ratio x in_flight(least)
@@ -27,7 +27,19 @@ pool, for one prompt:
              prompt's uncached part is what must be transferred to it (or computed there,
              local): Dynamo's KV router weighs the same two (blocks to prefill + active
              decode blocks) one to one.
-  The prompt's own length is the same for every candidate: the pick is min(load - saved).
+  The prompt's own length is the same for every candidate: the pick is min(load - (1 + R) x
+    saved).
+  R = 1 (--prefix-weight-recompute): a token the pick's cache saves is worth 1 + R queued
+    tokens. Without R the cost is this request's TTFT alone, and a holder with a queue as
+    long as its saving ties with an idle worker that computes the whole prompt: same TTFT
+    for this request, but the prompt's tokens are computed again, and every later request
+    on that worker waits for them (and the holder's copy may be evicted by the time the
+    next one comes). On the fast CPU engine the long-document trace computed 19611 prompt
+    tokens that way, against 14475 for a gateway that always kept a document on the worker
+    it last sent it to (bench/RESULTS.md, issue 31, 2026-12-07). With R = 1 a holder keeps
+    the prompt while its extra queue is under twice its saving. Prefill picks only
+    (`decode_weights`: R = 0): a decode worker's hit saves a KV transfer, and its load sets
+    the token rate of every stream on it.
   W_HOST = 0.75, W_DISK = 0.5 (--prefix-weight-host, --prefix-weight-disk): a block revived
     from host memory or disk saves its compute but costs its copy back into the device
     pool (the engine loads it only when that is cheaper than computing it), so it is worth
@@ -37,8 +49,9 @@ pool, for one prompt:
     pin. Token costs come partly from Stats a probe old; request counts in flight are exact,
     so a burst of one shared prefix cannot pile past these bounds onto one worker.
 
-So a cached worker wins exactly while its extra load is less than the tokens its prefix saves
-(load(w) - load(other) < saved(w) - saved(other)), within the slack. With no hits anywhere the
+So a cached worker wins exactly while its extra load is less than (1 + R) times the tokens
+its prefix saves beyond the other's (load(w) - load(other) < (1 + R) x (saved(w) -
+saved(other))), within the slack. With no hits anywhere the
 pick is the least load in tokens. `hits=None` (--prefix-routing none) is the least-loaded
 worker alone.
 
@@ -68,14 +81,18 @@ REASONS = ("prefix", "load", "slack", "cold", "off")
 
 @dataclass(frozen=True)
 class Weights:
-    """What a hit in each tier is worth, in device hits (--prefix-weight-host/-disk)."""
+    """What a hit in each tier is worth, in device hits (--prefix-weight-host/-disk), and
+    what a saved token is worth beyond this request's wait (--prefix-weight-recompute: R)."""
     host: float = 0.75
     disk: float = 0.5
+    recompute: float = 1.0
 
     def __post_init__(self):
         if not (0 <= self.host <= 1 and 0 <= self.disk <= 1):
             raise ValueError(f"prefix weights must be in [0, 1], got host {self.host}, "
                              f"disk {self.disk}")
+        if self.recompute < 0:
+            raise ValueError(f"the recompute weight must be >= 0, got {self.recompute}")
 
 
 @dataclass(frozen=True)
@@ -105,7 +122,8 @@ def choose(cands: Sequence, hits: Mapping[str, TierHits] | None = None, block_si
         return Pick(least, "off")
 
     def cost(w):
-        return w.load_tokens() - saved_tokens(hits.get(w.address, NO_HITS), block_size, weights)
+        saved = saved_tokens(hits.get(w.address, NO_HITS), block_size, weights)
+        return w.load_tokens() - (1.0 + weights.recompute) * saved
 
     def within(w):
         return w is least or w.in_flight <= least.in_flight + slack or (
@@ -121,6 +139,11 @@ def choose(cands: Sequence, hits: Mapping[str, TierHits] | None = None, block_si
     else:
         reason = "load" if any(hits.get(w.address, NO_HITS).total for w in cands) else "cold"
     return Pick(best, reason, got)
+
+
+def decode_weights(weights: Weights) -> Weights:
+    """A decode pick's weights: the tiers' as given, no recompute weight (R = 0)."""
+    return Weights(weights.host, weights.disk, 0.0)
 
 
 def decode_bounds(slack: int, decode_slack: int) -> tuple[int, float]:

@@ -156,6 +156,10 @@ class GatewayConfig:
                 "on the device (it must be copied back)"})
     prefix_weight_disk: float = field(default=0.5, metadata={
         "help": "a prompt block a worker holds on local disk counts this much of a device one"})
+    prefix_weight_recompute: float = field(default=1.0, metadata={
+        "help": "a prompt token a worker's cache saves counts 1 + this many queued tokens "
+                "(it is not computed again, for this request or those queued after it; 0: "
+                "this request's wait alone; gateway/affinity.py)"})
     disaggregation: str = field(default="auto", metadata={
         "help": "who computes a prompt: always a prefill worker (its KV handed to the decode "
                 "worker), never (the decode worker itself: colocated; no prefill workers "
@@ -194,6 +198,8 @@ class GatewayConfig:
         for name in ("prefix_weight_host", "prefix_weight_disk"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.prefix_weight_recompute < 0:
+            raise ValueError(f"prefix_weight_recompute must be >= 0, got {self.prefix_weight_recompute}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.request_timeout_per_token_s < 0 or self.max_request_timeout_s < self.request_timeout_s:

@@ -115,7 +115,8 @@ class Gateway:
         self.router = Router(self.prefill, self.decode, cfg.affinity_slack,
                              cfg.affinity_slack_ratio, cfg.decode_affinity_slack,
                              cfg.prefix_routing, Weights(cfg.prefix_weight_host,
-                                                         cfg.prefix_weight_disk), self.metrics)
+                                                         cfg.prefix_weight_disk,
+                                                         cfg.prefix_weight_recompute), self.metrics)
         self.router.peer_fetch_min_blocks = cfg.peer_fetch_min_blocks if cfg.peer_fetch == "on" else 0
         self._segments = Segments(self.router, cfg, self.metrics)
         # every worker's KV events into router.index (gateway/kv_events_client.py)

@@ -43,7 +43,7 @@ from services.metrics import PREFIX
 from engine.block_hash import prefix_block_hashes
 
 from .affinity import (MAX_HASHED_BLOCKS, REASONS, Weights, choose, decode_bounds,
-                       leading_hashes, with_in_flight)
+                       decode_weights, leading_hashes, with_in_flight)
 from .inflight import InFlight
 from .prefix_index import PrefixIndex
 from .registry import Worker, WorkerPool
@@ -118,7 +118,8 @@ class Router:
 
     def pick_decode(self, tried: set[str], hashes: list[bytes]) -> Worker | None:
         return self._pick(self.decode, self.decode.candidates(tried), hashes,
-                          *decode_bounds(self.slack, self.decode_slack))
+                          *decode_bounds(self.slack, self.decode_slack),
+                          weights=decode_weights(self.weights))
 
     def pick_prefill(self, kv: decode_pb2.KvReady, exclude: list[str],
                      hashes: list[bytes]) -> Worker:
@@ -135,13 +136,14 @@ class Router:
         raise no_worker(self.prefill)
 
     def _pick(self, pool: WorkerPool, cands: list[Worker], hashes: list[bytes], slack: int,
-              slack_ratio: float, block_size: int = 0, in_flight: bool = False) -> Worker | None:
+              slack_ratio: float, block_size: int = 0, in_flight: bool = False,
+              weights: Weights | None = None) -> Worker | None:
         hits = None
         if self.prefix_routing == "events":
             hits = {w.address: self._prefill_hits(w, hashes) if in_flight
                     else self.index.match(hashes, w.address) for w in cands}
-        got = choose(cands, hits, block_size or pool.block_size(), self.weights, slack,
-                     slack_ratio)
+        got = choose(cands, hits, block_size or pool.block_size(), weights or self.weights,
+                     slack, slack_ratio)
         if got is None:
             return None
         if self.metrics is not None:

@@ -135,6 +135,8 @@ class UpConfig:
     prefix_routing: str = field(default="events", metadata={"help": "the gateway's --prefix-routing"})
     prefix_weight_host: float = field(default=0.75, metadata={"help": "the gateway's --prefix-weight-host"})
     prefix_weight_disk: float = field(default=0.5, metadata={"help": "the gateway's --prefix-weight-disk"})
+    prefix_weight_recompute: float = field(default=1.0, metadata={
+        "help": "the gateway's --prefix-weight-recompute"})
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self):
@@ -254,7 +256,8 @@ def route_args(cfg: UpConfig) -> dict[str, str]:
     """The gateway's prefix-routing flags, where they are not its defaults."""
     given = {"--prefix-routing": (cfg.prefix_routing, "events"),
              "--prefix-weight-host": (cfg.prefix_weight_host, 0.75),
-             "--prefix-weight-disk": (cfg.prefix_weight_disk, 0.5)}
+             "--prefix-weight-disk": (cfg.prefix_weight_disk, 0.5),
+             "--prefix-weight-recompute": (cfg.prefix_weight_recompute, 1.0)}
     return {flag: str(v) for flag, (v, default) in given.items() if v != default}
 
 

@@ -45,7 +45,8 @@ from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from gateway.admission import Admission
-from gateway.affinity import MAX_HASHED_BLOCKS, Weights, choose, decode_bounds, leading_hashes
+from gateway.affinity import (MAX_HASHED_BLOCKS, Weights, choose, decode_bounds, decode_weights,
+                              leading_hashes)
 from gateway.prefix_index import PrefixIndex
 from gateway.disagg import LOCAL, DecodeView, DisaggPolicy, PrefillView, costs_from_fits
 
@@ -87,7 +88,8 @@ class Flow:
         self.admission = Admission(system.max_in_flight, system.slo_ttft_s, system.slo_itl_s,
                                    clock=lambda: self.now)
         self.index = PrefixIndex()         # the simulated gateway's, fed by _sync
-        self.weights = Weights(system.prefix_weight_host, system.prefix_weight_disk)
+        self.weights = Weights(system.prefix_weight_host, system.prefix_weight_disk,
+                               system.prefix_weight_recompute)
         self.block_size = int(profile.kv["block_size"])
         self.max_len = int((getattr(profile, "model", None) or {}).get("max_model_len") or 0)
         self.rng = random.Random(seed)
@@ -216,7 +218,8 @@ class Flow:
         cands = [w for w in pool if w.address not in exclude]
         hits = ({w.address: self.index.match(hashes, w.address) for w in cands}
                 if g.prefix_routing == "events" else None)
-        got = choose(cands, hits, self.block_size, self.weights, slack, ratio)
+        weights = self.weights if kind == "prefill" else decode_weights(self.weights)
+        got = choose(cands, hits, self.block_size, weights, slack, ratio)
         return got.worker if got is not None else None
 
     def _local(self, f: Flight, prompt: list[int]) -> bool:

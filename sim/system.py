@@ -61,6 +61,7 @@ class SystemConfig:
     prefix_routing: str = _default(GatewayConfig, "prefix_routing")
     prefix_weight_host: float = _default(GatewayConfig, "prefix_weight_host")
     prefix_weight_disk: float = _default(GatewayConfig, "prefix_weight_disk")
+    prefix_weight_recompute: float = _default(GatewayConfig, "prefix_weight_recompute")
     max_queued_prefill_tokens: int = _default(PrefillWorkerConfig, "max_queued_prefill_tokens")
     max_queue_delay_factor: float = _default(PrefillWorkerConfig, "max_queue_delay_factor")
     # conditional disaggregation (gateway/disagg.py); always: as before it existed

@@ -1,5 +1,5 @@
 """The routing rule (gateway/affinity.py): saved(w) = block_size x (device + 0.75 host + 0.5
-disk) against load(w) in tokens, pick = min load - saved within the slack bounds. Table-driven
+disk) against load(w) in tokens, pick = min load - (1 + R) saved within the slack bounds. Table-driven
 on the pure rule (a cached worker wins until its load costs more than the tokens it saves, and
 the decision flips exactly there), then the Router on real registry Workers with the index
 filled by hand (reset(), as the KvEvents subscriber fills it): its hashes are the engine's,
@@ -62,12 +62,34 @@ DEV8, HOST8, DISK8 = TierHits(device=8), TierHits(host=8), TierHits(disk=8)
 ])
 def test_a_cached_worker_wins_until_its_load_costs_more_than_it_saves(
         a_tokens, a_hits, b_tokens, b_hits, want):
+    """R = 0: this request's wait alone."""
+    assert _pick(a_tokens, a_hits, b_tokens, b_hits, weights=Weights(recompute=0.0)) == want
+
+
+@pytest.mark.parametrize("a_tokens,a_hits,b_tokens,b_hits,want", [
+    (129, DEV8, 0, TierHits(), ("a", "prefix")),       # past its saving, under twice it
+    (255, DEV8, 0, TierHits(), ("a", "prefix")),       # 2 x 128 = 256
+    (257, DEV8, 0, TierHits(), ("b", "load")),
+    (191, HOST8, 0, TierHits(), ("a", "prefix")),      # 2 x 96
+    (193, HOST8, 0, TierHits(), ("b", "load")),
+    (191, DEV8, 0, TierHits(device=2), ("a", "prefix")),  # 2 x 96 more saved = 192
+    (193, DEV8, 0, TierHits(device=2), ("b", "prefix")),
+    (500, TierHits(), 400, TierHits(), ("b", "cold")),
+])
+def test_by_default_a_saved_token_counts_twice_a_queued_one(a_tokens, a_hits, b_tokens, b_hits,
+                                                            want):
+    """R = 1 (--prefix-weight-recompute): the holder keeps the prompt while its extra queue
+    is under twice its saving (the prompt is not computed again for anyone)."""
     assert _pick(a_tokens, a_hits, b_tokens, b_hits) == want
+    with pytest.raises(ValueError, match="recompute weight"):
+        Weights(recompute=-1.0)
+    with pytest.raises(ValueError, match="prefix_weight_recompute"):
+        GatewayConfig(model="m", prefix_weight_recompute=-0.5)
 
 
 def test_tier_weights_are_the_flags():
-    assert _pick(127, HOST8) == ("b", "load")
-    assert _pick(127, HOST8, weights=Weights(host=1.0)) == ("a", "prefix")
+    assert _pick(127, HOST8, weights=Weights(recompute=0.0)) == ("b", "load")
+    assert _pick(127, HOST8, weights=Weights(host=1.0, recompute=0.0)) == ("a", "prefix")
     assert _pick(1, DISK8, weights=Weights(disk=0.0)) == ("b", "load")
     with pytest.raises(ValueError, match="prefix weights"):
         Weights(host=1.5)
@@ -158,8 +180,10 @@ def test_router_picks_the_worker_whose_events_hold_the_prompt():
         assert p.count("route_decisions", pool="prefill", reason="prefix") == 1
         assert p.count("route_decisions", pool="prefill", reason="cold") == 1
         assert p.count("route_prefix_hit_blocks", pool="prefill") == 8
-        # b's queue (its Stats) passes what 6 device + 2 host blocks save (96 + 24 = 120)
-        p.pools["prefill"].workers["b"].stats = prefill_pb2.PrefillStats(queued_prefill_tokens=121)
+        # b's queue (its Stats) past twice what 6 device + 2 host blocks save (2 x 120)
+        p.pools["prefill"].workers["b"].stats = prefill_pb2.PrefillStats(queued_prefill_tokens=239)
+        assert r.pick_prefill(_kv(), [], h).address == "b"
+        p.pools["prefill"].workers["b"].stats = prefill_pb2.PrefillStats(queued_prefill_tokens=241)
         assert r.pick_prefill(_kv(), [], h).address == "a"
         assert p.count("route_decisions", pool="prefill", reason="load") == 1
         off = Router(p.pools["prefill"], p.pools["decode"], 16, 1.5, prefix_routing="none")

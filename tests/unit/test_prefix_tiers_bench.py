@@ -153,17 +153,19 @@ def test_rows_ratios_and_the_table():
     # TTFT p90 over the pooled rounds: a 1,1,2,2,3,3 s -> 3.0 s; c 0.5,0.6,0.7 -> 0.68 s
     assert rows["a"]["ttft_p90_ms"] == pytest.approx(3000.0)
     assert rows["c"]["ttft_p90_ms"] == pytest.approx(680.0)
-    out = pt.table("chat", rows, "3 requests")
+    out = pt.table("chat", rows, "a", "3 requests")
     assert "| (a) affinity routing (a9f9160) | 6 | 1000 | 1000 / 1000 | 95% |" in out
     assert "| prompt tokens computed | 0.40 | <= 0.5 | yes |" in out
     assert "| TTFT p90 | 0.23 | <= 0.6 | yes |" in out
     rows["c"]["computed"] = 600.0
-    assert "| prompt tokens computed | 0.60 | <= 0.5 | no |" in pt.table("chat", rows, "")
+    assert "| prompt tokens computed | 0.60 | <= 0.5 | no |" in pt.table("chat", rows, "a")
     with pytest.raises(ValueError):
         pt.mismatches(ref, ref[:2])
     rows["A"] = dict(rows["a"], computed=800.0, ttft_p90_ms=1360.0)     # (a') beside (a)
-    out = pt.table("chat", rows, "")
+    out = pt.table("chat", rows, "a")
     assert "| (c) / (a') | ratio | target | met |" in out
+    assert "| greedy mismatches vs (a) |" in out
+    assert "| greedy mismatches vs (a') |" in pt.table("chat", rows, "A")
     assert "| prompt tokens computed | 0.75 | <= 0.5 | no |" in out
     assert "| TTFT p90 | 0.50 | <= 0.6 | yes |" in out
 
