@@ -73,6 +73,8 @@ PATCH = ROOT / "bench" / "prefix_tiers_baseline.patch"
 AFFINITY_DIR = Path("/tmp/pdserve-affinity")
 AFFINITY_PATCH = ROOT / "bench" / "prefix_tiers_affinity.patch"
 COUNTER = "pdserve:prompt_tokens_computed_total"
+PHASES = ("gateway_queue", "routing", "decode_reservation", "prefill_queue", "prefill_compute",
+          "kv_transfer", "decode_admission", "local_prefill", "first_token_out")
 SYSTEMS = ("a", "A", "b", "c")
 LABELS = {"a": "(a) affinity routing (a9f9160)", "A": "(a') (a)'s rule on this engine",
           "b": "(b) routing on KV events",
@@ -218,6 +220,30 @@ def table(trace: str, rows: dict[str, dict], ref: str, header: str = "") -> str:
     return "\n".join(lines)
 
 
+def phase_table(runs: dict[str, list[dict]]) -> str:
+    """Where each system's TTFT went (the gateway's waterfall, gateway/waterfall.py): per
+    phase, the median over rounds of its p90 and of its mean, ms; phases under 0.5 ms mean in
+    every system left out. Empty where no system had one ((a) has no waterfall)."""
+    per = {s: [run["phases"] for run in rs if run.get("phases")] for s, rs in runs.items()}
+    per = {s: ps for s, ps in per.items() if ps}
+    if not per:
+        return ""
+    def med(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+    cells = {s: {ph: (med([p[ph]["p90_ms"] for p in ps if ph in p]),
+                      med([p[ph]["mean_ms"] for p in ps if ph in p]))
+                 for ph in {ph for p in ps for ph in p}} for s, ps in per.items()}
+    phases = [ph for ph in PHASES if any(ph in c and c[ph][1] >= 0.5 for c in cells.values())]
+    lines = ["", "", "TTFT phases, p90 ms (mean ms), median over rounds (the gateway's waterfall)",
+             "", "| system | " + " | ".join(phases) + " |",
+             "| --- |" + " ---: |" * len(phases)]
+    for s, c in cells.items():
+        lines.append(f"| {LABELS[s]} | " + " | ".join(
+            f"{c[ph][0]:.0f} ({c[ph][1]:.0f})" if ph in c else "" for ph in phases) + " |")
+    return "\n".join(lines)
+
+
 # -- the systems -----------------------------------------------------------------------
 def baseline_tree() -> Path:
     """(a)'s tree: the worktree at BASELINE_COMMIT (made when absent), its tracked files
@@ -279,6 +305,16 @@ class Up:
         import httpx
         return httpx.get(self.url + "/metrics", timeout=30).text
 
+    def phases(self) -> dict[str, dict]:
+        """The gateway's TTFT waterfall over its last requests (/status.json: p50/p90/mean ms
+        per phase, gateway/waterfall.py); {} where the tree has none ((a))."""
+        import httpx
+        try:
+            r = httpx.get(self.url + "/status.json", timeout=30)
+            return r.json().get("waterfall", {}).get("phases", {}) if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return {}
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
@@ -318,12 +354,13 @@ def run_one(tree: Path, flags: list[str], trace: Path, args, log: Path) -> dict:
         summary, _, records = measure(bench_args(up.url, trace, args))
         text = up.metrics()
         after, where1 = computed_tokens(text), where_counts(text)
+        phases = up.phases()
     finally:
         up.stop()
     return {"records": records, "window_s": summary["duration_s"],
             "computed": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("prefill", "decode")},
             "where": {k: where1[k] - where0[k] for k in where1},
-            "load": (load0, os.getloadavg()[0])}
+            "load": (load0, os.getloadavg()[0]), "phases": phases}
 
 
 def trace_file(name: str, quick: bool, tmp: Path) -> tuple[Path, list[TraceRecord]]:
@@ -414,6 +451,10 @@ def run_trace(name: str, args, model: str, help_text: str, trees: dict, tmp: Pat
                     if "fell back to compute" in ln] if log.exists() else []
             for ln in fell[:3]:
                 print(f"#   {ln[-200:]}", flush=True)
+            if run["phases"]:
+                print("#   TTFT phases p90 (mean) ms: " + ", ".join(
+                    f"{k} {v['p90_ms']:.0f} ({v['mean_ms']:.0f})"
+                    for k, v in run["phases"].items() if v["mean_ms"] >= 0.5), flush=True)
             for e in sorted({r["error"] for r in run["records"] if r["error"]})[:2]:
                 print(f"#   failed: {e}", flush=True)
     ref = "A" if "A" in runs else "a"         # (a') when it ran: the same engine's numerics
@@ -423,7 +464,7 @@ def run_trace(name: str, args, model: str, help_text: str, trees: dict, tmp: Pat
     return table(name, rows, ref, f"{len(recs)} requests ({prompt_tokens} prompt tokens), "
                  f"working set {ws} blocks of {BLOCK_SIZE}; KV blocks per prefill worker {pool}, "
                  f"per decode worker {decode_pool}; "
-                 f"{args.rounds} round(s)")
+                 f"{args.rounds} round(s)") + phase_table(runs)
 
 
 def main(argv=None) -> int:

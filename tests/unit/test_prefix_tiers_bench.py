@@ -198,3 +198,19 @@ def test_the_load_generator_keeps_each_requests_streamed_text():
             return await send(http, Target("http://x", "m"), Job("p", 3))
     r = asyncio.run(go())
     assert r["status"] == "ok" and r["text"] == "Hello world" and r["output_tokens"] == 3
+
+
+def test_phase_table_gives_each_systems_median_p90_and_mean_per_phase():
+    def ph(p90, mean):
+        return {"p90_ms": p90, "mean_ms": mean, "p50_ms": 0.0, "share": 0.0, "count": 1}
+    runs = {"a": [{"phases": {}}, {"phases": {}}],                      # (a): no waterfall
+            "A": [{"phases": {"prefill_compute": ph(900, 500), "routing": ph(0.2, 0.1)}},
+                  {"phases": {"prefill_compute": ph(1100, 700), "routing": ph(0.3, 0.1)}}],
+            "c": [{"phases": {"prefill_compute": ph(400, 200), "prefill_queue": ph(50, 30)}},
+                  {"phases": {"prefill_compute": ph(600, 300), "prefill_queue": ph(70, 40)}}]}
+    lines = pt.phase_table(runs).strip().splitlines()
+    assert lines[2] == "| system | prefill_queue | prefill_compute |"      # routing: < 0.5 ms
+    assert lines[4] == f"| {pt.LABELS['A']} |  | 1000 (600) |"
+    assert lines[5] == f"| {pt.LABELS['c']} | 60 (35) | 500 (250) |"
+    assert len(lines) == 6                                                # no row for (a)
+    assert pt.phase_table({"a": [{"phases": {}}]}) == ""
