@@ -45,6 +45,12 @@ output text differs from the first round of (a') where it ran, else of (a) (comp
 both; (a)'s engine has other numerics, so its text is no reference for today's). One markdown
 table per trace, then (c)/(a) for computed tokens and TTFT p90 against the issue's targets
 (<= 0.5 and <= 0.6), and (c)/(a') where (a') ran (`--systems a A b c`; system "A" is (a')).
+TTFT p90 again apart for the fresh requests (FRESH_TOKENS or more prompt tokens that no
+earlier request of the trace shares: a new document, the first system prompt; no cache can
+save their compute) and the rest; and where each system's TTFT went (the gateway's TTFT
+waterfall from /status.json, p90 and mean per phase, each run's line and a table per trace).
+--variant "NAME=SYSTEM OPTIONS": SYSTEM again with `pdserve up` options added, in the same
+rounds (an A/B), e.g. --variant "c512=c --max-num-batched-tokens 512".
 --quick: one round of the first third of each trace, a smoke run.
 """
 from __future__ import annotations
@@ -53,6 +59,7 @@ import argparse
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -98,6 +105,23 @@ def working_set_blocks(recs: list[TraceRecord], block_size: int = BLOCK_SIZE) ->
     return len(seen)
 
 
+def new_blocks(recs: list[TraceRecord], block_size: int = BLOCK_SIZE) -> list[int]:
+    """Per request, its whole KV blocks no earlier request of the trace holds (keyed as in
+    working_set_blocks): what no cache can save it, whatever a system keeps."""
+    seen, out = set(), []
+    for i, r in enumerate(recs):
+        keys = set()
+        for j in range(r.input_length // block_size):
+            m = j * block_size // BLOCK_TOKENS
+            keys.add((tuple(r.hash_ids[:m + 1]) if m < len(r.hash_ids) else ("own", i), j))
+        out.append(len(keys - seen))
+        seen |= keys
+    return out
+
+
+FRESH_TOKENS = 256   # a request with this many prompt tokens no earlier one shares is "fresh"
+
+
 def longest_blocks(recs: list[TraceRecord], block_size: int = BLOCK_SIZE) -> int:
     """KV blocks of the trace's longest request, prompt and output."""
     return max(-(-(r.input_length + r.output_length) // block_size) for r in recs)
@@ -112,9 +136,29 @@ def pool_blocks(recs: list[TraceRecord], fraction: float = 0.25,
             16 * longest)
 
 
+VARIANTS: dict[str, tuple[str, list[str]]] = {}   # --variant NAME=SYSTEM ARGS: name -> (system, args)
+
+
+def add_variant(spec: str) -> str:
+    """`--variant "c512=c --max-num-batched-tokens 512"`: a system run as SYSTEM with these
+    `pdserve up` options added (an A/B in one run, rounds alternating); its name."""
+    name, _, rest = spec.partition("=")
+    base, *extra = shlex.split(rest)
+    if not name or name in SYSTEMS or name in VARIANTS or base not in SYSTEMS or not extra:
+        raise ValueError(f"--variant {spec!r}: want NEW_NAME=SYSTEM OPTIONS..., SYSTEM one of "
+                         f"{SYSTEMS}")
+    VARIANTS[name] = (base, extra)
+    LABELS[name] = f"{LABELS[base].split(' ')[0][:-1]}, {name}) {' '.join(extra)}"
+    return name
+
+
 def system_flags(system: str, up_help: str, disk_dir: str) -> tuple[list[str], list[str]]:
-    """(flags for `pdserve up`, the wanted flags its --help does not list) of (b) or (c);
-    (a) has none of its own."""
+    """(flags for `pdserve up`, the wanted flags its --help does not list) of (b) or (c), or
+    of a variant (its system's and its own, passed as given); (a) has none of its own."""
+    if system in VARIANTS:
+        base, extra = VARIANTS[system]
+        flags, absent = system_flags(base, up_help, disk_dir)
+        return flags + extra, absent
     want = {"a": [], "b": [("--kv-offload-host-gb", "0"), ("--peer-fetch", "off")],
             "A": [("--kv-offload-host-gb", "0"), ("--peer-fetch", "off"),
                   ("--prefix-routing", "affinity")],
@@ -171,10 +215,15 @@ def mismatches(reference: list[dict], records: list[dict]) -> int:
                for a, b in zip(reference, records))
 
 
-def aggregate(runs: list[dict], reference: list[dict]) -> dict:
-    """One system's rounds (each {records, window_s, computed}) as one table row."""
+def aggregate(runs: list[dict], reference: list[dict], fresh: list[bool] | None = None) -> dict:
+    """One system's rounds (each {records, window_s, computed}) as one table row. `fresh`
+    (per trace request): TTFT p90 of the fresh requests and of the rest, apart."""
     records = [r for run in runs for r in run["records"]]
     s = summarize(records, sum(run["window_s"] for run in runs))
+    split = {}
+    for name, want in (("fresh", True), ("rest", False)):
+        part = [r for run in runs for r, f in zip(run["records"], fresh or []) if f == want]
+        split[name] = (len(part), summarize(part, 1.0)["ttft_p90_ms"] if part else None)
     per_round = [sum(run["computed"].values()) for run in runs]
     return {"requests": s["requests"], "failed": s["errors"] + s["rejected_429"],
             "computed": sum(per_round) / len(per_round), "per_round": per_round,
@@ -182,20 +231,22 @@ def aggregate(runs: list[dict], reference: list[dict]) -> dict:
             / max(1.0, sum(per_round)),
             "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p90_ms": s["ttft_p90_ms"],
             "tok_s": s["throughput_tok_s"],
-            "mismatches": sum(mismatches(reference, run["records"]) for run in runs)}
+            "mismatches": sum(mismatches(reference, run["records"]) for run in runs),
+            "ttft_p90_split": split if fresh else None}
 
 
 def _ms(v) -> str:
     return "n/a" if v is None else f"{v:.0f}"
 
 
-def ratio_lines(rows: dict[str, dict], base: str = "a") -> list[str]:
-    """(c)/(base) against each target: '| what | ratio | target | met |' rows."""
+def ratio_lines(rows: dict[str, dict], base: str = "a", c: str = "c") -> list[str]:
+    """(c)/(base) against each target: '| what | ratio | target | met |' rows (`c`: (c) or
+    a variant of it)."""
     name = "(a')" if base == "A" else f"({base})"
-    out = [f"| (c) / {name} | ratio | target | met |", "| --- | ---: | ---: | --- |"]
+    out = [f"| ({c}) / {name} | ratio | target | met |", "| --- | ---: | ---: | --- |"]
     for key, what, target in TARGETS:
-        a, c = rows[base][key], rows["c"][key]
-        r = c / a if a and c is not None else None
+        a, c_ = rows[base][key], rows[c][key]
+        r = c_ / a if a and c_ is not None else None
         met = "n/a" if r is None else "yes" if r <= target else "no"
         out.append(f"| {what} | {'n/a' if r is None else f'{r:.2f}'} | <= {target:g} | {met} |")
     return out
@@ -206,17 +257,23 @@ def table(trace: str, rows: dict[str, dict], ref: str, header: str = "") -> str:
     lines = [f"### {trace}: {header}", "",
              "| system | requests | prompt tokens computed (mean/round) | per round "
              "| prefill workers' share | TTFT p50 ms | TTFT p90 ms | output tok/s | failed "
-             f"| greedy mismatches vs {LABELS[ref].split(' ')[0]} |",
-             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"| greedy mismatches vs {LABELS[ref].split(' ')[0]} "
+             f"| TTFT p90 ms, fresh prompts (n) | TTFT p90 ms, the rest (n) |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for system, r in rows.items():
+        split = r.get("ttft_p90_split") or {}
+        cells = " | ".join(f"{_ms(split[k][1])} ({split[k][0]})" if k in split else "n/a"
+                           for k in ("fresh", "rest"))
         lines.append(f"| {LABELS[system]} | {r['requests']} | {r['computed']:.0f} "
                      f"| {' / '.join(f'{x:.0f}' for x in r['per_round'])} "
                      f"| {r['prefill_share']:.0%} | {_ms(r['ttft_p50_ms'])} "
                      f"| {_ms(r['ttft_p90_ms'])} | {r['tok_s']:.1f} | {r['failed']} "
-                     f"| {r['mismatches']} |")
-    for base in ("a", "A"):
-        if base in rows and "c" in rows:
-            lines += [""] + ratio_lines(rows, base)
+                     f"| {r['mismatches']} | {cells} |")
+    cs = [s for s in rows if s == "c" or VARIANTS.get(s, ("",))[0] == "c"]
+    for c in cs:
+        for base in ("a", "A"):
+            if base in rows:
+                lines += [""] + ratio_lines(rows, base, c)
     return "\n".join(lines)
 
 
@@ -306,12 +363,13 @@ class Up:
         return httpx.get(self.url + "/metrics", timeout=30).text
 
     def phases(self) -> dict[str, dict]:
-        """The gateway's TTFT waterfall over its last requests (/status.json: p50/p90/mean ms
-        per phase, gateway/waterfall.py); {} where the tree has none ((a))."""
+        """The gateway's TTFT waterfall over its last requests (/status.json, its one model's:
+        p50/p90/mean ms per phase, gateway/waterfall.py); {} where the tree has none ((a))."""
         import httpx
         try:
             r = httpx.get(self.url + "/status.json", timeout=30)
-            return r.json().get("waterfall", {}).get("phases", {}) if r.status_code == 200 else {}
+            models = r.json().get("models", []) if r.status_code == 200 else []
+            return models[0].get("waterfall", {}).get("phases", {}) if models else {}
         except (httpx.HTTPError, ValueError):
             return {}
 
@@ -389,11 +447,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--disaggregation", default="always", help="pdserve up --disaggregation (always: every "
       "prompt on a prefill worker)")
     a("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    a("--variant", action="append", default=[], metavar="NAME=SYSTEM OPTIONS",
+      help="also run SYSTEM with these `pdserve up` options added, as NAME (repeatable)")
     a("--timeout", type=float, default=180.0, help="seconds per request")
     a("--ready-timeout", type=float, default=300.0)
     args = p.parse_args(argv)
     if args.quick:
         args.rounds = 1
+    try:
+        args.systems += [add_variant(v) for v in args.variant]
+    except ValueError as e:
+        p.error(str(e))
     if "a" not in args.systems and "A" not in args.systems:
         p.error("--systems needs a or A: the baseline of the ratios and of the greedy check")
     args.cpus = args.cpus or ",".join(map(str, sorted(os.sched_getaffinity(0))))
@@ -417,7 +481,7 @@ def header(args, model: str, help_text: str) -> None:
           f"pinned to cores {args.cpus} (of {os.cpu_count()}); {args.rounds} round(s), "
           f"rate x{args.rate_scale:g}; 1-min load average {os.getloadavg()[0]:.1f} (other "
           f"jobs on this machine count: see each run's)")
-    for s in SYSTEMS[1:]:
+    for s in [*SYSTEMS[1:], *VARIANTS]:
         flags, absent = system_flags(s, help_text, "DIR")
         print(f"# {LABELS[s]}: passes {' '.join(flags) or 'no flag of its own'}"
               + (f"; not in `pdserve up --help`, not passed: {' '.join(absent)}" if absent
@@ -459,7 +523,8 @@ def run_trace(name: str, args, model: str, help_text: str, trees: dict, tmp: Pat
                 print(f"#   failed: {e}", flush=True)
     ref = "A" if "A" in runs else "a"         # (a') when it ran: the same engine's numerics
     reference = runs[ref][0]["records"]
-    rows = {s: aggregate(runs[s], reference) for s in args.systems}
+    fresh = [n * BLOCK_SIZE >= FRESH_TOKENS for n in new_blocks(recs)]
+    rows = {s: aggregate(runs[s], reference, fresh) for s in args.systems}
     prompt_tokens = sum(r.input_length for r in recs)
     return table(name, rows, ref, f"{len(recs)} requests ({prompt_tokens} prompt tokens), "
                  f"working set {ws} blocks of {BLOCK_SIZE}; KV blocks per prefill worker {pool}, "
@@ -474,8 +539,9 @@ def main(argv=None) -> int:
         args.model = str(resolve_default_model())
     help_text = up_help()
     trees = {"a": baseline_tree(), "b": ROOT, "c": ROOT}
-    if "A" in args.systems:
+    if "A" in args.systems or any(b == "A" for b, _ in VARIANTS.values()):
         trees["A"] = affinity_tree()
+    trees.update({name: trees[base] for name, (base, _) in VARIANTS.items()})
     header(args, args.model, help_text)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="prefix-tiers-") as tmp:

@@ -214,3 +214,45 @@ def test_phase_table_gives_each_systems_median_p90_and_mean_per_phase():
     assert lines[5] == f"| {pt.LABELS['c']} | 60 (35) | 500 (250) |"
     assert len(lines) == 6                                                # no row for (a)
     assert pt.phase_table({"a": [{"phases": {}}]}) == ""
+
+
+def test_a_variant_is_its_systems_flags_and_its_own_with_ratios_of_its_own(monkeypatch):
+    monkeypatch.setattr(pt, "VARIANTS", {})
+    monkeypatch.setattr(pt, "LABELS", dict(pt.LABELS))
+    help_text = "--kv-offload-host-gb --kv-offload-disk --kv-offload-disk-gb --peer-fetch"
+    args = pt.parse_args(["--systems", "A", "c", "--variant", "c512=c --max-num-batched-tokens 512"])
+    assert args.systems == ["A", "c", "c512"]
+    assert pt.LABELS["c512"] == "(c, c512) --max-num-batched-tokens 512"
+    flags, absent = pt.system_flags("c512", help_text, "D")
+    assert flags == pt.system_flags("c", help_text, "D")[0] + ["--max-num-batched-tokens", "512"]
+    assert absent == []
+    for bad in ("c=c --x 1", "n=z --x 1", "n=c", "=c --x 1", "c512=c --y 2"):
+        with pytest.raises(SystemExit):
+            pt.parse_args(["--systems", "A", "--variant", bad])
+    ref = [_rec(1.0, "x"), _rec(2.0, "y")]
+    rows = {s: pt.aggregate([_run(ref, {"prefill": n, "decode": 0})], ref)
+            for s, n in (("A", 1000), ("c", 600), ("c512", 400))}
+    out = pt.table("chat", rows, "A")
+    assert "| (c) / (a') | ratio | target | met |" in out
+    assert "| (c512) / (a') | ratio | target | met |" in out
+    assert "| prompt tokens computed | 0.40 | <= 0.5 | yes |" in out
+
+
+def test_new_blocks_add_up_to_the_working_set_and_split_ttft_p90():
+    by_hand = [TraceRecord(0, 40, 8, (7,)), TraceRecord(1, 600, 8, (7, 9)),
+               TraceRecord(2, 40, 8, (8,)), TraceRecord(3, 33, 8, ())]
+    # 40 tokens of 7: 2 blocks; 600 of (7, 9): 37, the 2 of 7's first 32 known; 40 of 8: 2;
+    # 33 tokens of no id: its own 2
+    assert pt.new_blocks(by_hand) == [2, 35, 2, 2]
+    for name in ("prefix_chat", "prefix_longdoc"):
+        recs = read_trace(TRACES / f"{name}.jsonl")
+        assert sum(pt.new_blocks(recs)) == pt.working_set_blocks(recs), name
+    docs = pt.new_blocks(read_trace(TRACES / "prefix_longdoc.jsonl"))
+    assert sum(n * pt.BLOCK_SIZE >= pt.FRESH_TOKENS for n in docs) == 6     # 6 documents
+    ref = [_rec(3.0, "x"), _rec(1.0, "y"), _rec(0.5, "z")]
+    row = pt.aggregate([_run(ref, {"prefill": 1, "decode": 0})] * 2, ref, [True, False, False])
+    assert row["ttft_p90_split"]["fresh"] == (2, pytest.approx(3000.0))
+    assert row["ttft_p90_split"]["rest"] == (4, pytest.approx(1000.0))  # 0.5, 0.5, 1, 1
+    out = pt.table("t", {"A": row}, "A")
+    assert out.splitlines()[4].endswith("| 3000 (2) | 1000 (4) |")
+    assert pt.aggregate([_run(ref, {"prefill": 1, "decode": 0})], ref)["ttft_p90_split"] is None
