@@ -7,9 +7,22 @@ loading measures cheaper than computing.
           | copy queue (bounded)
           v
     copier thread: device block -> host slot           HOST "stored" (LRU evicts: "removed")
-          | disk queue (bounded; the source: the host slot, pinned, or a staging copy)
+          | disk queue (bounded): with a host tier, the block the host evicts to make room
+          | (a staging copy of its slot, taken before the slot is refilled); with none, the
+          | device block itself (a staging copy)
           v
     disk thread: one file, written atomically          DISK "stored" (LRU evicts: "removed")
+    close(): the host tier's blocks not on disk yet written down (oldest first, within the
+    deadline), so a restart finds them
+
+The device -> host copy is write-through, the host -> disk one write-back: a block reaches
+the disk when the host tier lets it go (or at close), so while the host tier holds the
+working set the disk costs nothing. Written through as well, every block cost a checksum, a
+file and an fsync on every worker that cached it, prefill and decode, competing with the
+engine for the cores; on the 2-core CPU benchmark (bench/prefix_tiers.py, long documents,
+a host tier holding the working set) that raised TTFT p90 from 2.1 s (host tier alone) to
+3.3 s, for no disk hit (bench/RESULTS.md, issue 31, 2026-12-07). The price: a worker that
+dies without close() loses what only its host tier held.
 
     BlockPool.allocate evicts b -> before_reuse([b])   b's copy, if still pending, runs now
                                                        (or is waited for) before b is reused
@@ -17,13 +30,15 @@ loading measures cheaper than computing.
                                                        blocks: loaded, cached, freed (ref 0,
                                                        most recent): the caller's device hits
 
-Why write-through (copy when cached, not when evicted): eviction happens inside `allocate`,
+Why write-through to the host (copy when cached, not when evicted): eviction happens inside `allocate`,
 on the engine's critical path, right before the block is overwritten; a copy there would
 stall every step that reuses a block. A cached block's KV does not change until it is reused
 (block_pool.py invariant 2), so it can be copied any time before, off the critical path;
-eviction then costs nothing, and the disk holds what was computed even after a crash. The
-price: copy and disk bandwidth for blocks never evicted, bounded by the queues (a full queue
-drops the copy, counted in `dropped`: a tier is a cache, never a promise).
+eviction then costs nothing. The price: copy bandwidth for blocks never evicted, bounded by
+the queues (a full queue drops the copy, counted in `dropped`: a tier is a cache, never a
+promise). The host tier is the copier's own memory, so its evictions can wait for a staging
+copy (0.1 ms a block here) and go to the disk write-back, as above; without a host tier the
+disk is written through, and holds what was computed even after a crash.
 
 Invariants (`check()`, besides the tiers' H1-H4 and D1-D4):
   O1. a device block whose copy is queued or running is in `pending`; `before_reuse`
@@ -266,29 +281,35 @@ class OffloadManager:
         src_sc = self.kv_scales[:, :, b] if self.kv_scales is not None else None
         if self.host is not None and h not in self.host:
             t0 = time.perf_counter()
-            slot = self.host.reserve()
+            slot, victim = self.host.reserve_evicting()
             if slot is None:
                 self._drop()
             else:
+                if victim is not None:
+                    self._spill(victim, *self.host.views(slot))     # before it is refilled
                 self._copy(*self.host.views(slot), src_kv, src_sc, job.event)
                 self.host.commit(slot, h)
                 self._count(HOST, "out", time.perf_counter() - t0)
+        if self.disk is None or h in self.disk or (self.host is not None and h in self.host):
+            return                          # the disk gets it when the host lets it go
+        self._spill(h, src_kv, src_sc, job.event)   # no host copy: straight to the disk
+
+    def _spill(self, h: bytes, kv, sc, event=None) -> None:
+        """Queue block `h` (its payload `kv`, `sc`, copied here to a staging buffer first)
+        for the disk thread, unless the disk holds it or has no tier; a full queue drops it."""
         if self.disk is None or h in self.disk:
             return
-        slot = self.host.pin(h) if self.host is not None else None
-        if slot is not None:
-            kv, sc = self.host.views(slot)
-        else:                               # no host copy: a staging one for the disk thread
-            kv = torch.empty(self.layout.shape, dtype=self.layout.dtype, pin_memory=self.cuda)
-            sc = torch.empty(self.layout.scale_shape, pin_memory=self.cuda) if src_sc is not None else None
-            self._copy(kv, sc, src_kv, src_sc, job.event)
         with self._cv:
             if len(self._writes) >= self.disk_queue_blocks:
                 self._drop()
-                if slot is not None:
-                    self.host.unpin(slot)
                 return
-            self._writes.append((h, kv, sc, slot))
+        stage_kv = torch.empty(self.layout.shape, dtype=self.layout.dtype)
+        stage_sc = torch.empty(self.layout.scale_shape) if sc is not None else None
+        self._copy(stage_kv, stage_sc, kv, sc, event)
+        if self.stream is not None:
+            self.stream.synchronize()       # the staging copy is read by the disk thread
+        with self._cv:
+            self._writes.append((h, stage_kv, stage_sc, None))
             self._cv.notify_all()
 
     def _copy(self, kv, sc, src_kv, src_sc, event) -> None:
@@ -348,6 +369,28 @@ class OffloadManager:
                 self._cv.wait(left)
         return True
 
+    def _spill_host(self, deadline: float) -> None:
+        """Write the host tier's blocks the disk lacks down to it, oldest first (the disk's
+        LRU order after a restart follows the host's), on this thread, until `deadline`."""
+        if self.host is None or self.disk is None:
+            return
+        with self.host.lock:
+            hashes = [h for h in self.host.lru if h not in self.disk]
+        for n, h in enumerate(hashes):
+            if time.monotonic() > deadline:
+                log.warning("KV offload: %d host blocks not written to disk at close (deadline)",
+                            len(hashes) - n)
+                return
+            slot = self.host.pin(h)
+            if slot is None:
+                continue
+            try:
+                t0 = time.perf_counter()
+                if self.disk.write(h, *self.host.views(slot)):
+                    self._count(DISK, "out", time.perf_counter() - t0)
+            finally:
+                self.host.unpin(slot)
+
     def check(self) -> None:
         """O2 and the tiers' invariants; call after flush()."""
         assert not self.pending and not self._copies and not self._writes, "copies in flight"
@@ -361,8 +404,10 @@ class OffloadManager:
         """Finish the queued copies and writes (bounded by `timeout_s`), stop the threads."""
         if self._stop:
             return
+        deadline = time.monotonic() + timeout_s
         if not self.flush(timeout_s):
             log.warning("KV offload: copies still queued at close were dropped")
+        self._spill_host(deadline)
         with self._cv:
             self._stop = True
             self._cv.notify_all()

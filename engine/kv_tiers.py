@@ -116,15 +116,21 @@ class HostTier:
     def reserve(self) -> int | None:
         """A slot to fill: a free one, else the oldest unpinned one's (evicted, H2); None if
         every slot is pinned."""
+        return self.reserve_evicting()[0]
+
+    def reserve_evicting(self) -> tuple[int | None, bytes | None]:
+        """`reserve`, and the hash it evicted (None if the slot was free). Until the caller
+        fills the slot, it still holds the evicted block's payload, and only the caller
+        can reach it (reserved: neither free nor held)."""
         with self.lock:
             if self.free:
-                return self.free.pop()
+                return self.free.pop(), None
             victim = next((h for h, s in self.lru.items() if not self.pins[s]), None)
             if victim is None:
-                return None
+                return None, None
             slot = self.lru.pop(victim)
         self.events.removed([victim], HOST)
-        return slot
+        return slot, victim
 
     def commit(self, slot: int, h: bytes) -> None:
         """The reserved slot now holds block `h` (or goes back free if `h` is held already)."""

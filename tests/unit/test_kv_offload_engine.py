@@ -2,7 +2,7 @@
 evicted from a tiny device pool is revived from host memory or disk, so only its suffix is
 computed and its greedy tokens are those of the first run; a new engine over the same disk
 directory (a restart) serves it computing only the new suffix, equal to an engine without
-tiers; a corrupt or foreign file is ignored and deleted; aborted requests leave no block and
+tiers (with a host tier too: the disk written at close); a corrupt or foreign file is ignored and deleted; aborted requests leave no block and
 no pin in any tier; the worker's /metrics collector reports the tiers."""
 import pytest
 import torch
@@ -113,6 +113,22 @@ def test_a_restart_reuses_the_disk_and_ignores_bad_files(model_dir, tmp_path):
     assert again.num_cached_tokens == 16 and again.token_ids == first.token_ids
     assert e.offload.flush(30)
     e.offload.check()                          # the corrupt file is gone, and from the log
+    e.close()
+
+
+def test_with_a_host_tier_the_disk_is_written_at_close_and_serves_the_restart(model_dir, tmp_path):
+    both = {"kv_offload_host_gb": 0.01, "kv_offload_disk": str(tmp_path)}
+    e, _ = engine(model_dir, **both)
+    first = run(e, "first", P)
+    assert e.offload.flush(30)
+    assert not list(tmp_path.glob("slot-0/*.kvb"))        # the host holds it: no file yet
+    e.close()                                              # ... written down at close
+    assert len(list(tmp_path.glob("slot-0/*.kvb"))) == 4
+    e, seen = engine(model_dir, **both)
+    again = run(e, "again", P)
+    assert again.num_cached_tokens == 48 and seen.tokens["again"] == 16 + GREEDY.max_tokens - 1
+    assert again.token_ids == first.token_ids
+    assert e.offload.stats().hits["disk"] == 3
     e.close()
 
 

@@ -124,6 +124,47 @@ def test_a_copy_still_queued_when_its_block_is_reused_runs_first(tmp_path):
     mgr.close()
 
 
+def cache_prompt(kv, kv_cache, ids, rid):
+    """A prompt of whole blocks computed (its KV written from its hashes), cached and freed;
+    its hashes, and how many of its blocks the lookup found."""
+    req = Request(rid, ids + [1], SamplingParams(), 1)
+    hits, n = kv.get_computed_blocks(req)
+    for b, h in zip(hits, req.block_hashes):
+        assert torch.equal(kv_cache[:, :, b.block_id], payload(h)), "revived KV differs"
+    assert kv.allocate_slots(req, req.num_tokens - n, hits)
+    hashes = kv.block_hashes(req, len(ids) // BS)
+    for j in range(len(hits), len(hashes)):
+        kv_cache[:, :, req.block_ids[j]] = payload(hashes[j])
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_blocks(req, req.num_tokens)
+    kv.free(req)
+    return hashes, len(hits)
+
+
+def test_the_disk_gets_what_the_host_lets_go_and_the_rest_at_close(tmp_path):
+    """Host -> disk is write-back: while the host tier has room no file is written; a block
+    the host evicts is written from its slot before the slot is refilled (a revival from
+    the disk returns its very KV); close() writes what the host still holds."""
+    kv, mgr, kv_cache, scales = make(tmp_path, host_slots=6, disk_blocks=40)
+    prompts = [[p * 1000 + t for t in range(2 * BS)] for p in range(6)]   # 2 blocks each
+    first = [cache_prompt(kv, kv_cache, ids, f"p{i}")[0] for i, ids in enumerate(prompts[:3])]
+    check_all(kv, mgr)
+    assert len(mgr.host) == 6 and len(mgr.disk) == 0      # the host holds all: no file
+    assert not list(mgr.disk.dir.glob("*.kvb"))
+    for i, ids in enumerate(prompts[3:]):                  # 6 more blocks: the first 6 go down
+        cache_prompt(kv, kv_cache, ids, f"q{i}")
+    check_all(kv, mgr)
+    spilled = {h for hs in first for h in hs}
+    assert set(mgr.disk.lru) == spilled and not spilled & set(mgr.host.lru)
+    kv.pool.free(kv.pool.allocate(N))                      # the device pool forgets them all
+    hashes, hit = cache_prompt(kv, kv_cache, prompts[0], "again")
+    assert hit == 2 and mgr.stats().hits.get(DISK) == 2    # revived from the disk, identical
+    check_all(kv, mgr)
+    held = set(mgr.host.lru)
+    mgr.close()                                            # the host's blocks written down
+    assert held <= {bytes.fromhex(f.stem) for f in mgr.disk.dir.glob("*.kvb")}
+
+
 def test_host_tier_lru_order(tmp_path):
     events = KvEventLog()
     layout = BlockLayout.of(torch.zeros((L, P, N, BS, H, D)), None, model="m")
