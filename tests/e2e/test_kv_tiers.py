@@ -2,7 +2,8 @@
 --kv-offload-disk DIR` runs): 1 prefill worker with a 12-block device pool and both tiers, 1
 decode worker, a gateway; the openai SDK as client. A prompt evicted from the prefill
 worker's pool by four others comes back from its host tier (its /metrics: blocks revived),
-with the same greedy completion as the first time; its disk tier's directory holds the blocks."""
+with the same greedy completion as the first time; its disk tier holds no block while the host
+tier has room (write-back), and all of them once the worker is retired (written at close)."""
 from __future__ import annotations
 
 import urllib.request
@@ -11,7 +12,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.launcher import free_port
-from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -54,6 +54,9 @@ def test_an_evicted_prompt_comes_back_from_the_host_tier(system):
     assert again.choices[0].text == first.choices[0].text
     assert tier_metric(system, "kv_tier_hits_total", "host") - before >= 3
     assert tier_metric(system, "kv_tier_bytes_total", "host") > 0
+    # host -> disk is write-back: while the host tier holds them no block is on disk ...
     files = lambda: len(list(system.kv_disk.glob("slot-0/*.kvb")))   # noqa: E731
-    wait_until(lambda: (files() >= 4 + 4 * 3, files()), 30, "the prefill worker's blocks on disk")
-    assert tier_metric(system, "kv_tier_blocks", "disk") >= 16
+    assert files() == 0 and tier_metric(system, "kv_tier_blocks", "disk") == 0
+    # ... and a worker that stops (scale-down: SIGTERM, drain, close) writes them down
+    system.retire(system.workers("prefill")[0], timeout_s=60)
+    assert files() >= 4 + 4 * 3
