@@ -15,14 +15,10 @@ loading measures cheaper than computing.
     close(): the host tier's blocks not on disk yet written down (oldest first, within the
     deadline), so a restart finds them
 
-The device -> host copy is write-through, the host -> disk one write-back: a block reaches
-the disk when the host tier lets it go (or at close), so while the host tier holds the
-working set the disk costs nothing. Written through as well, every block cost a checksum, a
-file and an fsync on every worker that cached it, prefill and decode, competing with the
-engine for the cores; on the 2-core CPU benchmark (bench/prefix_tiers.py, long documents,
-a host tier holding the working set) that raised TTFT p90 from 2.1 s (host tier alone) to
-3.3 s, for no disk hit (bench/RESULTS.md, issue 31, 2026-12-07). The price: a worker that
-dies without close() loses what only its host tier held.
+Device -> host is write-through, host -> disk write-back: while the host tier holds the
+working set the disk costs nothing (written through, each block's checksum, file and fsync
+on every worker raised a 2-core benchmark's TTFT p90 by half: bench/RESULTS.md, issue 31,
+2026-12-07); a worker that dies without close() loses what only its host tier held.
 
     BlockPool.allocate evicts b -> before_reuse([b])   b's copy, if still pending, runs now
                                                        (or is waited for) before b is reused
@@ -69,12 +65,10 @@ from dataclasses import dataclass
 import torch
 
 from .kv_events import DEVICE, DISK, HOST
-from .kv_tiers import BlockLayout, DiskTier, HostTier, layout_key
+from .kv_tiers import BlockLayout, DiskTier, HostTier, TierCosts, layout_key
 
 log = logging.getLogger(__name__)
 
-ALPHA = 0.2                 # EWMA weight of the newest measurement
-PROBE_EVERY = 32            # declines of a tier between two measurements anyway (O4)
 QUEUE_BLOCKS = 256          # each queue's bound, in blocks
 DISK_QUEUE_BYTES = 256 << 20    # ... and the disk queue's in bytes (its staging copies)
 
@@ -86,39 +80,6 @@ class TierStats:
     bytes: dict             # (tier, "in"|"out") -> bytes loaded from / written to it
     seconds: dict           # (tier, "in"|"out") -> seconds spent doing so
     dropped: int            # copies dropped at a full queue or a host tier all pinned
-
-
-class TierCosts:
-    """O4's two measurements and the decision."""
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-        self.compute_s_per_token: float | None = None
-        self.load_s: dict[str, float] = {}
-        self.declined: Counter = Counter()
-        self.loading_s = 0.0        # load time inside the step being measured
-
-    def observe_load(self, tier: str, seconds: float) -> None:
-        old = self.load_s.get(tier)
-        self.load_s[tier] = seconds if old is None else old + ALPHA * (seconds - old)
-        self.loading_s += seconds
-
-    def observe_step(self, seconds: float, tokens: dict) -> None:
-        """A step observer's reading: prefill steps (a request computing more than one token)
-        measure the compute time per token, less the loads done inside the step."""
-        spent, self.loading_s = self.loading_s, 0.0
-        if not any(n > 1 for n in tokens.values()):
-            return
-        per = max(seconds - spent, 0.0) / sum(tokens.values())
-        old = self.compute_s_per_token
-        self.compute_s_per_token = per if old is None else old + ALPHA * (per - old)
-
-    def worth(self, tier: str) -> bool:
-        load, comp = self.load_s.get(tier), self.compute_s_per_token
-        if load is None or comp is None or load < comp * self.block_size:
-            return True
-        self.declined[tier] += 1
-        return self.declined[tier] % PROBE_EVERY == 0
 
 
 class _Copy:
@@ -309,7 +270,7 @@ class OffloadManager:
         if self.stream is not None:
             self.stream.synchronize()       # the staging copy is read by the disk thread
         with self._cv:
-            self._writes.append((h, stage_kv, stage_sc, None))
+            self._writes.append((h, stage_kv, stage_sc))
             self._cv.notify_all()
 
     def _copy(self, kv, sc, src_kv, src_sc, event) -> None:
@@ -325,14 +286,10 @@ class OffloadManager:
         self.stream.synchronize()
 
     def _write(self, item) -> None:
-        h, kv, sc, slot = item
-        try:
-            t0 = time.perf_counter()
-            if self.disk.write(h, kv, sc):
-                self._count(DISK, "out", time.perf_counter() - t0)
-        finally:
-            if slot is not None:
-                self.host.unpin(slot)
+        h, kv, sc = item                    # a staging copy: no host slot stays pinned
+        t0 = time.perf_counter()
+        if self.disk.write(h, kv, sc):
+            self._count(DISK, "out", time.perf_counter() - t0)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _touch(self, h: bytes) -> None:
@@ -381,15 +338,11 @@ class OffloadManager:
                 log.warning("KV offload: %d host blocks not written to disk at close (deadline)",
                             len(hashes) - n)
                 return
-            slot = self.host.pin(h)
-            if slot is None:
-                continue
-            try:
-                t0 = time.perf_counter()
-                if self.disk.write(h, *self.host.views(slot)):
-                    self._count(DISK, "out", time.perf_counter() - t0)
-            finally:
-                self.host.unpin(slot)
+            if (slot := self.host.pin(h)) is not None:
+                try:
+                    self._write((h, *self.host.views(slot)))
+                finally:
+                    self.host.unpin(slot)
 
     def check(self) -> None:
         """O2 and the tiers' invariants; call after flush()."""

@@ -27,6 +27,8 @@ DiskTier: one file per block in its own directory, named `<hash hex>.kvb`:
       deleted at start and never loaded; its payload's blake2b is checked at each load (a
       corrupt one is deleted and reported "removed")
   D4. events: the log's DISK set always equals `lru`'s keys (files found at start included)
+TierCosts: the measurements behind engine/kv_offload.py's O4 (revive only when cheaper).
+
 Several workers may be given one directory (`pdserve up` passes the same flag to all): each
 takes the first `slot-<i>` subdirectory no other process holds (an exclusive flock), so a
 restarted worker reuses one whose files are of its model and layout.
@@ -41,7 +43,7 @@ import math
 import os
 import struct
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +56,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"PDKVB1\n"
 SUFFIX = ".kvb"
 MAX_SLOTS = 64                      # subdirectories one disk tier directory serves
+ALPHA = 0.2                         # EWMA weight of the newest measurement (TierCosts)
+PROBE_EVERY = 32                    # declines of a tier between two measurements anyway (O4)
 
 
 @dataclass(frozen=True)
@@ -355,3 +359,37 @@ def _claim_dir(root: Path) -> tuple[Path, object]:
         except OSError:
             f.close()
     raise ValueError(f"KV disk tier {root}: all {MAX_SLOTS} slot directories are in use")
+
+
+class TierCosts:
+    """engine/kv_offload.py's O4: what a load from each tier and a computed token cost
+    (EWMAs), and whether a revival is worth it."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.compute_s_per_token: float | None = None
+        self.load_s: dict[str, float] = {}
+        self.declined: Counter = Counter()
+        self.loading_s = 0.0        # load time inside the step being measured
+
+    def observe_load(self, tier: str, seconds: float) -> None:
+        old = self.load_s.get(tier)
+        self.load_s[tier] = seconds if old is None else old + ALPHA * (seconds - old)
+        self.loading_s += seconds
+
+    def observe_step(self, seconds: float, tokens: dict) -> None:
+        """A step observer's reading: prefill steps (a request computing more than one token)
+        measure the compute time per token, less the loads done inside the step."""
+        spent, self.loading_s = self.loading_s, 0.0
+        if not any(n > 1 for n in tokens.values()):
+            return
+        per = max(seconds - spent, 0.0) / sum(tokens.values())
+        old = self.compute_s_per_token
+        self.compute_s_per_token = per if old is None else old + ALPHA * (per - old)
+
+    def worth(self, tier: str) -> bool:
+        load, comp = self.load_s.get(tier), self.compute_s_per_token
+        if load is None or comp is None or load < comp * self.block_size:
+            return True
+        self.declined[tier] += 1
+        return self.declined[tier] % PROBE_EVERY == 0

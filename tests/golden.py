@@ -218,9 +218,14 @@ def run_case(case: dict, path: Path) -> dict:
 def capability() -> str:
     """torch's kernel ISA, and "+bf16" where the CPU has bfloat16 tiles: the engine then
     multiplies prefill chunks by bfloat16 copies of 4-bit weights (engine/quant/amx.py,
-    `--amx-weights auto`), another rounding class than a CPU of the same ISA without them."""
+    `--amx-weights auto`), another rounding class than a CPU of the same ISA without them;
+    "+amx" where those are AMX tiles (amx_bf16): oneDNN's bfloat16 matmul then runs on them
+    and sums in another order than with avx512_bf16's dot products (measured on a Xeon with
+    AMX against the AMD recording of "AVX512+bf16": logprobs 2e-3 to 3e-2 apart)."""
     from engine.quant import amx
-    return torch.backends.cpu.get_cpu_capability() + ("+bf16" if amx.bf16_tiles(amx.cpu_flags()) else "")
+    flags = amx.cpu_flags()
+    tiles = "+amx" if "amx_bf16" in flags else "+bf16" if amx.bf16_tiles(flags) else ""
+    return torch.backends.cpu.get_cpu_capability() + tiles
 
 
 def compare(want: dict, got: dict, near_tie: float, atol: float) -> list[str]:

@@ -258,7 +258,7 @@ def test_the_flags_reach_both_workers_and_pdserve_up():
 
 
 def test_revival_is_declined_when_measured_slower_and_measured_again_now_and_then():
-    from engine.kv_offload import PROBE_EVERY, TierCosts
+    from engine.kv_tiers import PROBE_EVERY, TierCosts
     c = TierCosts(block_size=16)
     assert c.worth(DISK)                        # nothing measured: try it
     c.observe_step(0.016, {"a": 16})            # 1 ms per token: 16 ms a block
