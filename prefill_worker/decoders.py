@@ -9,8 +9,10 @@ refused: at once when the last one is older, else once that interval has passed 
 a moment before a new decode worker was listed, as a cluster's DNS lists pods once ready,
 refused its first Prefills: seen as 500s while a decode Deployment scaled up under load).
 A decode worker still listed that misses one Stats (busy, restarting) keeps the endpoint it
-announced last; one no longer listed loses it. With neither option set, nothing is known and
-every destination is refused.
+announced last; one no longer listed keeps it for `unlisted_grace_s` (30 s), then loses it: a
+cluster's DNS drops a pod as it starts terminating, while the gateway may still be sending
+it streams (seen as 500s when a decode Deployment scaled down under load). With neither
+option set, nothing is known and every destination is refused.
 """
 from __future__ import annotations
 
@@ -53,12 +55,15 @@ async def resolve(addresses: str, dns: str, file: str = "") -> list[str]:
 
 class KnownDecoders:
     def __init__(self, addresses: str, dns: str, mtls: MTLS | None, rpc_timeout_s: float = 2.0,
-                 min_refresh_s: float = 1.0, token: str = "", file: str = ""):
+                 min_refresh_s: float = 1.0, token: str = "", file: str = "",
+                 unlisted_grace_s: float = 30.0):
         self.addresses, self.dns, self.mtls, self.token = addresses, dns, mtls, token
         self.file = file
         self.rpc_timeout_s, self.min_refresh_s = rpc_timeout_s, min_refresh_s
+        self.unlisted_grace_s = unlisted_grace_s
         self.endpoints: set[str] = set()
         self._by_address: dict[str, str] = {}     # listed decode worker -> its endpoint
+        self._unlisted: dict[str, tuple[str, float]] = {}   # gone from the listing -> (endpoint, when)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._refreshed = float("-inf")
         self._lock = asyncio.Lock()
@@ -98,9 +103,15 @@ class KnownDecoders:
                 return self._by_address.get(address, "")     # its last, while it is listed
 
         found = await asyncio.gather(*(announced(a) for a in targets))
+        now = time.monotonic()
+        for a, e in self._by_address.items():
+            if a not in targets:
+                self._unlisted.setdefault(a, (e, now))
         self._by_address = {a: e for a, e in zip(targets, found) if e}
-        self.endpoints = set(self._by_address.values())
-        self._refreshed = time.monotonic()
+        self._unlisted = {a: (e, t) for a, (e, t) in self._unlisted.items()
+                          if a not in targets and now - t < self.unlisted_grace_s}
+        self.endpoints = set(self._by_address.values()) | {e for e, _ in self._unlisted.values()}
+        self._refreshed = now
         log.info("known decode KV endpoints: %s", sorted(self.endpoints) or "none")
 
     async def close(self) -> None:

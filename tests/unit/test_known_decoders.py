@@ -63,7 +63,7 @@ def test_a_decode_worker_listed_after_a_refresh_is_found_by_the_next(monkeypatch
 def test_a_listed_decode_worker_missing_one_stats_keeps_its_endpoint(monkeypatch):
     listed, answers = ["d0:1", "d1:1"], {"d0:1": "ucx://d0:9", "d1:1": "ucx://d1:9"}
     _fake(monkeypatch, listed, answers)
-    known = D.KnownDecoders("", "decode:1", None, min_refresh_s=0.0)
+    known = D.KnownDecoders("", "decode:1", None, min_refresh_s=0.0, unlisted_grace_s=0.0)
 
     async def main():
         assert await known.allowed("ucx://d0:9") and await known.allowed("ucx://d1:9")
@@ -73,4 +73,25 @@ def test_a_listed_decode_worker_missing_one_stats_keeps_its_endpoint(monkeypatch
         listed.remove("d1:1")                              # gone from the listing
         assert not await known.allowed("ucx://other:9")
         assert known.endpoints == {"ucx://d0:9"}
+    asyncio.run(main())
+
+
+def test_a_decode_worker_gone_from_the_listing_keeps_its_endpoint_for_the_grace(monkeypatch):
+    """A terminating pod leaves the DNS while the gateway may still send it streams: its
+    endpoint stays allowed for unlisted_grace_s, then goes."""
+    listed, answers = ["d0:1", "d1:1"], {"d0:1": "ucx://d0:9", "d1:1": "ucx://d1:9"}
+    _fake(monkeypatch, listed, answers)
+    known = D.KnownDecoders("", "decode:1", None, min_refresh_s=0.0, unlisted_grace_s=0.4)
+
+    async def main():
+        assert await known.allowed("ucx://d1:9")
+        listed.remove("d1:1")                              # terminating: out of the DNS
+        assert not await known.allowed("ucx://other:9")    # a refresh
+        assert await known.allowed("ucx://d1:9")           # still allowed, within the grace
+        await asyncio.sleep(0.5)
+        assert not await known.allowed("ucx://other:9")    # a refresh past the grace
+        assert known.endpoints == {"ucx://d0:9"}
+        listed.append("d1:1")                              # listed again: known again
+        assert not await known.allowed("ucx://other:9")
+        assert known.endpoints == {"ucx://d0:9", "ucx://d1:9"}
     asyncio.run(main())
