@@ -145,7 +145,13 @@ def test_sigstop_decode_streams_migrate(supervised, llm):
     unanswered for --stall-timeout-s the gateway cuts its streams and migrates them, so
     every stream completes with the engine's greedy tokens while it is still stopped. After
     SIGCONT the stopped worker frees the blocks of the streams it lost and serves again."""
-    ps, n_tokens = prompts(llm, 6), 400      # long enough to outlast the pick of the victim
+    ps = prompts(llm, 6)
+    # streams long enough to outlast the pick of the victim, sized from the engine's speed
+    # (400 tokens took ~0.1 s on the tiny model once the CPU step got fast, and a run found
+    # every stream done before the pick): about 4 s of the offline engine's decode
+    t0 = time.monotonic()
+    greedy(llm, ps, 64)
+    n_tokens = min(3000, max(400, int(4.0 * 64 / max(time.monotonic() - t0, 1e-3))))
     want = greedy(llm, ps, n_tokens)
     stub = gen_stub(supervised.grpc_address)
     started = [threading.Event() for _ in ps]
@@ -153,9 +159,11 @@ def test_sigstop_decode_streams_migrate(supervised, llm):
         futs = [pool.submit(stream, stub, ps[i], n_tokens, started[i]) for i in range(len(ps))]
         for e in started:
             assert e.wait(60), "a stream did not start"
-        running = stats(supervised, "decode")
+        def busy():
+            r = stats(supervised, "decode")
+            return any(s.num_running for s in r.values()), r
+        running = wait_until(busy, 10, "a stream on a decode worker")
         victim_addr = max(running, key=lambda a: running[a].num_running)
-        assert running[victim_addr].num_running, "no stream on a decode worker"
         victim = child(supervised, "decode", victim_addr)
         restarts, migrated = victim.restarts, fallbacks(supervised, "migrate")
         os.kill(victim.pid, signal.SIGSTOP)
