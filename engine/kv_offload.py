@@ -251,9 +251,8 @@ class OffloadManager:
                 self._copy(*self.host.views(slot), src_kv, src_sc, job.event)
                 self.host.commit(slot, h)
                 self._count(HOST, "out", time.perf_counter() - t0)
-        if self.disk is None or h in self.disk or (self.host is not None and h in self.host):
-            return                          # the disk gets it when the host lets it go
-        self._spill(h, src_kv, src_sc, job.event)   # no host copy: straight to the disk
+        if self.host is None or h not in self.host:     # no host copy: straight to the disk
+            self._spill(h, src_kv, src_sc, job.event)   # (else it goes when the host lets it go)
 
     def _spill(self, h: bytes, kv, sc, event=None) -> None:
         """Queue block `h` (its payload `kv`, `sc`, copied here to a staging buffer first)
@@ -269,7 +268,10 @@ class OffloadManager:
         self._copy(stage_kv, stage_sc, kv, sc, event)
         if self.stream is not None:
             self.stream.synchronize()       # the staging copy is read by the disk thread
-        with self._cv:
+        with self._cv:                      # again: the engine thread may spill beside the copier
+            if len(self._writes) >= self.disk_queue_blocks:
+                self._drop()
+                return
             self._writes.append((h, stage_kv, stage_sc))
             self._cv.notify_all()
 
