@@ -28,8 +28,11 @@ class PrefillWorkerConfig(WorkerConfig):
     decode_dns: str = field(default="", metadata={
         "help": "the decode workers as one DNS name:port (e.g. a headless Service)"})
     decode_file: str = field(default="", metadata={
-        "help": "the decode workers as a file of addresses, one per line, re-read when a "
-                "KV endpoint is not known (`pdserve up --autoscale` rewrites it)"})
+        "help": "the decode workers as a file of addresses, one per line, re-read as "
+                "--decode-refresh-s says (`pdserve up --autoscale` rewrites it)"})
+    decode_refresh_s: float = field(default=5.0, metadata={
+        "help": "re-read the decode workers' listing and KV endpoints this often, besides "
+                "whenever a Prefill names an endpoint not known (0: only then)"})
     mtls_server_name: str = field(default="", metadata={
         "help": "name to verify in decode workers' certificates (empty: the address's host)"})
 
@@ -42,5 +45,7 @@ class PrefillWorkerConfig(WorkerConfig):
             raise ValueError("give one of --decode, --decode-dns, --decode-file")
         if self.max_queued_prefill_tokens < 1:
             raise ValueError("max_queued_prefill_tokens must be >= 1")
+        if self.decode_refresh_s < 0:
+            raise ValueError("decode_refresh_s must be >= 0 (0: only when an endpoint is not known)")
         if self.max_queue_delay_factor < 0:
             raise ValueError("max_queue_delay_factor must be >= 0 (0: off)")

@@ -11,8 +11,11 @@ refused its first Prefills: seen as 500s while a decode Deployment scaled up und
 A decode worker still listed that misses one Stats (busy, restarting) keeps the endpoint it
 announced last; one no longer listed keeps it for `unlisted_grace_s` (30 s), then loses it: a
 cluster's DNS drops a pod as it starts terminating, while the gateway may still be sending
-it streams (seen as 500s when a decode Deployment scaled down under load). With neither
-option set, nothing is known and every destination is refused.
+it streams (seen as 500s when a decode Deployment scaled down under load). The listing is
+also re-read every `interval_s` in the background (`start`): a grace only covers a worker
+this one has seen listed, and a prefill worker whose first Prefill came after a decode pod
+had left the DNS, still in the gateway's lagging listing, refused it (CI, the same scale-down).
+With neither option set, nothing is known and every destination is refused.
 """
 from __future__ import annotations
 
@@ -67,6 +70,21 @@ class KnownDecoders:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._refreshed = float("-inf")
         self._lock = asyncio.Lock()
+        self._watch: asyncio.Task | None = None
+
+    def start(self, interval_s: float) -> None:
+        """Refresh now and every `interval_s` (0: only when an endpoint is not known)."""
+        if interval_s > 0 and (self.addresses or self.dns or self.file):
+            self._watch = asyncio.create_task(self._watch_loop(interval_s))
+
+    async def _watch_loop(self, interval_s: float) -> None:
+        while True:
+            async with self._lock:
+                try:
+                    await self._refresh()
+                except Exception:                   # next time; a Prefill refreshes too
+                    log.exception("refreshing the decode workers failed")
+            await asyncio.sleep(interval_s)
 
     async def allowed(self, endpoint: str) -> bool:
         """Whether a known decode worker announces `endpoint` (refreshing, within at most
@@ -110,11 +128,15 @@ class KnownDecoders:
         self._by_address = {a: e for a, e in zip(targets, found) if e}
         self._unlisted = {a: (e, t) for a, (e, t) in self._unlisted.items()
                           if a not in targets and now - t < self.unlisted_grace_s}
-        self.endpoints = set(self._by_address.values()) | {e for e, _ in self._unlisted.values()}
-        self._refreshed = now
-        log.info("known decode KV endpoints: %s", sorted(self.endpoints) or "none")
+        endpoints = set(self._by_address.values()) | {e for e, _ in self._unlisted.values()}
+        if endpoints != self.endpoints or self._refreshed == float("-inf"):
+            log.info("known decode KV endpoints: %s", sorted(endpoints) or "none")
+        self.endpoints, self._refreshed = endpoints, now
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()

@@ -375,6 +375,7 @@ class PrefillRole(worker_server.WorkerRole):
         connector.receiver = KVReceiver(engine.kv_cache, connector.compat, transport,
                                         staging=cfg.kv_staging, kv_scales=engine.kv_scales)
         await connector.receiver.start()
+        connector.decoders.start(cfg.decode_refresh_s)
         return connector
 
     async def warm_up(self, servicer: PrefillServicer, engine) -> None:

@@ -95,3 +95,27 @@ def test_a_decode_worker_gone_from_the_listing_keeps_its_endpoint_for_the_grace(
         assert not await known.allowed("ucx://other:9")
         assert known.endpoints == {"ucx://d0:9", "ucx://d1:9"}
     asyncio.run(main())
+
+
+def test_the_background_refresh_knows_a_worker_before_any_prefill_names_it(monkeypatch):
+    """CI's scale-down: the prefill worker's first Prefill came after decode-0 had left the
+    DNS (the gateway, re-reading it every few seconds, still sent it streams). Refreshed only
+    on demand, it had never seen decode-0 listed and refused; the background refresh saw it
+    and the grace keeps it. Without the refresh (interval 0) the same run refuses."""
+    for interval_s, expected in ((0.05, True), (0.0, False)):
+        listed, answers = ["d0:1"], {"d0:1": "ucx://d0:9"}
+        _fake(monkeypatch, listed, answers)
+        known = D.KnownDecoders("", "decode:1", None, min_refresh_s=0.0, unlisted_grace_s=30.0)
+
+        async def main():
+            known.start(interval_s)
+            deadline = time.monotonic() + 5
+            while interval_s and "ucx://d0:9" not in known.endpoints:   # the first refresh
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            listed.remove("d0:1")                          # terminating: out of the DNS
+            await asyncio.sleep(0.2)                       # refreshes with d0 unlisted
+            allowed = await known.allowed("ucx://d0:9")   # the first Prefill
+            await known.close()
+            return allowed
+        assert asyncio.run(main()) is expected, interval_s
