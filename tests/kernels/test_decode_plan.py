@@ -200,13 +200,10 @@ def test_batches_of_amx_rows_take_the_bfloat16_copies(tmp_path, monkeypatch):
     assert plan.max_rows == 0 and not plan._layers[0].qkv.dense
 
 
-def test_default_model_plan_equals_the_layer_by_layer_step(monkeypatch):
+def test_default_model_plan_equals_the_layer_by_layer_step(monkeypatch, default_model_dir):
     """SmolLM2-135M as stored (Q4_1 decoder linears, Q8_0 table and head; the GGUF that
     pdserve up caches): the same greedy tokens and logprobs, bit for bit, for a batch."""
-    from pathlib import Path
-    d = Path.home() / ".cache/pdserve/smollm2-135m-instruct"
-    if not (d / "SmolLM2-135M-Instruct.Q4_1.gguf").exists():
-        pytest.skip("the default model is not cached (pdserve up fetches it)")
+    d = default_model_dir
     kw = dict(num_blocks=64, amx_weights="off")
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 42, 9112, 1489], [1, 1552, 2143, 253, 655]]
     want, _ = _generate(kw, d, prompts, tokens=6, plan=False, monkeypatch=monkeypatch)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
@@ -111,11 +110,8 @@ def test_json_entries_keep_their_key_and_refuse_damage(model):
         "prefill-cost", model, other, "json").name]          # the other key's entry replaced it
 
 
-def test_the_default_model_from_the_cache_generates_the_same_tokens(tmp_path, monkeypatch):
-    d = Path.home() / ".cache/pdserve/smollm2-135m-instruct"
-    files = sorted(d.glob("*.gguf")) if d.is_dir() else []
-    if not files:
-        pytest.skip("the default model is not cached (pdserve up fetches it)")
+def test_the_default_model_from_the_cache_generates_the_same_tokens(tmp_path, monkeypatch, default_model_dir):
+    files = sorted(default_model_dir.glob("*.gguf"))
     monkeypatch.setattr(build_cache, "cache_dir", lambda: tmp_path / "cache")
     how, built = _run(files[0])
     assert how == "miss"
