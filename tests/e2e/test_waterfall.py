@@ -12,7 +12,7 @@ flight both ways, the process wake-ups on each end, the SDK parsing the chunks (
 about 1-3 ms, more on a loaded machine). Held to: the median over 7 requests (one
 preemption of the client must not decide it) of |client TTFT - phases| within 5% of the
 TTFT, once the client's own round trip of a request that generates nothing (GET /v1/models,
-same SDK, same connection, its median) is added to the phases: that is what lies outside
+same SDK, same connection, the median of 3 just before each stream) is added to the phases: that is what lies outside
 them (on the tiny model, whose TTFT is ~15-20 ms, 10-25% without it; on the real model 1.5-6%
 here, on 2 loaded cores). Each request's numbers are printed, raw and corrected."""
 from __future__ import annotations
@@ -102,30 +102,32 @@ def _stream(client, system, max_tokens=16, timings=True):
 
 def test_the_phases_add_up_to_the_ttft_the_client_measures(client, system):
     _stream(client, system, 4)                       # warm: the connection, the workers' caches
-    rtt = statistics.median(_round_trip_ms(client) for _ in range(7))
     rows = []
     for _ in range(7):
+        # the client's round trip just before each stream: what the machine's load costs the
+        # client now (a CI run, measuring it once up front, found 7 streams a few ms slower)
+        rtt = statistics.median(_round_trip_ms(client) for _ in range(3))
         ttft, usage = _stream(client, system)
         pd = usage.model_extra["pdserve"]
         assert set(pd["ttft_phases_ms"]) == system.expected, pd
         assert list(pd["ttft_phases_ms"]) == [p for p in PHASES if p in system.expected]   # in order
         assert all(v >= 0 for v in pd["ttft_phases_ms"].values())
         assert sum(pd["ttft_phases_ms"].values()) == pytest.approx(pd["ttft_ms"], abs=0.01)
-        rows.append((ttft, pd["ttft_ms"], pd["ttft_phases_ms"]))
-    for ttft, phased, phases in rows:
+        rows.append((ttft, pd["ttft_ms"], pd["ttft_phases_ms"], rtt))
+    for ttft, phased, phases, rtt in rows:
         print(f"{system.model_id}: client {ttft:.2f} ms, phases {phased:.2f} ms "
               f"({(ttft - phased) / ttft:+.1%}; with the round trip {rtt:.2f} ms: "
               f"{(ttft - phased - rtt) / ttft:+.1%}): {phases}")
     # within 5% of the client's TTFT (the issue's bound, which the real model's ~50-100 ms
     # meets); a TTFT of a few ms (the tiny model) is within twice the client's own round trip,
     # the scale of the client's scheduling and parsing noise measured on this machine
-    errors = [abs(ttft - phased - rtt) / max(ttft, 40 * rtt) for ttft, phased, _ in rows]
-    assert statistics.median(errors) <= 0.05, (rtt, rows)
+    errors = [abs(ttft - phased - rtt) / max(ttft, 40 * rtt) for ttft, phased, _, rtt in rows]
+    assert statistics.median(errors) <= 0.05, rows
     # never more than the client saw: the phases lie inside its interval
-    assert all(phased <= ttft for ttft, phased, _ in rows), rows
+    assert all(phased <= ttft for ttft, phased, *_ in rows), rows
     # and the prompt's compute is a real part of it
     compute = "local_prefill" if system.expected is LOCAL else "prefill_compute"
-    assert statistics.median(p[compute] for *_, p in rows) > 0
+    assert statistics.median(p[compute] for _, _, p, _ in rows) > 0
 
 
 def test_usage_pdserve_only_when_asked(client, system):
