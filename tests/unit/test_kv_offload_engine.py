@@ -2,7 +2,8 @@
 evicted from a tiny device pool is revived from host memory or disk, so only its suffix is
 computed and its greedy tokens are those of the first run; a new engine over the same disk
 directory (a restart) serves it computing only the new suffix, equal to an engine without
-tiers (with a host tier too: the disk written at close); a corrupt or foreign file is ignored and deleted; aborted requests leave no block and
+tiers (with a host tier too: the disk written back as the host evicts and at close; on the
+default model with a 3000-token prompt as well); a corrupt or foreign file is ignored and deleted; aborted requests leave no block and
 no pin in any tier; the worker's /metrics collector reports the tiers."""
 import pytest
 import torch
@@ -162,6 +163,35 @@ def test_the_default_model_revives_from_the_host_tier():
     assert e.offload.stats().hits == {"host": 3}
     assert again.num_cached_tokens == 48 and seen.tokens["again"] == 16 + GREEDY.max_tokens - 1
     assert again.token_ids == first.token_ids
+    e.close()
+
+
+def test_the_default_model_long_prompt_written_back_to_disk_serves_the_restart(default_model_dir, tmp_path):
+    """SmolLM2-135M, a 3000-token prompt (188 blocks) through a host tier of ~28 blocks: the
+    host's evictions write most of it to the disk during the run, close() the rest; after a
+    restart the prompt and a new suffix compute only the suffix, with the greedy tokens of an
+    engine without tiers."""
+    d = str(default_model_dir)
+    long = [1] + [100 + (i * 7919) % 40000 for i in range(2999)]
+    longer = long + [200 + i for i in range(40)]
+    both = {"kv_offload_host_gb": 0.01, "kv_offload_disk": str(tmp_path), "num_blocks": 200}
+    e, _ = engine(d, **both)
+    run(e, "first", long)
+    assert e.offload.flush(60)
+    on_disk = len(list(tmp_path.glob("slot-0/*.kvb")))
+    host = len(e.offload.host)
+    print(f"host tier {host} blocks, disk {on_disk} files after the run")
+    assert host < 40 and on_disk >= 187 - host, (host, on_disk)   # written back as the host evicted
+    e.close()
+    assert len(list(tmp_path.glob("slot-0/*.kvb"))) == 187            # the rest at close
+    plain, _ = engine(d, num_blocks=200)
+    want = run(plain, "want", longer)
+    plain.close()
+    e, seen = engine(d, **both)
+    got = run(e, "got", longer)
+    assert got.num_cached_tokens == 187 * 16
+    assert seen.tokens["got"] == len(longer) - 187 * 16 + GREEDY.max_tokens - 1
+    assert got.token_ids == want.token_ids
     e.close()
 
 
