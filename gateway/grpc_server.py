@@ -221,6 +221,23 @@ async def _wait_for_workers(models: Models, timeout_s: float, clock: StartupCloc
     clock.mark("waiting for workers")
 
 
+async def _unless_stopped(aw, stop: asyncio.Event | None) -> bool:
+    """Await `aw` unless `stop` is set first (then `aw` is cancelled): whether it finished."""
+    task = asyncio.ensure_future(aw)
+    if stop is None:
+        await task
+        return True
+    halt = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, halt}, return_when=asyncio.FIRST_COMPLETED)
+    for t in (task, halt):
+        t.cancel()
+    await asyncio.gather(task, halt, return_exceptions=True)
+    if task in done:
+        task.result()                   # its exception, if it raised
+        return True
+    return False
+
+
 async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run the gateway until `stop` is set (or forever); `ready` is set once SERVING.
@@ -250,19 +267,23 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
         log.warning("public %s listens in plain text beyond loopback (no --tls-cert)", line)
     if not keys.enabled and not security.is_loopback(cfg.host):
         log.warning("the public APIs on %s need no API key (no --api-key/--api-key-file)", cfg.host)
-    await _wait_for_workers(models, cfg.wait_for_workers_s, clock)
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    address = f"{cfg.host}:{port}"
-    for gw in models:
-        log.info("gateway serving %s on %s (prefill: %d, decode: %d workers)", gw.model_name,
-                 address, len(gw.prefill.workers), len(gw.decode.workers))
-    clock.mark("servers")
-    log.info("%s", clock.line("gateway"))
-    print(f"gateway ready on {address}", flush=True)
-    if ready is not None:
-        ready.set()
     try:
+        # a SIGTERM while waiting (`pdserve up` interrupted while its workers load, which then
+        # never become healthy) stops at once, not after --wait-for-workers-s
+        if not await _unless_stopped(_wait_for_workers(models, cfg.wait_for_workers_s, clock), stop):
+            log.info("stopped while waiting for the workers")
+            return
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        address = f"{cfg.host}:{port}"
+        for gw in models:
+            log.info("gateway serving %s on %s (prefill: %d, decode: %d workers)", gw.model_name,
+                     address, len(gw.prefill.workers), len(gw.decode.workers))
+        clock.mark("servers")
+        log.info("%s", clock.line("gateway"))
+        print(f"gateway ready on {address}", flush=True)
+        if ready is not None:
+            ready.set()
         if stop is None:
             await server.wait_for_termination()
         else:

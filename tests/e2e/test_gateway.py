@@ -307,6 +307,31 @@ def test_no_workers_unavailable_quickly(model_dir):
     asyncio.run(main())
 
 
+def test_a_stop_while_waiting_for_workers_stops_at_once(model_dir):
+    """--wait-for-workers-s 300 and workers that never answer (`pdserve up` interrupted while
+    they load): a stop ends serve() within seconds, not after the wait (it took `pdserve up`
+    35 s, its SIGKILL grace, to stop after a Ctrl-C during start-up)."""
+    from gateway.config import GatewayConfig
+    from gateway.grpc_server import serve
+    from pdserve.launcher import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+
+    async def main():
+        ready, stop = asyncio.Event(), asyncio.Event()
+        port = free_port()
+        cfg = GatewayConfig(model=model_dir, grpc_port=port, prefill=dead, decode=dead,
+                            wait_for_workers_s=300)
+        server = asyncio.create_task(serve(cfg, ready, stop))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:   # listening, waiting
+            await asyncio.wait_for(ch.channel_ready(), 30)
+        stop.set()
+        t0 = time.monotonic()
+        await asyncio.wait_for(server, 30)
+        assert time.monotonic() - t0 < 10 and not ready.is_set()
+    asyncio.run(main())
+
+
 # -- pdserve up --------------------------------------------------------------------------------
 
 def _children(pid):
