@@ -42,7 +42,8 @@ _nogil: ctypes.CDLL | None = None             # the same library, called without
 
 _SCRATCH = ("pd_rms_norm", "pd_decode_attention", "pd_mla_decode_attention", "pd_int8_matmul",
             "pd_int8g32_matmul", "pd_rope_decode_attention", "pd_int4_matmul", "pd_bf16_matmul",
-            "pd_int4_avx512", "pd_bf16_native")  # 1: no memory (the last two: 1 = vectorized)
+            "pd_int4_avx512", "pd_bf16_native", "pd_bf16_tiles_usable")
+# 1: no memory (the last three: 1 = vectorized / the AMX tiles usable)
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "pd_rms_norm": [_P, _I, _L, _P, _L, _P, _L, _P, _P, _I, _L, _I, _I, _F],
@@ -58,6 +59,7 @@ _SIGNATURES = {
     "pd_int4_avx512": [],
     "pd_bf16_matmul": [_P, _I, _I, _I, _P, _I, _P],
     "pd_bf16_native": [],
+    "pd_bf16_tiles_usable": [],
 }
 
 
@@ -356,6 +358,25 @@ def has_bf16() -> bool:
     AVX512_BF16); without them the decode plan leaves batches of bfloat16 rows to oneDNN."""
     lib = library()
     return lib is not None and lib.pd_bf16_native() == 1
+
+
+def has_bf16_tiles() -> bool:
+    """Whether cpu_bf16.c multiplies batches of `bf16_tile_rows()` rows or more on the AMX
+    tiles here (built with AMX_BF16, and the kernel let this process use them)."""
+    lib = library()
+    return lib is not None and lib.pd_bf16_tiles_usable() == 1
+
+
+def bf16_tile_rows(rows: int | None = None) -> int:
+    """The row count from which cpu_bf16.c takes the AMX tiles (0: never); `rows` sets it
+    for the process (bench/cpu_step.py compares the two kernels)."""
+    lib = library()
+    if lib is None:
+        return 0
+    v = ctypes.c_int.in_dll(lib, "pd_bf16_tile_rows")
+    if rows is not None:
+        v.value = rows
+    return v.value
 
 
 def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,7 @@ typedef struct {
     const pd_linear *l;
     const float *x;             /* [M, K] */
     const uint16_t *xb;         /* x rounded to bfloat16, for the bfloat16 copy */
+    const uint16_t *xv;         /* and packed as AMX tiles (cpu_bf16.c), or NULL */
     int M, width;
     float *y;                   /* [M, N] */
 } lin_task;
@@ -77,7 +78,9 @@ static long lin_compute(const void *ctx, int c, float *scratch) {
     int n0 = c * t->width, n1 = n0 + t->width < l->N ? n0 + t->width : l->N, M = t->M;
     float *y = scratch ? scratch : t->y + n0;
     long ldy = scratch ? n1 - n0 : l->N;
-    if (t->xb)
+    if (t->xv)
+        tile_matmul_cols(t->xv, t->xb, M, l->K, l->dense, n0, n1, y, ldy);
+    else if (t->xb)
         bf16_matmul_cols(t->xb, M, l->K, l->dense, n0, n1, y, ldy);
     else if (l->kind == LIN_INT4) {
         if (int4_matmul_cols(t->x, M, l->K, l->group, l->w, l->scale, l->min, n0, n1, y, ldy)) return -1;
@@ -102,15 +105,18 @@ static void lin_commit(const void *ctx, int c, const float *scratch) {
 _Static_assert(sizeof(lin_task) <= CTX_BYTES, "a pool task carries its arguments by value");
 
 /* y [M, N] = x [M, K] @ W.T (+ bias), float32, shared with the pool's helpers by columns;
- * xb: room for x rounded to bfloat16 [M, K] (the step's: it outlives the op, see pool_run) */
+ * xb: room for x rounded to bfloat16 [M, K] and then its AMX tiles (tiles_size, from the
+ * next 64-byte line; the step's: it outlives the op, see pool_run) */
 static int linear(pd_pool *pool, const pd_linear *l, const float *x, int M, float *y, uint16_t *xb) {
-    int dense = l->dense && M >= l->dense_rows;
+    int dense = l->dense && M >= l->dense_rows, tiles = dense && bf16_tiles(M, l->K);
+    uint16_t *xv = tiles ? xb + ((long)M * l->K + 31) / 32 * 32 : NULL;
     if (dense) round_bf16(x, (long)M * l->K, xb);
+    if (tiles) pack_tiles(xb, M, l->K, xv);
     /* chunks of >= 64 weight rows (a few microseconds of work at one row), at most
-     * MAX_CHUNKS, a multiple of 4 (the kernels' row blocks) */
-    int width = (l->N + MAX_CHUNKS - 1) / MAX_CHUNKS;
-    width = width < 64 ? 64 : (width + 3) / 4 * 4;
-    lin_task t = {l, x, dense ? xb : NULL, M, width, y};
+     * MAX_CHUNKS, a multiple of 4 (the kernels' row blocks; 32 on the tiles) */
+    int width = (l->N + MAX_CHUNKS - 1) / MAX_CHUNKS, unit = tiles ? 32 : 4;
+    width = width < 64 ? 64 : (width + unit - 1) / unit * unit;
+    lin_task t = {l, x, dense ? xb : NULL, xv, M, width, y};
     pd_task task = {lin_compute, lin_commit, (l->N + width - 1) / width, (long)M * width};
     memcpy(task.ctx, &t, sizeof t);
     return pool_run(pool, &task);
@@ -174,7 +180,8 @@ int pd_decode_step(const pd_model *m, pd_pool *pool, int B, float *h, const int6
     widest = widest > I ? widest : I;
 #define LINE(n) (((long)(n) + 15) / 16 * 16)
     long sizes[9] = {LINE(B * H), LINE(B * H), LINE(B * H), LINE(B * QKV), LINE((long)B * Hq * D),
-                     LINE((long)B * Hq * D), LINE(2L * B * I), LINE((long)B * I), LINE((B * widest + 1) / 2)};
+                     LINE((long)B * Hq * D), LINE(2L * B * I), LINE((long)B * I),
+                     LINE((B * widest + 32 + tiles_size(B, widest) + 1) / 2)};
 #undef LINE
     long total = 0;
     for (int i = 0; i < 9; i++) total += sizes[i];

@@ -176,6 +176,55 @@ def test_bf16_matmul_is_float32_of_the_rounded_values(m):
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6, seed
 
 
+needs_tiles = pytest.mark.skipif(not C.has_bf16_tiles(), reason="this CPU (or its kernel) "
+                                 "gives no AMX bfloat16 tiles")
+
+
+@needs_tiles
+@pytest.mark.parametrize("m,n,k", [(8, 37, 96), (16, 64, 32), (17, 80, 576), (33, 48, 64),
+                                   (64, 200, 1536), (100, 96, 128)])
+def test_bf16_tiles_are_float32_of_the_rounded_values(m, n, k):
+    """cpu_bf16.c on the AMX tiles (K % 32 == 0, M >= pd_bf16_tile_rows): the same product as
+    the dot-product kernel, to float32 summation error of the float64 one; M not a multiple
+    of 16 (the padded B tile), N not a multiple of 32 or 16 (a lone A tile, then the dot
+    products for the last columns)."""
+    gen, seed = fresh_generator()
+    x, w = randn(gen, m, k), randn(gen, n, k, dtype=torch.bfloat16)
+    assert C.bf16_tile_rows() <= m
+    got = C.bf16_matmul(x, w)
+    want = x.bfloat16().double() @ w.double().T
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6, seed
+    before = C.bf16_tile_rows()
+    try:
+        C.bf16_tile_rows(0)                                # the dot products
+        dots = C.bf16_matmul(x, w)
+    finally:
+        C.bf16_tile_rows(before)
+    assert ((got - dots).abs().max() / want.abs().max()).item() < 2e-6, seed
+
+
+@needs_tiles
+def test_a_plan_step_on_the_tiles_equals_the_dot_products(tmp_path, monkeypatch):
+    """The decode plan's batches of 8+ rows multiply by the bfloat16 copies on the tiles:
+    greedy tokens equal those of the same plan on the dot-product kernel (pd_bf16_tile_rows
+    0) up to a near-tie, and the steps did run on the plan."""
+    from test_amx import _same_until_a_near_tie
+    d = make_hf_model("llama", tmp_path / "m", hidden_size=128, intermediate_size=256)
+    kw = dict(dtype="float32", num_blocks=128, block_size=8, quantization="int4_g32",
+              amx_weights="bf16", amx_min_rows=8)
+    prompts = (_prompts() * 4)[:12]
+    before = C.bf16_tile_rows()
+    try:
+        C.bf16_tile_rows(0)
+        want, _ = _generate(kw, d, prompts, monkeypatch=monkeypatch)
+        C.bf16_tile_rows(8)
+        got, steps = _generate(kw, d, prompts, monkeypatch=monkeypatch)
+    finally:
+        C.bf16_tile_rows(before)
+    assert max(steps) >= 8, steps                          # batches on the tiles
+    assert not _same_until_a_near_tie(got, want)
+
+
 def test_batches_of_amx_rows_take_the_bfloat16_copies(tmp_path, monkeypatch):
     """With bfloat16 copies for batches of >= amx_min_rows rows (engine/quant/amx.py) the plan
     multiplies such batches by them (cpu_bf16.c, where the CPU has bfloat16 dot products;
