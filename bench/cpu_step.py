@@ -6,8 +6,9 @@ rounds alternating (issue 34, items 3-4).
 
 (1) kernels, every decoder linear of the model once (its real weights), per row count M:
     cpu_int4.c's float32 int4 matmul (Int4Cpu) against torch's int4 kernel
-    (_weight_int4pack_mm_for_cpu, bfloat16), and cpu_bf16.c's matmul against oneDNN's
-    (F.linear in bfloat16) on the bfloat16 copies; GFLOP/s, and each one's largest error
+    (_weight_int4pack_mm_for_cpu, bfloat16), and cpu_bf16.c's matmul (on the AMX tiles from
+    pd_bf16_tile_rows rows where the CPU has them, else avx512_bf16 dot products) against
+    oneDNN's (F.linear in bfloat16) on the bfloat16 copies; GFLOP/s, and each one's largest error
     against the float64 product of the same weights (relative to the output's largest value)
 (2) the forward pass of a decode batch of B rows at context --context (no sampling): the
     layer-by-layer path (torch and cpu.c calls from Python), the plan on one thread, and the
@@ -132,7 +133,8 @@ def main() -> None:
         a.model = str(resolve_default_model())
     llm = LLM(a.model, num_blocks=2048)
     lines = [f"# bench/cpu_step.py {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; model {a.model}; "
-             f"torch threads 1; {a.rounds} rounds alternating",
+             f"torch threads 1; {a.rounds} rounds alternating; bf16 C on the AMX tiles: "
+             f"{f'from {cpu.bf16_tile_rows()} rows' if cpu.has_bf16_tiles() else 'no'}",
              "", "(1) kernels: every decoder linear once, its real weights", "",
              *kernels(llm.engine.model, [int(x) for x in a.rows.split(",")], a.rounds),
              "", f"(2) a decode batch's forward pass at context {a.context}, and the head", "",
