@@ -238,6 +238,18 @@ async def _unless_stopped(aw, stop: asyncio.Event | None) -> bool:
     return False
 
 
+async def _serving(address: str, models: Models, health_servicer, clock: StartupClock) -> None:
+    """SERVING, said in the log and on stdout (the launcher waits for that line)."""
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for gw in models:
+        log.info("gateway serving %s on %s (prefill: %d, decode: %d workers)", gw.model_name,
+                 address, len(gw.prefill.workers), len(gw.decode.workers))
+    clock.mark("servers")
+    log.info("%s", clock.line("gateway"))
+    print(f"gateway ready on {address}", flush=True)
+
+
 async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run the gateway until `stop` is set (or forever); `ready` is set once SERVING.
@@ -273,15 +285,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None,
         if not await _unless_stopped(_wait_for_workers(models, cfg.wait_for_workers_s, clock), stop):
             log.info("stopped while waiting for the workers")
             return
-        for name in ("", SERVICE):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        address = f"{cfg.host}:{port}"
-        for gw in models:
-            log.info("gateway serving %s on %s (prefill: %d, decode: %d workers)", gw.model_name,
-                     address, len(gw.prefill.workers), len(gw.decode.workers))
-        clock.mark("servers")
-        log.info("%s", clock.line("gateway"))
-        print(f"gateway ready on {address}", flush=True)
+        await _serving(f"{cfg.host}:{port}", models, health_servicer, clock)
         if ready is not None:
             ready.set()
         if stop is None:
