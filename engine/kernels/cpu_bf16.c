@@ -69,7 +69,7 @@ static void bf16_matmul_cols(const uint16_t *xb, int M, int K, const uint16_t *w
  * arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA), asked once). Computed transposed, y.T = W x.T,
  * so that the big operand, W, is read as it is stored: an A tile is 16 weight rows of 32
  * values straight from [N, K]; the small one, x, is repacked once per linear into B tiles
- * (pd_bf16_pack_tiles: pairs of K for 16 rows of x, zero past M). 2 x 2 output tiles (32
+ * (pack_tiles: pairs of K for 16 rows of x, zero past M). 2 x 2 output tiles (32
  * weight rows, 32 rows of x) at a time, 16 x 16 float32 each, summed in float32 over K.
  * Needs K % 32 == 0; the last N % 16 columns take the dot-product kernel above. Each call
  * loads the tile configuration on its own thread and releases the tiles after. */
@@ -190,22 +190,32 @@ static void round_bf16(const float *x, long n, uint16_t *xb) {
     for (; i < n; i++) xb[i] = f32_to_bf16(x[i]);
 }
 
-/* room for x's B tiles (pack_tiles), in bfloat16 values */
-static long tiles_size(int M, int K) { return (long)(M + 15) / 16 * 16 * K; }
+/* bfloat16 values the operand of x [M, K] takes (bf16_operand): xb, and with `tiles` its
+ * B tiles from the next 64-byte line */
+static long bf16_operand_size(int M, int K, int tiles) {
+    return (long)M * K + (tiles ? 32 + (long)(M + 15) / 16 * 16 * K : 0);
+}
+
+/* x rounded into xb [M, K]; with `tiles` also packed as B tiles after it (bf16_operand_size):
+ * returns those, or NULL */
+static uint16_t *bf16_operand(const float *x, int M, int K, uint16_t *xb, int tiles) {
+    round_bf16(x, (long)M * K, xb);
+    if (!tiles) return NULL;
+    uint16_t *xv = xb + ((long)M * K + 31) / 32 * 32;
+    pack_tiles(xb, M, K, xv);
+    return xv;
+}
 
 /* x float32 [M, K] contiguous */
 static int bf16_matmul(const float *x, int M, int K, const uint16_t *w, int N, float *y) {
     int tiles = bf16_tiles(M, K);
-    uint16_t *xb = amalloc(sizeof(uint16_t) * ((long)M * K + (tiles ? tiles_size(M, K) + 32 : 0)));
+    uint16_t *xb = amalloc(sizeof(uint16_t) * bf16_operand_size(M, K, tiles));
     if (!xb) return 1;
-    round_bf16(x, (long)M * K, xb);
-    if (tiles) {
-        uint16_t *xv = xb + ((long)M * K + 31) / 32 * 32;
-        pack_tiles(xb, M, K, xv);
+    uint16_t *xv = bf16_operand(x, M, K, xb, tiles);
+    if (xv)
         tile_matmul_cols(xv, xb, M, K, w, 0, N, y, N);
-    } else {
+    else
         bf16_matmul_cols(xb, M, K, w, 0, N, y, N);
-    }
     free(xb);
     return 0;
 }

@@ -105,13 +105,11 @@ static void lin_commit(const void *ctx, int c, const float *scratch) {
 _Static_assert(sizeof(lin_task) <= CTX_BYTES, "a pool task carries its arguments by value");
 
 /* y [M, N] = x [M, K] @ W.T (+ bias), float32, shared with the pool's helpers by columns;
- * xb: room for x rounded to bfloat16 [M, K] and then its AMX tiles (tiles_size, from the
- * next 64-byte line; the step's: it outlives the op, see pool_run) */
+ * xb: room for x's bfloat16 operand (bf16_operand_size with tiles; the step's: it outlives
+ * the op, see pool_run) */
 static int linear(pd_pool *pool, const pd_linear *l, const float *x, int M, float *y, uint16_t *xb) {
     int dense = l->dense && M >= l->dense_rows, tiles = dense && bf16_tiles(M, l->K);
-    uint16_t *xv = tiles ? xb + ((long)M * l->K + 31) / 32 * 32 : NULL;
-    if (dense) round_bf16(x, (long)M * l->K, xb);
-    if (tiles) pack_tiles(xb, M, l->K, xv);
+    uint16_t *xv = dense ? bf16_operand(x, M, l->K, xb, tiles) : NULL;
     /* chunks of >= 64 weight rows (a few microseconds of work at one row), at most
      * MAX_CHUNKS, a multiple of 4 (the kernels' row blocks; 32 on the tiles) */
     int width = (l->N + MAX_CHUNKS - 1) / MAX_CHUNKS, unit = tiles ? 32 : 4;
@@ -181,7 +179,7 @@ int pd_decode_step(const pd_model *m, pd_pool *pool, int B, float *h, const int6
 #define LINE(n) (((long)(n) + 15) / 16 * 16)
     long sizes[9] = {LINE(B * H), LINE(B * H), LINE(B * H), LINE(B * QKV), LINE((long)B * Hq * D),
                      LINE((long)B * Hq * D), LINE(2L * B * I), LINE((long)B * I),
-                     LINE((B * widest + 32 + tiles_size(B, widest) + 1) / 2)};
+                     LINE((bf16_operand_size(B, widest, 1) + 1) / 2)};
 #undef LINE
     long total = 0;
     for (int i = 0; i < 9; i++) total += sizes[i];
